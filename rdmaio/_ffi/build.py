@@ -1,0 +1,56 @@
+"""cffi build script (API mode, out-of-line) for ``rdmaio._rdmaio_cffi``.
+
+Compiles the declarations in ``cdefs.h`` against the rdma-core headers and links ``helper.c`` into the same
+extension. Used by setuptools through ``cffi_modules`` (see ``setup.py``); run directly to build in place.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+REQUIRED_HEADERS = {
+    "infiniband/verbs.h": "libibverbs-dev",
+    "rdma/rdma_cma.h": "librdmacm-dev",
+}
+INCLUDE_DIRS = [d for d in os.environ.get("RDMAIO_INCLUDE_DIRS", "").split(os.pathsep) if d]
+SEARCH_DIRS = [*INCLUDE_DIRS, "/usr/include", "/usr/local/include"]
+
+
+def check_headers() -> None:
+    """Stop the build with one clear line when the rdma-core development headers are missing."""
+    missing = [
+        package
+        for header, package in REQUIRED_HEADERS.items()
+        if not any((Path(d) / header).exists() for d in SEARCH_DIRS)
+    ]
+    if missing:
+        packages = " ".join(sorted(set(REQUIRED_HEADERS.values())))
+        sys.exit(f"rdmaio: rdma-core headers not found; install them with: apt-get install {packages}")
+
+
+def make_ffi() -> FFI:
+    """Create the FFI builder for the extension module."""
+    check_headers()
+    ffibuilder = FFI()
+    ffibuilder.cdef((HERE / "cdefs.h").read_text())
+    ffibuilder.set_source(
+        "rdmaio._rdmaio_cffi",
+        '#include <infiniband/verbs.h>\n#include <rdma/rdma_cma.h>\n#include "helper.h"\n',
+        # setuptools wants source paths relative to the project root (the cwd during the build).
+        sources=[os.path.relpath(HERE / "helper.c")],
+        include_dirs=[str(HERE), *INCLUDE_DIRS],
+        libraries=["rdmacm", "ibverbs"],
+        extra_compile_args=["-O2", "-Wall", "-std=gnu11"],
+    )
+    return ffibuilder
+
+
+ffibuilder = make_ffi()
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

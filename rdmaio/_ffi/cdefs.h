@@ -1,0 +1,173 @@
+/* cffi declarations (API mode: "..." lets the compiler fill in layouts and values). Only the subset
+ * of librdmacm/libibverbs that rdmaio uses is declared; see rdma_cm(7), ibv_create_cq(3) etc. */
+
+typedef int... socklen_t;
+typedef int... sa_family_t;
+struct sockaddr { sa_family_t sa_family; ...; };
+struct sockaddr_storage { sa_family_t ss_family; ...; };
+#define AF_INET ...
+#define AF_INET6 ...
+
+/* ---- libibverbs ---------------------------------------------------------------------------- */
+struct ibv_device { ...; };
+struct ibv_context { struct ibv_device *device; int cmd_fd; int async_fd; int num_comp_vectors; ...; };
+struct ibv_pd { struct ibv_context *context; uint32_t handle; ...; };
+struct ibv_mr { struct ibv_context *context; struct ibv_pd *pd; void *addr; size_t length;
+                uint32_t handle; uint32_t lkey; uint32_t rkey; ...; };
+struct ibv_comp_channel { struct ibv_context *context; int fd; int refcnt; ...; };
+struct ibv_cq { struct ibv_context *context; struct ibv_comp_channel *channel; void *cq_context;
+                int cqe; ...; };
+struct ibv_srq { ...; };
+struct ibv_qp { struct ibv_context *context; void *qp_context; struct ibv_pd *pd;
+                struct ibv_cq *send_cq; struct ibv_cq *recv_cq; uint32_t handle; uint32_t qp_num;
+                int state; int qp_type; ...; };
+
+enum ibv_qp_type { IBV_QPT_RC, IBV_QPT_UC, IBV_QPT_UD, ... };
+struct ibv_qp_cap { uint32_t max_send_wr; uint32_t max_recv_wr; uint32_t max_send_sge;
+                    uint32_t max_recv_sge; uint32_t max_inline_data; };
+struct ibv_qp_init_attr { void *qp_context; struct ibv_cq *send_cq; struct ibv_cq *recv_cq;
+                          struct ibv_srq *srq; struct ibv_qp_cap cap; enum ibv_qp_type qp_type;
+                          int sq_sig_all; ...; };
+struct ibv_qp_attr { int qp_state; int cur_qp_state; int path_mtu; uint32_t qp_access_flags;
+                     struct ibv_qp_cap cap; uint8_t timeout; uint8_t retry_cnt; uint8_t rnr_retry;
+                     uint8_t min_rnr_timer; uint8_t max_rd_atomic; uint8_t max_dest_rd_atomic; ...; };
+#define IBV_QP_STATE ...
+#define IBV_QP_CAP ...
+#define IBV_QP_PATH_MTU ...
+#define IBV_QP_TIMEOUT ...
+#define IBV_QP_RETRY_CNT ...
+#define IBV_QP_RNR_RETRY ...
+#define IBV_QPS_ERR ...
+#define IBV_QPS_RTS ...
+int ibv_query_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask,
+                 struct ibv_qp_init_attr *init_attr);
+int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask);
+
+struct ibv_device_attr { char fw_ver[64]; uint64_t max_mr_size; uint32_t vendor_id;
+                         uint32_t vendor_part_id; int max_qp; int max_qp_wr; int max_sge; int max_cq;
+                         int max_cqe; int max_mr; int max_pd; uint8_t phys_port_cnt; ...; };
+struct ibv_port_attr { int state; int max_mtu; int active_mtu; int gid_tbl_len; uint32_t max_msg_sz;
+                       uint8_t link_layer; uint8_t active_width; uint8_t active_speed; ...; };
+#define IBV_PORT_ACTIVE ...
+#define IBV_LINK_LAYER_ETHERNET ...
+#define IBV_LINK_LAYER_INFINIBAND ...
+
+struct ibv_device **ibv_get_device_list(int *num_devices);
+void ibv_free_device_list(struct ibv_device **list);
+const char *ibv_get_device_name(struct ibv_device *device);
+struct ibv_context *ibv_open_device(struct ibv_device *device);
+int ibv_close_device(struct ibv_context *context);
+int ibv_query_device(struct ibv_context *context, struct ibv_device_attr *device_attr);
+int ibv_query_port(struct ibv_context *context, uint8_t port_num, struct ibv_port_attr *port_attr);
+
+struct ibv_pd *ibv_alloc_pd(struct ibv_context *context);
+int ibv_dealloc_pd(struct ibv_pd *pd);
+
+enum ibv_access_flags { IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, IBV_ACCESS_REMOTE_READ, ... };
+struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access);
+int ibv_dereg_mr(struct ibv_mr *mr);
+
+struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *context);
+int ibv_destroy_comp_channel(struct ibv_comp_channel *channel);
+struct ibv_cq *ibv_create_cq(struct ibv_context *context, int cqe, void *cq_context,
+                             struct ibv_comp_channel *channel, int comp_vector);
+int ibv_destroy_cq(struct ibv_cq *cq);
+int ibv_get_cq_event(struct ibv_comp_channel *channel, struct ibv_cq **cq, void **cq_context);
+void ibv_ack_cq_events(struct ibv_cq *cq, unsigned int nevents);
+int ibv_req_notify_cq(struct ibv_cq *cq, int solicited_only);   /* static inline: API mode only */
+
+enum ibv_wc_status { IBV_WC_SUCCESS, IBV_WC_LOC_LEN_ERR, IBV_WC_LOC_QP_OP_ERR, IBV_WC_LOC_PROT_ERR,
+                     IBV_WC_WR_FLUSH_ERR, IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_RETRY_EXC_ERR,
+                     IBV_WC_REM_ACCESS_ERR, IBV_WC_REM_OP_ERR, IBV_WC_REM_INV_REQ_ERR, ... };
+enum ibv_wc_opcode { IBV_WC_SEND, IBV_WC_RDMA_WRITE, IBV_WC_RDMA_READ, IBV_WC_RECV,
+                     IBV_WC_RECV_RDMA_WITH_IMM, ... };
+enum ibv_wc_flags { IBV_WC_WITH_IMM, ... };
+struct ibv_wc { uint64_t wr_id; enum ibv_wc_status status; enum ibv_wc_opcode opcode;
+                uint32_t vendor_err; uint32_t byte_len; uint32_t imm_data; uint32_t qp_num;
+                unsigned int wc_flags; ...; };
+int ibv_poll_cq(struct ibv_cq *cq, int num_entries, struct ibv_wc *wc);   /* static inline */
+const char *ibv_wc_status_str(enum ibv_wc_status status);
+
+enum ibv_wr_opcode { IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_SEND,
+                     IBV_WR_SEND_WITH_IMM, IBV_WR_RDMA_READ, ... };
+enum ibv_send_flags { IBV_SEND_FENCE, IBV_SEND_SIGNALED, IBV_SEND_SOLICITED, IBV_SEND_INLINE, ... };
+struct ibv_sge { uint64_t addr; uint32_t length; uint32_t lkey; };
+struct ibv_recv_wr { uint64_t wr_id; struct ibv_recv_wr *next; struct ibv_sge *sg_list; int num_sge; };
+struct ibv_send_wr { uint64_t wr_id; struct ibv_send_wr *next; struct ibv_sge *sg_list; int num_sge;
+                     enum ibv_wr_opcode opcode; unsigned int send_flags; uint32_t imm_data; ...; };
+int ibv_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad_wr);  /* inline */
+int ibv_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad_wr);  /* inline */
+
+enum ibv_event_type { IBV_EVENT_CQ_ERR, IBV_EVENT_QP_FATAL, IBV_EVENT_QP_REQ_ERR,
+                      IBV_EVENT_QP_ACCESS_ERR, IBV_EVENT_COMM_EST, IBV_EVENT_PORT_ACTIVE,
+                      IBV_EVENT_PORT_ERR, IBV_EVENT_DEVICE_FATAL, ... };
+const char *ibv_event_type_str(enum ibv_event_type event);
+
+/* ---- librdmacm ------------------------------------------------------------------------------ */
+struct rdma_event_channel { int fd; ...; };
+enum rdma_port_space { RDMA_PS_TCP, RDMA_PS_UDP, RDMA_PS_IB, ... };
+struct rdma_cm_id { struct ibv_context *verbs; struct rdma_event_channel *channel; void *context;
+                    struct ibv_qp *qp; enum rdma_port_space ps; uint8_t port_num;
+                    struct ibv_pd *pd; ...; };
+enum rdma_cm_event_type {
+    RDMA_CM_EVENT_ADDR_RESOLVED, RDMA_CM_EVENT_ADDR_ERROR, RDMA_CM_EVENT_ROUTE_RESOLVED,
+    RDMA_CM_EVENT_ROUTE_ERROR, RDMA_CM_EVENT_CONNECT_REQUEST, RDMA_CM_EVENT_CONNECT_RESPONSE,
+    RDMA_CM_EVENT_CONNECT_ERROR, RDMA_CM_EVENT_UNREACHABLE, RDMA_CM_EVENT_REJECTED,
+    RDMA_CM_EVENT_ESTABLISHED, RDMA_CM_EVENT_DISCONNECTED, RDMA_CM_EVENT_DEVICE_REMOVAL,
+    RDMA_CM_EVENT_MULTICAST_JOIN, RDMA_CM_EVENT_MULTICAST_ERROR, RDMA_CM_EVENT_ADDR_CHANGE,
+    RDMA_CM_EVENT_TIMEWAIT_EXIT, ... };
+struct rdma_conn_param { const void *private_data; uint8_t private_data_len;
+                         uint8_t responder_resources; uint8_t initiator_depth; uint8_t flow_control;
+                         uint8_t retry_count; uint8_t rnr_retry_count; uint8_t srq; uint32_t qp_num; };
+struct rdma_cm_event { struct rdma_cm_id *id; struct rdma_cm_id *listen_id;
+                       enum rdma_cm_event_type event; int status; ...; };
+
+#define RDMA_OPTION_ID ...
+#define RDMA_OPTION_ID_REUSEADDR ...
+#define RDMA_OPTION_ID_AFONLY ...
+
+struct rdma_event_channel *rdma_create_event_channel(void);
+void rdma_destroy_event_channel(struct rdma_event_channel *channel);
+int rdma_create_id(struct rdma_event_channel *channel, struct rdma_cm_id **id, void *context,
+                   enum rdma_port_space ps);
+int rdma_destroy_id(struct rdma_cm_id *id);
+int rdma_bind_addr(struct rdma_cm_id *id, struct sockaddr *addr);
+int rdma_resolve_addr(struct rdma_cm_id *id, struct sockaddr *src_addr, struct sockaddr *dst_addr,
+                      int timeout_ms);
+int rdma_resolve_route(struct rdma_cm_id *id, int timeout_ms);
+int rdma_create_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_qp_init_attr *qp_init_attr);
+void rdma_destroy_qp(struct rdma_cm_id *id);
+int rdma_connect(struct rdma_cm_id *id, struct rdma_conn_param *conn_param);
+int rdma_listen(struct rdma_cm_id *id, int backlog);
+int rdma_accept(struct rdma_cm_id *id, struct rdma_conn_param *conn_param);
+int rdma_reject(struct rdma_cm_id *id, const void *private_data, uint8_t private_data_len);
+int rdma_disconnect(struct rdma_cm_id *id);
+int rdma_get_cm_event(struct rdma_event_channel *channel, struct rdma_cm_event **event);
+int rdma_ack_cm_event(struct rdma_cm_event *event);
+int rdma_set_option(struct rdma_cm_id *id, int level, int optname, void *optval, size_t optlen);
+struct sockaddr *rdma_get_local_addr(struct rdma_cm_id *id);
+struct sockaddr *rdma_get_peer_addr(struct rdma_cm_id *id);
+const char *rdma_event_str(enum rdma_cm_event_type event);
+
+/* ---- rdmaio helper (helper.c) --------------------------------------------------------------- */
+struct rdmaio_wc { uint64_t wr_id; uint32_t status; uint32_t opcode; uint32_t byte_len;
+                   uint32_t imm_data; uint32_t flags; uint32_t vendor_err; };
+struct rdmaio_send { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; uint32_t imm_data;
+                     uint32_t opcode; uint32_t send_flags; uint32_t rkey; uint64_t remote_addr; };
+#define RDMAIO_MAX_PRIVATE_DATA ...
+struct rdmaio_cm_event { int event; int status; struct rdma_cm_id *id; struct rdma_cm_id *listen_id;
+                         uint32_t qp_num; uint8_t responder_resources; uint8_t initiator_depth;
+                         uint8_t retry_count; uint8_t rnr_retry_count; uint8_t srq;
+                         uint8_t private_data_len; uint8_t private_data[256]; };
+
+int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq, struct rdmaio_wc *out,
+                    int max_wc, unsigned int *events_out);
+int rdmaio_poll_cq(struct ibv_cq *cq, struct rdmaio_wc *out, int max_wc);
+int rdmaio_req_notify(struct ibv_cq *cq);
+int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
+                           const uint32_t *slots, int count);
+int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index);
+int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out);
+int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element);
+int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_storage *out);
+int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port);

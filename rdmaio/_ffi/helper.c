@@ -1,0 +1,260 @@
+/* rdmaio C helper; see helper.h. Return convention: >= 0 success/count, -errno on failure. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <string.h>
+#include <netinet/in.h>
+
+#include "helper.h"
+
+/* Completions are pulled from the CQ this many at a time (stack buffer). */
+#define RDMAIO_POLL_CHUNK 32
+
+static void copy_wc(struct rdmaio_wc *dst, const struct ibv_wc *src)
+{
+    dst->wr_id = src->wr_id;
+    dst->status = src->status;
+    dst->opcode = src->opcode;
+    dst->byte_len = src->byte_len;
+    dst->imm_data = (src->wc_flags & IBV_WC_WITH_IMM) ? ntohl(src->imm_data) : 0;
+    dst->flags = src->wc_flags;
+    dst->vendor_err = src->vendor_err;
+}
+
+int rdmaio_poll_cq(struct ibv_cq *cq, struct rdmaio_wc *out, int max_wc)
+{
+    struct ibv_wc wc[RDMAIO_POLL_CHUNK];
+    int total = 0;
+
+    while (total < max_wc) {
+        int want = max_wc - total;
+        if (want > RDMAIO_POLL_CHUNK)
+            want = RDMAIO_POLL_CHUNK;
+        int n = ibv_poll_cq(cq, want, wc);
+        if (n < 0)
+            return total ? total : -EIO;
+        for (int i = 0; i < n; i++)
+            copy_wc(&out[total + i], &wc[i]);
+        total += n;
+        if (n < want)
+            break; /* CQ is empty */
+    }
+    return total;
+}
+
+/*
+ * Drain a CQ whose notifications arrive on a (non-blocking) completion channel:
+ *   1. read every pending channel event, 2. ack them in one call, 3. re-arm, 4. poll until empty.
+ * Re-arming before the final poll is what makes a completion that lands in between raise a new
+ * event instead of being lost. When out[] fills up (return == max_wc) the CQ may hold more: the
+ * caller calls again; without new events the CQ stays armed and the poll continues where it left.
+ * *events_out receives the number of channel events consumed (0 on a spurious or repeat call).
+ */
+int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
+                    struct rdmaio_wc *out, int max_wc, unsigned int *events_out)
+{
+    unsigned int events = 0;
+    struct ibv_cq *ev_cq;
+    void *ev_ctx;
+
+    while (ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) {
+        if (ev_cq != cq) {
+            /* Not ours (the channel is meant to serve one CQ): ack it on its own CQ. */
+            ibv_ack_cq_events(ev_cq, 1);
+            continue;
+        }
+        events++;
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != 0)
+        return -errno;
+    if (events) {
+        ibv_ack_cq_events(cq, events);
+        int rc = ibv_req_notify_cq(cq, 0);
+        if (rc)
+            return -(rc > 0 ? rc : EIO);
+    }
+    if (events_out)
+        *events_out = events;
+    return rdmaio_poll_cq(cq, out, max_wc);
+}
+
+int rdmaio_req_notify(struct ibv_cq *cq)
+{
+    int rc = ibv_req_notify_cq(cq, 0);
+    return rc ? -(rc > 0 ? rc : EIO) : 0;
+}
+
+/* Post `count` receives in one chained ibv_post_recv: slot i covers base + slots[i] * slot_size,
+ * and its wr_id is the slot index, so a completion names the slot it filled. */
+int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
+                           const uint32_t *slots, int count)
+{
+    struct ibv_recv_wr wr[64];
+    struct ibv_sge sge[64];
+    struct ibv_recv_wr *bad;
+    int done = 0;
+
+    while (done < count) {
+        int n = count - done;
+        if (n > 64)
+            n = 64;
+        for (int i = 0; i < n; i++) {
+            uint32_t slot = slots[done + i];
+            sge[i].addr = base + (uint64_t)slot * slot_size;
+            sge[i].length = slot_size;
+            sge[i].lkey = lkey;
+            wr[i].wr_id = slot;
+            wr[i].sg_list = &sge[i];
+            wr[i].num_sge = 1;
+            wr[i].next = (i + 1 < n) ? &wr[i + 1] : NULL;
+        }
+        int rc = ibv_post_recv(qp, wr, &bad);
+        if (rc)
+            return -(rc > 0 ? rc : EIO);
+        done += n;
+    }
+    return done;
+}
+
+/* Post `count` sends as one chain. On failure *bad_index is the first request not posted. */
+int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index)
+{
+    struct ibv_send_wr wr[64];
+    struct ibv_sge sge[64];
+    struct ibv_send_wr *bad = NULL;
+    int done = 0;
+
+    *bad_index = -1;
+    while (done < count) {
+        int n = count - done;
+        if (n > 64)
+            n = 64;
+        memset(wr, 0, sizeof(wr[0]) * n);
+        for (int i = 0; i < n; i++) {
+            const struct rdmaio_send *s = &sends[done + i];
+            sge[i].addr = s->addr;
+            sge[i].length = s->length;
+            sge[i].lkey = s->lkey;
+            wr[i].wr_id = s->wr_id;
+            wr[i].sg_list = &sge[i];
+            wr[i].num_sge = s->length ? 1 : 0;
+            wr[i].opcode = s->opcode;
+            wr[i].send_flags = s->send_flags;
+            wr[i].imm_data = htonl(s->imm_data);
+            wr[i].wr.rdma.remote_addr = s->remote_addr;
+            wr[i].wr.rdma.rkey = s->rkey;
+            wr[i].next = (i + 1 < n) ? &wr[i + 1] : NULL;
+        }
+        int rc = ibv_post_send(qp, wr, &bad);
+        if (rc) {
+            *bad_index = done + (bad ? (int)(bad - wr) : 0);
+            return -(rc > 0 ? rc : EIO);
+        }
+        done += n;
+    }
+    return done;
+}
+
+/* Fetch one CM event (channel fd must be non-blocking), copy what we need, ack it.
+ * The ack frees the event and its private data, which is why the copy happens here. */
+int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out)
+{
+    struct rdma_cm_event *ev;
+
+    if (rdma_get_cm_event(channel, &ev))
+        return -errno;
+    memset(out, 0, sizeof(*out));
+    out->event = ev->event;
+    out->status = ev->status;
+    out->id = ev->id;
+    out->listen_id = ev->listen_id;
+    if (ev->event == RDMA_CM_EVENT_CONNECT_REQUEST || ev->event == RDMA_CM_EVENT_ESTABLISHED ||
+        ev->event == RDMA_CM_EVENT_REJECTED || ev->event == RDMA_CM_EVENT_CONNECT_RESPONSE) {
+        const struct rdma_conn_param *p = &ev->param.conn;
+        out->qp_num = p->qp_num;
+        out->responder_resources = p->responder_resources;
+        out->initiator_depth = p->initiator_depth;
+        out->retry_count = p->retry_count;
+        out->rnr_retry_count = p->rnr_retry_count;
+        out->srq = p->srq;
+        if (p->private_data && p->private_data_len) {
+            out->private_data_len = p->private_data_len;
+            memcpy(out->private_data, p->private_data, p->private_data_len);
+        }
+    }
+    return rdma_ack_cm_event(ev) ? -errno : 0;
+}
+
+/* Fetch and ack one device async event (async_fd must be non-blocking). element is the QP
+ * number for QP events, the port number for port events, 0 otherwise. */
+int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element)
+{
+    struct ibv_async_event ev;
+
+    if (ibv_get_async_event(context, &ev))
+        return -errno;
+    *event_type = ev.event_type;
+    switch (ev.event_type) {
+    case IBV_EVENT_QP_FATAL:
+    case IBV_EVENT_QP_REQ_ERR:
+    case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_COMM_EST:
+    case IBV_EVENT_SQ_DRAINED:
+    case IBV_EVENT_PATH_MIG:
+    case IBV_EVENT_PATH_MIG_ERR:
+    case IBV_EVENT_QP_LAST_WQE_REACHED:
+        *element = ev.element.qp ? ev.element.qp->qp_num : 0;
+        break;
+    case IBV_EVENT_PORT_ACTIVE:
+    case IBV_EVENT_PORT_ERR:
+    case IBV_EVENT_LID_CHANGE:
+    case IBV_EVENT_PKEY_CHANGE:
+    case IBV_EVENT_SM_CHANGE:
+    case IBV_EVENT_CLIENT_REREGISTER:
+    case IBV_EVENT_GID_CHANGE:
+        *element = (uint32_t)ev.element.port_num;
+        break;
+    default:
+        *element = 0;
+    }
+    ibv_ack_async_event(&ev);
+    return 0;
+}
+
+int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_storage *out)
+{
+    memset(out, 0, sizeof(*out));
+    struct sockaddr_in *in4 = (struct sockaddr_in *)out;
+    struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)out;
+    if (inet_pton(AF_INET, ip, &in4->sin_addr) == 1) {
+        in4->sin_family = AF_INET;
+        in4->sin_port = htons(port);
+        return (int)sizeof(*in4);
+    }
+    if (inet_pton(AF_INET6, ip, &in6->sin6_addr) == 1) {
+        in6->sin6_family = AF_INET6;
+        in6->sin6_port = htons(port);
+        return (int)sizeof(*in6);
+    }
+    return -EINVAL;
+}
+
+int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port)
+{
+    if (!addr)
+        return -EINVAL;
+    if (addr->sa_family == AF_INET) {
+        const struct sockaddr_in *in4 = (const struct sockaddr_in *)addr;
+        if (!inet_ntop(AF_INET, &in4->sin_addr, buf, (socklen_t)buflen))
+            return -errno;
+        *port = ntohs(in4->sin_port);
+        return AF_INET;
+    }
+    if (addr->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)addr;
+        if (!inet_ntop(AF_INET6, &in6->sin6_addr, buf, (socklen_t)buflen))
+            return -errno;
+        *port = ntohs(in6->sin6_port);
+        return AF_INET6;
+    }
+    return -EAFNOSUPPORT;
+}

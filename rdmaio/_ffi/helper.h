@@ -1,0 +1,63 @@
+/* rdmaio C helper: the few hot paths that must not pay for one Python call per completion.
+ * Everything here runs with the GIL released (cffi API mode releases it around every call). */
+#ifndef RDMAIO_HELPER_H
+#define RDMAIO_HELPER_H
+
+#include <stdint.h>
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+/* One completion, compact and with imm_data already in host byte order. */
+struct rdmaio_wc {
+    uint64_t wr_id;
+    uint32_t status;     /* enum ibv_wc_status */
+    uint32_t opcode;     /* enum ibv_wc_opcode */
+    uint32_t byte_len;
+    uint32_t imm_data;   /* host order; valid when flags & IBV_WC_WITH_IMM */
+    uint32_t flags;      /* wc_flags */
+    uint32_t vendor_err;
+};
+
+/* One send work request for rdmaio_post_sends(). */
+struct rdmaio_send {
+    uint64_t wr_id;
+    uint64_t addr;        /* local buffer (or the data itself when inline) */
+    uint32_t length;
+    uint32_t lkey;
+    uint32_t imm_data;    /* host order */
+    uint32_t opcode;      /* enum ibv_wr_opcode */
+    uint32_t send_flags;  /* IBV_SEND_* */
+    uint32_t rkey;        /* RDMA WRITE/READ only */
+    uint64_t remote_addr; /* RDMA WRITE/READ only */
+};
+
+/* One rdma_cm event, copied out of librdmacm's buffer before the ack frees it. */
+#define RDMAIO_MAX_PRIVATE_DATA 256
+struct rdmaio_cm_event {
+    int event;                      /* enum rdma_cm_event_type */
+    int status;
+    struct rdma_cm_id *id;
+    struct rdma_cm_id *listen_id;
+    uint32_t qp_num;
+    uint8_t responder_resources;
+    uint8_t initiator_depth;
+    uint8_t retry_count;
+    uint8_t rnr_retry_count;
+    uint8_t srq;
+    uint8_t private_data_len;
+    uint8_t private_data[RDMAIO_MAX_PRIVATE_DATA];
+};
+
+int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
+                    struct rdmaio_wc *out, int max_wc, unsigned int *events_out);
+int rdmaio_poll_cq(struct ibv_cq *cq, struct rdmaio_wc *out, int max_wc);
+int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
+                           const uint32_t *slots, int count);
+int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index);
+int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out);
+int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element);
+int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_storage *out);
+int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port);
+int rdmaio_req_notify(struct ibv_cq *cq);
+
+#endif

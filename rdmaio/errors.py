@@ -1,0 +1,142 @@
+"""Exception hierarchy of rdmaio.
+
+Every exception raised by rdmaio derives from :class:`RdmaError`. Where a builtin exception describes the
+same failure (a refused or reset connection, a timeout, a bad argument) our class derives from that builtin
+too, so ``except ConnectionResetError:`` written for TCP code keeps working unchanged.
+
+Errors that come from a failing C call carry ``errno`` and ``call`` (the name of the librdmacm/libibverbs
+function that failed), in the manner of pyverbs.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno as errno_mod
+import os
+
+__all__ = [
+    "AddressError",
+    "ConnectionAbortedError",
+    "ConnectionRefusedError",
+    "ConnectionResetError",
+    "DeviceError",
+    "EndpointClosedError",
+    "ForkError",
+    "FrameError",
+    "HandshakeError",
+    "MemoryRegistrationError",
+    "MessageTooLargeError",
+    "ProtocolError",
+    "RdmaError",
+    "TimeoutError",
+    "UnreachableError",
+    "VerbsError",
+]
+
+
+class RdmaError(Exception):
+    """Base class of every rdmaio error.
+
+    ``errno`` is the C errno when one applies (else ``None``); ``call`` names the failing C function or the
+    operation that failed (else ``None``).
+    """
+
+    errno: int | None
+    call: str | None
+
+    def __init__(self, message: str, *, errno: int | None = None, call: str | None = None) -> None:
+        if isinstance(self, OSError):
+            # OSError's (errno, strerror) form fills .errno/.strerror like socket errors do.
+            if errno is not None:
+                OSError.__init__(self, errno, message)
+            else:
+                OSError.__init__(self, message)
+        else:
+            Exception.__init__(self, message)
+        self.errno = errno
+        self.call = call
+        self.message = message
+
+    def __str__(self) -> str:
+        parts = []
+        if self.call:
+            parts.append(f"{self.call}()")
+        if self.errno is not None:
+            parts.append(f"[{errno_mod.errorcode.get(self.errno, self.errno)}]")
+        prefix = " ".join(parts)
+        return f"{prefix}: {self.message}" if prefix else self.message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.message, self.errno, self.call))
+
+
+def _rebuild(cls: type[RdmaError], message: str, errno: int | None, call: str | None) -> RdmaError:
+    return cls(message, errno=errno, call=call)
+
+
+class VerbsError(RdmaError, OSError):
+    """A librdmacm/libibverbs call failed; ``call`` and ``errno`` say which and why."""
+
+    @classmethod
+    def from_errno(cls, call: str, err: int, detail: str = "") -> VerbsError:
+        """Build the error for C function ``call`` failing with errno ``err``."""
+        message = os.strerror(err) if err else "failed"
+        if detail:
+            message = f"{message} ({detail})"
+        return cls(message, errno=err, call=call)
+
+
+class DeviceError(RdmaError, OSError):
+    """No usable RDMA device, or the device went away (``DEVICE_REMOVAL``)."""
+
+
+class MemoryRegistrationError(VerbsError):
+    """``ibv_reg_mr`` failed, typically because ``RLIMIT_MEMLOCK`` (``ulimit -l``) is too low."""
+
+
+class AddressError(RdmaError, OSError):
+    """A host name or address could not be resolved to an RDMA-capable address (``ADDR_ERROR``)."""
+
+
+class UnreachableError(RdmaError, OSError):
+    """The peer could not be reached (``ROUTE_ERROR``, ``UNREACHABLE``, ``CONNECT_ERROR``)."""
+
+
+class ConnectionRefusedError(RdmaError, builtins.ConnectionRefusedError):
+    """Nobody listens on that port, or the listener rejected us (``REJECTED``)."""
+
+
+class ConnectionResetError(RdmaError, builtins.ConnectionResetError):
+    """The peer disconnected or died; pending and later operations fail with this."""
+
+
+class ConnectionAbortedError(RdmaError, builtins.ConnectionAbortedError):
+    """The connection was aborted locally (``abort()``, a protocol violation or a transport error)."""
+
+
+class EndpointClosedError(RdmaError, builtins.ConnectionError):
+    """An operation was attempted on an endpoint or server that this side already closed."""
+
+
+class TimeoutError(RdmaError, builtins.TimeoutError):
+    """An operation did not finish within its timeout."""
+
+
+class ProtocolError(RdmaError):
+    """The peer sent something the rdmaio wire protocol does not allow."""
+
+
+class HandshakeError(ProtocolError, ValueError):
+    """The connection handshake (rdma_cm private data) is malformed or of an unsupported version."""
+
+
+class FrameError(ProtocolError, ValueError):
+    """A received frame is malformed (unknown kind, bad size, data after EOF, ...)."""
+
+
+class MessageTooLargeError(RdmaError, ValueError):
+    """A message exceeds the negotiated maximum message size."""
+
+
+class ForkError(RdmaError, RuntimeError):
+    """An rdmaio object created before ``fork()`` was used in the child process, where verbs are invalid."""
