@@ -41,6 +41,7 @@ __all__ = [
     "QueuePair",
     "WcOpcode",
     "WcStatus",
+    "fork_generation",
     "list_devices",
     "wc_status_str",
 ]
@@ -56,6 +57,11 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def fork_generation() -> int:
+    """How many forks separate this process from the original one (0 in the original)."""
+    return _generation
 
 
 # --- enums -----------------------------------------------------------------------------------------
@@ -588,8 +594,19 @@ class AsyncEvent:
 
     event_type: int
     description: str
+    kind: str
+    """``"qp"``, ``"port"`` or ``"device"``: what ``element`` names."""
     element: int
-    """QP number for QP events, port number for port events."""
+    """QP number for QP events, port number for port events, else 0."""
+
+
+_QP_EVENTS = {
+    lib.IBV_EVENT_QP_FATAL,
+    lib.IBV_EVENT_QP_REQ_ERR,
+    lib.IBV_EVENT_QP_ACCESS_ERR,
+    lib.IBV_EVENT_COMM_EST,
+}
+_PORT_EVENTS = {lib.IBV_EVENT_PORT_ACTIVE, lib.IBV_EVENT_PORT_ERR}
 
 
 class DeviceContext:
@@ -622,8 +639,10 @@ class DeviceContext:
             return None
         if rc < 0:
             raise VerbsError.from_errno("ibv_get_async_event", -rc)
-        desc = ffi.string(lib.ibv_event_type_str(event_type[0])).decode()
-        return AsyncEvent(int(event_type[0]), desc, int(element[0]))
+        etype = int(event_type[0])
+        desc = ffi.string(lib.ibv_event_type_str(etype)).decode()
+        kind = "qp" if etype in _QP_EVENTS else "port" if etype in _PORT_EVENTS else "device"
+        return AsyncEvent(etype, desc, kind, int(element[0]))
 
     def query(self) -> DeviceInfo:
         """Query device and port attributes."""

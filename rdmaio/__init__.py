@@ -1,0 +1,56 @@
+"""rdmaio: asyncio networking over RDMA.
+
+``ep = await rdmaio.connect(host, port)`` and ``server = await rdmaio.serve(handler, host, port)`` give
+asyncio-streams-like endpoints backed by RDMA (rdma_cm + verbs), with credit-based flow control and a C
+helper that drains completion queues in batches.
+"""
+
+from rdmaio.client import connect
+from rdmaio.endpoint import Endpoint
+from rdmaio.errors import (
+    AddressError,
+    ConnectionAbortedError,
+    ConnectionRefusedError,
+    ConnectionResetError,
+    DeviceError,
+    EndpointClosedError,
+    ForkError,
+    FrameError,
+    HandshakeError,
+    MemoryRegistrationError,
+    MessageTooLargeError,
+    ProtocolError,
+    RdmaError,
+    TimeoutError,
+    UnreachableError,
+    VerbsError,
+)
+from rdmaio.options import Options
+from rdmaio.server import StreamServer, serve
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AddressError",
+    "ConnectionAbortedError",
+    "ConnectionRefusedError",
+    "ConnectionResetError",
+    "DeviceError",
+    "Endpoint",
+    "EndpointClosedError",
+    "ForkError",
+    "FrameError",
+    "HandshakeError",
+    "MemoryRegistrationError",
+    "MessageTooLargeError",
+    "Options",
+    "ProtocolError",
+    "RdmaError",
+    "StreamServer",
+    "TimeoutError",
+    "UnreachableError",
+    "VerbsError",
+    "__version__",
+    "connect",
+    "serve",
+]

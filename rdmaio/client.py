@@ -1,0 +1,179 @@
+"""``rdmaio.connect()``: resolve, create the connection's resources, handshake, return an Endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import ipaddress
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from rdmaio.endpoint import Endpoint
+from rdmaio.errors import (
+    AddressError,
+    ConnectionRefusedError,
+    HandshakeError,
+    TimeoutError,
+    UnreachableError,
+)
+from rdmaio.options import Options
+from rdmaio.protocol import Handshake, Session
+from rdmaio.reactor import Reactor
+from rdmaio.transport import Transport
+from rdmaio.verbs import CMEvent, CMEventType
+
+__all__ = ["connect", "local_handshake", "resolve_host"]
+
+# rdma_cm reports "no listener on that port" as REJECTED with IB CM reason 8 (invalid service id).
+_REJECT_NO_LISTENER = 8
+
+
+async def resolve_host(host: str, port: int, *, passive: bool = False) -> str:
+    """Return a numeric IPv4/IPv6 address for ``host`` (numeric addresses are returned as they are)."""
+    if not host:
+        return "0.0.0.0" if passive else "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE if passive else 0
+        )
+    except socket.gaierror as exc:
+        raise AddressError(
+            f"cannot resolve {host!r}: {exc.strerror}", errno=exc.errno, call="getaddrinfo"
+        ) from exc
+    for family, *_rest, sockaddr in infos:
+        if family in (socket.AF_INET, socket.AF_INET6):
+            return str(sockaddr[0])
+    raise AddressError(f"{host!r} has no IPv4/IPv6 address", call="getaddrinfo")
+
+
+def local_handshake(options: Options) -> Handshake:
+    """The handshake this side announces for ``options``."""
+    return Handshake(
+        recv_depth=options.recv_depth, slot_size=options.slot_size, max_message_size=options.max_message_size
+    )
+
+
+class CMEventQueue:
+    """Collects the CM events of a cm id that is still being set up, for a coroutine to await."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[CMEvent] = asyncio.Queue()
+
+    def put(self, event: CMEvent) -> None:
+        """Reactor handler: queue one event."""
+        self._queue.put_nowait(event)
+
+    async def get(self) -> CMEvent:
+        """Next event of the id."""
+        return await self._queue.get()
+
+
+@asynccontextmanager
+async def _deadline(timeout: float | None, what: str) -> AsyncIterator[None]:  # noqa: ASYNC109
+    try:
+        async with asyncio.timeout(timeout):
+            yield
+    except builtins.TimeoutError as exc:
+        if isinstance(exc, TimeoutError):
+            raise
+        raise TimeoutError(f"{what} timed out after {timeout} s", call="connect") from exc
+
+
+def _connect_error(event: CMEvent, where: str) -> Exception:
+    name = event.event.name
+    if event.event == CMEventType.REJECTED:
+        if event.status == _REJECT_NO_LISTENER:
+            return ConnectionRefusedError(
+                f"connection refused by {where}: no listener on that port", errno=111, call="rdma_connect"
+            )
+        return ConnectionRefusedError(
+            f"connection rejected by {where} (status {event.status})", errno=111, call="rdma_connect"
+        )
+    if event.event == CMEventType.ADDR_ERROR:
+        return AddressError(
+            f"cannot resolve {where} to an RDMA device (status {event.status})",
+            errno=-event.status if event.status < 0 else None,
+            call="rdma_resolve_addr",
+        )
+    if event.event == CMEventType.ROUTE_ERROR:
+        return UnreachableError(
+            f"no route to {where} (status {event.status})",
+            errno=-event.status if event.status < 0 else None,
+            call="rdma_resolve_route",
+        )
+    return UnreachableError(
+        f"{where} unreachable: {name} (status {event.status})",
+        errno=-event.status if event.status < 0 else 113,
+        call="rdma_connect",
+    )
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109 - the asyncio.open_connection-style API has one
+    local_addr: tuple[str, int] | None = None,
+    options: Options | dict[str, Any] | None = None,
+) -> Endpoint:
+    """Open an RDMA connection to ``host``:``port`` and return the connected :class:`Endpoint`.
+
+    ``host`` is an IPv4/IPv6 address or a name (resolved with ``getaddrinfo``) of an RDMA-capable
+    interface. ``local_addr`` binds the local side. ``options`` is an :class:`Options` or a dict of
+    overrides. Raises :class:`~rdmaio.ConnectionRefusedError` when nobody listens,
+    :class:`~rdmaio.AddressError` / :class:`~rdmaio.UnreachableError` when the peer cannot be reached,
+    :class:`~rdmaio.TimeoutError` after ``timeout`` seconds, :class:`~rdmaio.HandshakeError` when the
+    peer does not speak our protocol.
+    """
+    opts = Options.coerce(options)
+    if timeout is None:
+        timeout = opts.connect_timeout
+    where = f"{host} port {port}"
+    async with _deadline(timeout, f"connect to {where}"):
+        return await _connect(host, port, local_addr, opts, where)
+
+
+async def _connect(
+    host: str, port: int, local_addr: tuple[str, int] | None, opts: Options, where: str
+) -> Endpoint:
+    address = await resolve_host(host, port)
+    src = None
+    if local_addr is not None:
+        src = (await resolve_host(local_addr[0], local_addr[1]), local_addr[1])
+    reactor = Reactor.current()
+    events = CMEventQueue()
+    cm_id = reactor.create_id(events.put)
+    transport: Transport | None = None
+    try:
+        cm_id.resolve_addr(address, port, src=src, timeout_ms=opts.cm_timeout_ms)
+        event = await events.get()
+        if event.event != CMEventType.ADDR_RESOLVED:
+            raise _connect_error(event, where)
+        cm_id.resolve_route(opts.cm_timeout_ms)
+        event = await events.get()
+        if event.event != CMEventType.ROUTE_RESOLVED:
+            raise _connect_error(event, where)
+        transport = Transport(reactor, cm_id, opts)
+        handshake = local_handshake(opts)
+        cm_id.connect(handshake.encode(), retry_count=opts.retry_count, rnr_retry_count=opts.rnr_retry_count)
+        event = await events.get()
+        if event.event != CMEventType.ESTABLISHED:
+            raise _connect_error(event, where)
+        try:
+            peer = Handshake.decode(event.private_data)
+        except HandshakeError:
+            cm_id.disconnect()
+            raise
+        return Endpoint(reactor, cm_id, transport, Session(handshake, peer), opts)
+    except BaseException:
+        if transport is not None:
+            transport.close()
+        reactor.release_id(cm_id)
+        raise

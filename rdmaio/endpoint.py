@@ -1,0 +1,816 @@
+"""Endpoint: one RDMA connection with a message API and an asyncio-streams-style byte API.
+
+Data path. Every frame travels as one SEND-with-immediate from a registered send slot into a registered
+receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
+(:mod:`rdmaio.protocol`). One wake-up of the completion channel drains a whole batch through the C
+helper; receive completions are copied out of their slot (one copy) and the slot is re-posted at once,
+in one chained post per batch, unless the unread data exceeds ``recv_buffer_limit``: then the slot is held
+back, the peer gets no credit for it, and the sender waits. A send never meets an empty receive queue.
+
+Sends copy the caller's data into send slots before they are posted, so the caller's buffer is free the
+moment ``send()`` returns or is cancelled; a send slot is reused only after its completion (selective
+signalling: one signalled completion releases every earlier slot, because an RC queue completes in order).
+
+How the two APIs meet: the peer's messages form an ordered sequence; ``recv()`` returns the next one and
+the stream calls (``read*``) see the same data as one byte stream, so ``write()`` on one side pairs with
+``read*()`` on the other and ``send()`` with ``recv()``. Stream writes are coalesced into frames of up to
+``slot_size`` bytes, so ``recv()`` on stream data returns chunks whose boundaries carry no meaning. A
+``recv()`` after a partial stream read returns the rest of that message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Self
+
+from rdmaio import verbs
+from rdmaio.errors import (
+    ConnectionAbortedError,
+    ConnectionResetError,
+    EndpointClosedError,
+    ForkError,
+    ProtocolError,
+    VerbsError,
+)
+from rdmaio.options import Options
+from rdmaio.protocol import EOF, FrameKind, Session
+from rdmaio.reactor import Reactor
+from rdmaio.transport import Transport
+from rdmaio.verbs import CMEvent, CMEventType, CMId, WcStatus
+
+__all__ = ["Endpoint"]
+
+log = logging.getLogger("rdmaio")
+
+_RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
+_WR_SEND_WITH_IMM = int(verbs.lib.IBV_WR_SEND_WITH_IMM)
+_SEND_SIGNALED = int(verbs.lib.IBV_SEND_SIGNALED)
+_SEND_INLINE = int(verbs.lib.IBV_SEND_INLINE)
+_FLUSH = int(WcStatus.WR_FLUSH_ERR)
+_DATA_MORE = FrameKind.DATA_MORE
+_DATA_END = FrameKind.DATA_END
+
+
+class Endpoint:
+    """A connected RDMA endpoint. Create one with :func:`rdmaio.connect` or receive one in a server handler.
+
+    Message API: :meth:`send`, :meth:`recv`, :meth:`recv_into`. Stream API (as ``asyncio.StreamReader`` /
+    ``StreamWriter``): :meth:`write`, :meth:`writelines`, :meth:`drain`, :meth:`write_eof`, :meth:`read`,
+    :meth:`readexactly`, :meth:`readuntil`, :meth:`readline`, :meth:`at_eof`, ``async for line in ep``.
+    Lifetime: :meth:`close`, :meth:`wait_closed`, :meth:`aclose`, :meth:`abort`, ``async with``.
+
+    One task may wait in a read call and one in a send/drain call at a time; concurrent sends from several
+    tasks are allowed and are queued in call order.
+    """
+
+    def __init__(
+        self, reactor: Reactor, cm_id: CMId, transport: Transport, session: Session, options: Options
+    ) -> None:
+        self._loop = reactor.loop
+        self._reactor = reactor
+        self._cm_id = cm_id
+        self._transport = transport
+        self._session = session
+        self._options = options
+        self._generation = verbs.fork_generation()
+        qp = transport.qp
+        self._qp = qp
+        self._sends = qp.send_array
+        self._slot_size = transport.slot_size
+        self._max_fragment = min(session.max_fragment, transport.slot_size)
+        self._max_inline = min(transport.max_inline, options.max_inline)
+        self._recv_view = transport.recv_view
+        self._send_view = transport.send_view
+        self._recv_mr = transport.recv_mr
+        self._send_lkey = transport.send_mr.lkey
+        self._send_addr = transport.send_mr.addr
+        self._records = transport.cq.records
+        self._batch = transport.cq.batch
+        self._extra: dict[str, Any] = {
+            "peername": cm_id.peer_address,
+            "sockname": cm_id.local_address,
+            "device": transport.device.name,
+            "port": cm_id.port_num,
+            "qp_num": qp.qp_num,
+            "mtu": transport.device.query_port(cm_id.port_num).active_mtu,
+            "max_inline": self._max_inline,
+            "options": options,
+        }
+        # receive side
+        self._rx: collections.deque[bytes] = collections.deque()
+        self._rx_offset = 0  # bytes of _rx[0] already consumed by stream reads
+        self._rx_bytes = 0
+        self._reassembly: list[bytes] = []
+        self._held: list[int] = []  # slots not re-posted while the receive buffer is over its limit
+        self._rx_waiter: asyncio.Future[None] | None = None
+        # send side
+        self._txq: collections.deque[tuple[bytes | memoryview, bool]] = collections.deque()
+        self._txq_bytes = 0
+        self._queued_frames = 0  # frames ever queued
+        self._posted_frames = 0  # frames ever posted
+        self._wbuf = bytearray()
+        self._flush_handle: asyncio.Handle | None = None
+        self._free_slots = list(range(transport.send_depth))
+        self._inflight: collections.deque[int] = collections.deque()
+        self._unsignaled = 0
+        self._eof_completion: int | None = None  # send slot of the EOF frame, once posted
+        self._eof_done = False
+        self._tx_waiters: list[asyncio.Future[None]] = []
+        # lifetime
+        self._closing = False
+        self._torn_down = False
+        self._closed: asyncio.Future[None] = self._loop.create_future()
+        self._close_task: asyncio.Task[None] | None = None
+        # statistics
+        self._stats = collections.Counter[str]()
+
+        reactor.set_handler(cm_id, self._on_cm_event)
+        reactor.watch_qp(qp.qp_num, self._on_async_event)
+        transport.watch(self._on_completions)
+        # Completions may already be waiting (the peer can send as soon as it is established).
+        self._loop.call_soon(self._on_completions)
+
+    # --- information -------------------------------------------------------------------------------
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ... by name."""
+        return self._extra.get(name, default)
+
+    def statistics(self) -> dict[str, float]:
+        """Counters of this connection: bytes/messages sent and received, wake-ups, batches, credits."""
+        stats: dict[str, float] = dict(self._stats)
+        for key in (
+            "bytes_sent",
+            "bytes_received",
+            "messages_sent",
+            "messages_received",
+            "wakeups",
+            "completions",
+            "frames_posted",
+            "post_calls",
+        ):
+            stats.setdefault(key, 0)
+        stats["mean_batch"] = stats["completions"] / stats["wakeups"] if stats["wakeups"] else 0.0
+        stats["send_credits"] = self._session.send_credits
+        stats["credits_ungranted"] = self._session.ungranted
+        stats["recv_buffered"] = self._rx_bytes
+        stats["send_buffered"] = self._txq_bytes + len(self._wbuf)
+        for key, value in self._session.statistics().items():
+            stats[f"protocol_{key}"] = value
+        return stats
+
+    def is_closing(self) -> bool:
+        """True once close() or abort() was called or the connection failed."""
+        return self._closing or self._torn_down
+
+    @property
+    def options(self) -> Options:
+        """The options this endpoint was created with."""
+        return self._options
+
+    # --- completion processing (reactor callback) ---------------------------------------------------
+
+    def _on_completions(self) -> None:
+        if self._torn_down:
+            return
+        try:
+            self._process_completions()
+        except ProtocolError as exc:
+            log.warning("rdmaio: protocol violation by %s: %s", self._extra["peername"], exc)
+            self._fail(exc)
+        except Exception as exc:
+            log.exception("rdmaio: completion processing failed")
+            self._fail(exc)
+
+    def _process_completions(self) -> None:
+        cq = self._transport.cq
+        session = self._session
+        records = self._records
+        recv_view = self._recv_view
+        slot_size = self._slot_size
+        rx = self._rx
+        repost: list[int] = []
+        got_data = False
+        stats = self._stats
+        stats["wakeups"] += 1
+        while True:
+            n = cq.drain()
+            stats["completions"] += n
+            for i in range(n):
+                wc = records[i]
+                if wc.status:
+                    self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
+                    if self._torn_down:
+                        return
+                    continue
+                if wc.opcode & _RECV_FLAG:
+                    slot = wc.wr_id
+                    length = wc.byte_len
+                    kind = session.on_frame(wc.imm_data, length)
+                    if kind == _DATA_END:
+                        off = slot * slot_size
+                        data = bytes(recv_view[off : off + length])
+                        if self._reassembly:
+                            self._reassembly.append(data)
+                            data = b"".join(self._reassembly)
+                            self._reassembly.clear()
+                        rx.append(data)
+                        self._rx_bytes += len(data)
+                        stats["messages_received"] += 1
+                        stats["bytes_received"] += len(data)
+                        got_data = True
+                    elif kind == _DATA_MORE:
+                        off = slot * slot_size
+                        self._reassembly.append(bytes(recv_view[off : off + length]))
+                    elif kind == FrameKind.EOF:
+                        got_data = True
+                    if self._rx_bytes > self._options.recv_buffer_limit:
+                        self._held.append(slot)  # back-pressure: no credit for this slot yet
+                    else:
+                        repost.append(slot)
+                else:
+                    self._on_send_completion(int(wc.wr_id))
+            if n < self._batch:
+                break
+        if repost:
+            self._qp.post_recv_slots(self._recv_mr, slot_size, repost)
+            session.on_recv_reposted(len(repost))
+        self._pump()
+        if got_data:
+            self._wake_reader()
+        if self._tx_waiters:
+            self._wake_writers()
+
+    def _on_send_completion(self, slot: int) -> None:
+        # RC completes in order: a signalled completion releases every slot posted before it.
+        inflight = self._inflight
+        free = self._free_slots
+        while inflight:
+            done = inflight.popleft()
+            free.append(done)
+            if done == slot:
+                break
+        if slot == self._eof_completion:
+            self._eof_done = True
+
+    def _on_wc_error(self, status: int, opcode: int, vendor_err: int) -> None:
+        if status == _FLUSH and (self._closing or self._session.peer_eof or self._disconnected):
+            return  # the QP was moved to error by a disconnect: outstanding requests are cancelled
+        message = (
+            f"work completion failed: {verbs.wc_status_str(status)} (opcode {opcode}, vendor {vendor_err})"
+        )
+        error = ConnectionResetError(message, errno=104, call="ibv_poll_cq")
+        self._fail(error)
+
+    _disconnected = False
+
+    # --- posting ------------------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Post queued frames (and due EOF/credit frames) as far as credits and send slots allow."""
+        if self._torn_down:
+            return
+        session = self._session
+        txq = self._txq
+        free = self._free_slots
+        sends = self._sends
+        slot_size = self._slot_size
+        send_view = self._send_view
+        inflight = self._inflight
+        count = 0
+        nbytes = 0
+        while txq and free and session.can_send_data():
+            data, last = txq.popleft()
+            length = len(data)
+            self._txq_bytes -= length
+            slot = free.pop()
+            off = slot * slot_size
+            if length:
+                send_view[off : off + length] = data
+            self._fill(sends[count], slot, off, length, session.take_data_frame(last, length))
+            inflight.append(slot)
+            count += 1
+            nbytes += length
+            if last:
+                self._stats["messages_sent"] += 1
+        self._posted_frames += count
+        if not txq and not self._wbuf and session.eof_pending() and free and session.can_send_eof():
+            slot = free.pop()
+            self._fill(sends[count], slot, slot * slot_size, 0, session.take_eof_frame())
+            sends[count].send_flags = _SEND_SIGNALED
+            self._unsignaled = 0
+            self._eof_completion = slot
+            inflight.append(slot)
+            count += 1
+        elif free and session.credit_frame_due():
+            slot = free.pop()
+            self._fill(sends[count], slot, slot * slot_size, 0, session.take_credit_frame())
+            inflight.append(slot)
+            count += 1
+            self._stats["credit_frames"] += 1
+        if count:
+            # Whatever runs short of send slots must get a completion to release them.
+            if len(free) < self._options.signal_interval:
+                sends[count - 1].send_flags |= _SEND_SIGNALED
+                self._unsignaled = 0
+            self._qp.post_sends(count)
+            self._stats["frames_posted"] += count
+            self._stats["post_calls"] += 1
+            self._stats["bytes_sent"] += nbytes
+
+    def _fill(self, wr: Any, slot: int, off: int, length: int, imm: int) -> None:
+        wr.wr_id = slot
+        wr.addr = self._send_addr + off
+        wr.length = length
+        wr.lkey = self._send_lkey
+        wr.imm_data = imm
+        wr.opcode = _WR_SEND_WITH_IMM
+        flags = _SEND_INLINE if length <= self._max_inline and length else 0
+        self._unsignaled += 1
+        if self._unsignaled >= self._options.signal_interval:
+            flags |= _SEND_SIGNALED
+            self._unsignaled = 0
+        wr.send_flags = flags
+
+    def _queue_frames(self, view: memoryview) -> None:
+        """Queue one message (fragmented); the data is referenced until _own_queued() copies it."""
+        size = view.nbytes
+        step = self._max_fragment
+        if size <= step:
+            self._txq.append((view, True))
+            self._queued_frames += 1
+        else:
+            for start in range(0, size, step):
+                end = start + step
+                self._txq.append((view[start:end], end >= size))
+                self._queued_frames += 1
+        self._txq_bytes += size
+
+    def _own_queued(self, count: int) -> None:
+        """Copy the last ``count`` queued frames so no caller buffer is referenced after we return."""
+        txq = self._txq
+        for i in range(len(txq) - min(count, len(txq)), len(txq)):
+            data, last = txq[i]
+            if isinstance(data, memoryview):
+                txq[i] = (bytes(data), last)
+
+    def _flush_wbuf(self) -> None:
+        self._flush_handle = None
+        wbuf = self._wbuf
+        if wbuf:
+            data = bytes(wbuf)
+            wbuf.clear()
+            step = self._max_fragment
+            for start in range(0, len(data), step):
+                self._txq.append((data[start : start + step], True))
+                self._queued_frames += 1
+            self._txq_bytes += len(data)
+
+    def _flush_and_pump(self) -> None:
+        self._flush_wbuf()
+        self._pump()
+        if self._tx_waiters:
+            self._wake_writers()
+
+    # --- waiting ------------------------------------------------------------------------------------
+
+    def _wake_reader(self) -> None:
+        waiter = self._rx_waiter
+        if waiter is not None:
+            self._rx_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake_writers(self) -> None:
+        waiters, self._tx_waiters = self._tx_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait_readable(self) -> None:
+        if self._rx_waiter is not None and not self._rx_waiter.done():
+            raise RuntimeError("another task is already waiting to read from this endpoint")
+        waiter = self._loop.create_future()
+        self._rx_waiter = waiter
+        try:
+            await waiter
+        finally:
+            if self._rx_waiter is waiter:
+                self._rx_waiter = None
+
+    async def _wait_writable(self) -> None:
+        waiter = self._loop.create_future()
+        self._tx_waiters.append(waiter)
+        await waiter
+
+    def _check_fork(self) -> None:
+        if self._generation != verbs.fork_generation():
+            raise ForkError(
+                "this Endpoint was created before fork(); RDMA connections cannot be used in "
+                "the child process: connect again there"
+            )
+
+    def _raise_send_error(self) -> None:
+        self._check_fork()
+        error = self._session.send_error()
+        if error is not None:
+            raise error
+        if self._closing:
+            raise EndpointClosedError("endpoint is closing")
+
+    # --- message API --------------------------------------------------------------------------------
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` as one message (any bytes-like object, up to the peer's ``max_message_size``).
+
+        Returns once every fragment is posted to the NIC; ``data`` is copied, so the caller may reuse it
+        at once. A cancelled ``send()`` may still deliver the whole message (never a part of it) and
+        leaves the endpoint usable.
+        """
+        self._raise_send_error()
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        self._session.check_message_size(view.nbytes)
+        if self._wbuf:
+            self._flush_wbuf()  # keep the order of earlier stream writes
+        before = len(self._txq)
+        self._queue_frames(view)
+        target = self._queued_frames
+        added = len(self._txq) - before
+        self._pump()
+        if self._txq:
+            self._own_queued(added)
+        while self._posted_frames < target:
+            self._raise_send_error()
+            await self._wait_writable()
+
+    async def recv(self) -> bytes | None:
+        """Return the next message, or ``None`` at a clean end of stream (the peer closed or wrote EOF).
+
+        Raises :class:`~rdmaio.ConnectionResetError` if the peer went away without closing cleanly.
+        """
+        while not self._rx:
+            await self._wait_data()
+            if not self._rx:
+                return None
+        data = self._rx.popleft()
+        if self._rx_offset:
+            data = data[self._rx_offset :]
+            self._rx_offset = 0
+        self._consumed(len(data))
+        return data
+
+    async def recv_into(self, buffer: bytearray | memoryview) -> int:
+        """Copy the next message into ``buffer`` and return its size (0 at end of stream).
+
+        A message larger than ``buffer`` fills it; the rest is returned by the next read call.
+        """
+        target = memoryview(buffer).cast("B")
+        while not self._rx:
+            await self._wait_data()
+            if not self._rx:
+                return 0
+        data = self._rx[0]
+        start = self._rx_offset
+        n = min(len(data) - start, target.nbytes)
+        target[:n] = memoryview(data)[start : start + n]
+        if start + n == len(data):
+            self._rx.popleft()
+            self._rx_offset = 0
+        else:
+            self._rx_offset = start + n
+        self._consumed(n)
+        return n
+
+    async def _wait_data(self) -> None:
+        """Wait until data is buffered; return with nothing buffered only at EOF; raise on failure."""
+        while not self._rx:
+            self._check_fork()
+            outcome = self._session.recv_outcome()
+            if outcome is EOF:
+                return
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if self._torn_down:
+                raise EndpointClosedError("endpoint is closed")
+            await self._wait_readable()
+
+    def _consumed(self, n: int) -> None:
+        self._rx_bytes -= n
+        if self._held and self._rx_bytes <= self._options.recv_buffer_limit and not self._torn_down:
+            held, self._held = self._held, []
+            self._qp.post_recv_slots(self._recv_mr, self._slot_size, held)
+            self._session.on_recv_reposted(len(held))
+            self._pump()
+
+    # --- stream API: writing ------------------------------------------------------------------------
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Queue ``data`` on the byte stream; small writes are coalesced into large frames."""
+        self._raise_send_error()
+        if self._session.eof_pending() or self._session.eof_sent:
+            raise EndpointClosedError("write() after write_eof()")
+        if not data:
+            return
+        self._wbuf += data
+        if len(self._wbuf) >= self._max_fragment:
+            self._flush_wbuf()
+            self._pump()
+        elif self._flush_handle is None:
+            self._flush_handle = self._loop.call_soon(self._flush_and_pump)
+
+    def writelines(self, data: Any) -> None:
+        """Write every bytes-like object of an iterable."""
+        for chunk in data:
+            self.write(chunk)
+
+    async def drain(self) -> None:
+        """Wait until the send buffer is at or below the low-water mark, if it is above the high one."""
+        self._raise_send_error()
+        self._flush_wbuf()
+        self._pump()
+        if self._txq_bytes <= self._options.write_high_water:
+            return
+        while self._txq_bytes > self._options.write_low_water:
+            self._raise_send_error()
+            await self._wait_writable()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        """Set the high- and low-water marks of :meth:`drain` (as ``WriteTransport`` does)."""
+        if high is None:
+            high = self._options.write_high_water if low is None else max(4 * low, 64 * 1024)
+        if low is None:
+            low = high // 4
+        if not 0 <= low <= high:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        from dataclasses import replace
+
+        self._options = replace(self._options, write_high_water=high, write_low_water=low)
+
+    def get_write_buffer_size(self) -> int:
+        """Bytes queued for sending and not yet posted to the NIC."""
+        return self._txq_bytes + len(self._wbuf)
+
+    def can_write_eof(self) -> bool:
+        """Always True: half-close is supported."""
+        return True
+
+    def write_eof(self) -> None:
+        """Close the sending direction after the queued data; the peer reads EOF, we can still read."""
+        if self._torn_down:
+            return
+        self._flush_wbuf()
+        self._session.write_eof()
+        self._pump()
+
+    # --- stream API: reading ------------------------------------------------------------------------
+
+    async def _read_some(self, n: int) -> bytes:
+        """Up to ``n`` bytes (n > 0) of the stream; b"" at EOF. Skips empty messages."""
+        while True:
+            while self._rx and len(self._rx[0]) == self._rx_offset:
+                self._rx.popleft()  # empty message, or fully consumed
+                self._rx_offset = 0
+            if self._rx:
+                break
+            await self._wait_data()
+            if not self._rx:
+                return b""
+        head = self._rx[0]
+        start = self._rx_offset
+        end = min(len(head), start + n)
+        if start == 0 and end == len(head):
+            self._rx.popleft()
+            data = head
+        else:
+            data = head[start:end]
+            if end == len(head):
+                self._rx.popleft()
+                self._rx_offset = 0
+            else:
+                self._rx_offset = end
+        self._consumed(len(data))
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        """Read up to ``n`` bytes (``n < 0``: until EOF). Returns b"" at EOF."""
+        if n == 0:
+            return b""
+        if n > 0:
+            return await self._read_some(n)
+        chunks = []
+        while chunk := await self._read_some(1 << 30):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def readexactly(self, n: int) -> bytes:
+        """Read exactly ``n`` bytes; raise ``asyncio.IncompleteReadError`` if EOF comes first."""
+        if n < 0:
+            raise ValueError("readexactly size can not be less than zero")
+        chunks = []
+        remaining = n
+        while remaining:
+            chunk = await self._read_some(remaining)
+            if not chunk:
+                partial = b"".join(chunks)
+                self._unread(partial)
+                raise asyncio.IncompleteReadError(partial, n)
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+
+    def _unread(self, data: bytes) -> None:
+        if data:
+            if self._rx_offset:
+                self._rx[0] = self._rx[0][self._rx_offset :]
+                self._rx_offset = 0
+            self._rx.appendleft(data)
+            self._rx_bytes += len(data)
+
+    async def readuntil(self, separator: bytes = b"\n") -> bytes:
+        """Read up to and including ``separator`` (asyncio semantics, including ``LimitOverrunError``)."""
+        if not separator:
+            raise ValueError("Separator should be at least one-byte string")
+        limit = self._options.read_limit
+        seplen = len(separator)
+        while True:
+            # Merge buffered chunks so the separator can be found across frame boundaries.
+            if self._rx_offset or len(self._rx) > 1:
+                merged = b"".join([self._rx[0][self._rx_offset :], *list(self._rx)[1:]])
+                self._rx.clear()
+                self._rx_offset = 0
+                if merged:
+                    self._rx.append(merged)
+            buffered = self._rx[0] if self._rx else b""
+            index = buffered.find(separator)
+            if index >= 0:
+                end = index + seplen
+                if end > limit:
+                    raise asyncio.LimitOverrunError(
+                        "Separator is found, but chunk is longer than limit", index
+                    )
+                return await self._read_some(end)
+            if len(buffered) > limit:
+                raise asyncio.LimitOverrunError(
+                    "Separator is not found, and chunk exceed the limit", len(buffered) - seplen + 1
+                )
+            before = len(buffered)
+            await self._wait_more(before)
+            if self._rx_bytes == before and (self._session.peer_eof or self._torn_down):
+                partial = b"".join(self._rx)
+                self._rx.clear()
+                self._consumed(len(partial))
+                raise asyncio.IncompleteReadError(partial, None)
+
+    async def _wait_more(self, have: int) -> None:
+        """Wait until more than ``have`` bytes are buffered, or EOF/failure (raised if a failure)."""
+        while self._rx_bytes <= have:
+            outcome = self._session.recv_outcome()
+            if outcome is EOF:
+                return
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if self._torn_down:
+                return
+            await self._wait_readable()
+
+    async def readline(self) -> bytes:
+        """Read one line (asyncio semantics: at EOF the partial line; b"" when nothing is left)."""
+        try:
+            return await self.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial
+        except asyncio.LimitOverrunError as exc:
+            if self._rx and self._rx[0].startswith(b"\n", exc.consumed):
+                await self._read_some(exc.consumed + 1)
+            else:
+                self._rx.clear()
+                self._consumed(self._rx_bytes)
+            raise ValueError(exc.args[0]) from exc
+
+    def at_eof(self) -> bool:
+        """True when the buffer is empty and the peer sent EOF (or the connection ended)."""
+        return self._rx_bytes == 0 and (self._session.peer_eof or self._torn_down)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._lines()
+
+    async def _lines(self) -> AsyncIterator[bytes]:
+        while line := await self.readline():
+            yield line
+
+    # --- lifetime -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Start a graceful close: queued data is sent, then EOF, then the connection is released.
+
+        Returns immediately; await :meth:`wait_closed` (or use :meth:`aclose`) to wait for the end.
+        """
+        if self._closing or self._torn_down:
+            return
+        self._closing = True
+        if self._generation != verbs.fork_generation():
+            self._teardown()
+            return
+        self._flush_wbuf()
+        self._session.close()
+        self._pump()
+        self._close_task = self._loop.create_task(self._graceful_close())
+
+    async def _graceful_close(self) -> None:
+        try:
+            async with asyncio.timeout(self._options.close_timeout):
+                while not self._torn_down and (self._txq or not self._eof_done):
+                    await self._wait_writable()
+        except TimeoutError:
+            log.debug("rdmaio: close timed out with %d bytes unsent; aborting", self._txq_bytes)
+        finally:
+            self._teardown()
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection is fully released."""
+        await asyncio.shield(self._closed)
+
+    async def aclose(self) -> None:
+        """Close gracefully and wait until released."""
+        self.close()
+        await self.wait_closed()
+
+    def abort(self) -> None:
+        """Close at once: queued data is dropped and pending calls fail with ConnectionAbortedError."""
+        if self._torn_down:
+            return
+        self._closing = True
+        self._session.abort()
+        self._txq.clear()
+        self._txq_bytes = 0
+        self._wbuf.clear()
+        self._teardown()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A transport or protocol failure: every pending and later operation fails."""
+        if self._torn_down:
+            return
+        if isinstance(exc, ProtocolError):
+            self._session.abort(exc)
+        else:
+            self._session.on_transport_error(exc)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Release every verbs resource (QP first) and wake every waiter. Idempotent."""
+        if self._torn_down:
+            return
+        self._torn_down = True
+        self._closing = True
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        forked = self._generation != verbs.fork_generation()
+        if not forked:
+            self._reactor.unwatch_qp(self._qp.qp_num)
+            if not self._disconnected:
+                with contextlib.suppress(VerbsError):  # the peer may have disconnected already
+                    self._cm_id.disconnect()
+            try:
+                self._transport.close()
+            finally:
+                self._reactor.release_id(self._cm_id)
+        self._session.mark_closed()
+        self._wake_reader()
+        self._wake_writers()
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def _on_cm_event(self, event: CMEvent) -> None:
+        if event.event == CMEventType.DISCONNECTED:
+            # Completions that raced the disconnect (the peer's last frames, its EOF) come first.
+            self._on_completions()
+            self._disconnected = True
+            self._session.on_disconnected()
+            self._teardown()
+        elif event.event == CMEventType.DEVICE_REMOVAL:
+            self._fail(ConnectionResetError("RDMA device removed", call="rdma_get_cm_event"))
+        else:
+            log.debug("rdmaio: ignoring %s on an established connection", event.event.name)
+
+    def _on_async_event(self, event: verbs.AsyncEvent) -> None:
+        self._fail(ConnectionAbortedError(f"device reported {event.description}", call="ibv_get_async_event"))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._torn_down else "closing" if self._closing else "open"
+        return (
+            f"<rdmaio.Endpoint {state} {self._extra['sockname']} -> {self._extra['peername']} "
+            f"qp={self._extra['qp_num']}>"
+        )

@@ -1,0 +1,78 @@
+"""Tunables of an rdmaio connection (:class:`Options`), shared by ``connect`` and ``serve``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = ["Options"]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Per-connection settings. Both sides announce theirs in the handshake; each obeys the peer's.
+
+    Memory registered per connection is ``(recv_depth + send_depth) * slot_size`` (4 MiB by default),
+    which counts against ``RLIMIT_MEMLOCK``.
+    """
+
+    slot_size: int = 64 * KiB
+    """Bytes per receive/send slot: the largest frame. Bigger messages are fragmented."""
+    recv_depth: int = 32
+    """Receive slots posted; the peer's initial send credits."""
+    send_depth: int = 32
+    """Send slots (and send-queue entries) in flight before send()/drain() wait."""
+    max_message_size: int = 64 * MiB
+    """Largest message accepted from the peer; the peer refuses to send a larger one."""
+    recv_buffer_limit: int = 4 * MiB
+    """Received-but-unread bytes above which credits are withheld (back-pressure to the sender)."""
+    write_high_water: int = 1 * MiB
+    """``drain()`` waits while more than this many bytes are queued for sending ..."""
+    write_low_water: int = 256 * KiB
+    """... until no more than this many remain."""
+    read_limit: int = 64 * KiB
+    """Line/separator length limit of ``readuntil``/``readline`` (as asyncio's ``limit``)."""
+    max_inline: int = 256
+    """Frames up to this size are sent inline (copied by the CPU at post time; no DMA read)."""
+    signal_interval: int = 8
+    """Request a send completion every this many sends (selective signalling)."""
+    connect_timeout: float | None = None
+    """Default timeout of ``connect`` when none is given."""
+    close_timeout: float = 5.0
+    """How long a graceful close waits for queued data to be sent before aborting."""
+    cm_timeout_ms: int = 2000
+    """Address and route resolution timeout of rdma_cm."""
+    rnr_retry_count: int = 1
+    """Kept low on purpose: credits guarantee a posted receive, so an RNR is a bug to surface."""
+    retry_count: int = 5
+    """Transport retries before a silent peer fails the QP (RETRY_EXC_ERR)."""
+
+    def __post_init__(self) -> None:
+        if not 64 <= self.slot_size <= 16 * MiB:
+            raise ValueError("slot_size must be between 64 B and 16 MiB")
+        if not 4 <= self.recv_depth <= 4096:
+            raise ValueError("recv_depth must be between 4 and 4096")
+        if not 2 <= self.send_depth <= 4096:
+            raise ValueError("send_depth must be between 2 and 4096")
+        if not 1 <= self.max_message_size <= 2**40:
+            raise ValueError("max_message_size must be between 1 B and 1 TiB")
+        if self.write_low_water > self.write_high_water or self.write_low_water < 0:
+            raise ValueError("need 0 <= write_low_water <= write_high_water")
+        if self.read_limit <= 0 or self.recv_buffer_limit <= 0:
+            raise ValueError("read_limit and recv_buffer_limit must be positive")
+        if not 1 <= self.signal_interval <= self.send_depth:
+            raise ValueError("signal_interval must be between 1 and send_depth")
+        if not 0 <= self.rnr_retry_count <= 7 or not 0 <= self.retry_count <= 7:
+            raise ValueError("rnr_retry_count and retry_count must be between 0 and 7")
+
+    @classmethod
+    def coerce(cls, options: Options | dict[str, Any] | None) -> Options:
+        """Accept an Options, a dict of field overrides, or None (defaults)."""
+        if options is None:
+            return cls()
+        if isinstance(options, Options):
+            return options
+        return replace(cls(), **options)

@@ -1,0 +1,169 @@
+"""Reactor: puts rdma_cm and verbs file descriptors on the running asyncio event loop.
+
+One :class:`Reactor` per event loop owns the shared rdma_cm :class:`~rdmaio.verbs.EventChannel` and
+dispatches each CM event to the handler registered for its cm id (a CONNECT_REQUEST goes to its
+listener). Completion-channel fds and device async-event fds are watched with ``loop.add_reader``; a
+readiness callback drains everything that is pending (the fds are edge-safe: callers drain until empty).
+Fds are always removed from the loop before they are closed.
+
+The reactor is reference counted: the event channel closes when the last cm id is released, so a
+process that stops using RDMA holds no rdma_cm file descriptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Callable
+
+from rdmaio import verbs
+from rdmaio.verbs import CMEvent, CMEventType, CMId, DeviceContext, EventChannel
+
+__all__ = ["CMHandler", "Reactor"]
+
+log = logging.getLogger("rdmaio")
+
+CMHandler = Callable[[CMEvent], None]
+"""Called on the loop for each CM event of one cm id."""
+
+QPEventHandler = Callable[[verbs.AsyncEvent], None]
+
+
+class Reactor:
+    """Per-loop owner of the CM event channel and the fd watches of completion channels and devices."""
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reactor] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._channel: EventChannel | None = None
+        self._handlers: dict[int, CMHandler] = {}
+        self._devices: dict[int, DeviceContext] = {}
+        self._qp_handlers: dict[int, QPEventHandler] = {}
+        self.cm_events = 0
+        self.async_events = 0
+
+    @classmethod
+    def current(cls) -> Reactor:
+        """The reactor of the running loop (created on first use)."""
+        loop = asyncio.get_running_loop()
+        reactor = cls._by_loop.get(loop)
+        if reactor is None:
+            reactor = cls._by_loop[loop] = cls(loop)
+        return reactor
+
+    # --- cm ids --------------------------------------------------------------------------------------
+
+    @property
+    def channel(self) -> EventChannel:
+        """The shared event channel (opened and put on the loop on first use)."""
+        if self._channel is None or self._channel.closed:
+            self._channel = EventChannel()
+            self.loop.add_reader(self._channel.fd, self._on_cm_readable)
+        return self._channel
+
+    def create_id(self, handler: CMHandler) -> CMId:
+        """Create a cm id on the shared channel whose events go to ``handler``."""
+        cm_id = CMId(self.channel)
+        self._handlers[cm_id.handle] = handler
+        return cm_id
+
+    def adopt_id(self, event: CMEvent, handler: CMHandler) -> CMId:
+        """Wrap the new cm id of a CONNECT_REQUEST and route its later events to ``handler``."""
+        cm_id = CMId.from_event(self.channel, event)
+        self._handlers[cm_id.handle] = handler
+        return cm_id
+
+    def set_handler(self, cm_id: CMId, handler: CMHandler) -> None:
+        """Route the events of ``cm_id`` to a new handler."""
+        self._handlers[cm_id.handle] = handler
+
+    def release_id(self, cm_id: CMId) -> None:
+        """Destroy ``cm_id`` (and its QP) and forget its handler; close the channel when none remain."""
+        self._handlers.pop(cm_id.handle, None)
+        cm_id.close()
+        if not self._handlers:
+            self._close_channel()
+
+    def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.closed:
+            self.loop.remove_reader(channel.fd)  # before the fd is closed
+            channel.close()
+
+    def _on_cm_readable(self) -> None:
+        channel = self._channel
+        if channel is None:
+            return
+        while not channel.closed:
+            try:
+                event = channel.get_event()
+            except Exception:
+                log.exception("rdmaio: reading the rdma_cm event channel failed")
+                return
+            if event is None:
+                return
+            self.cm_events += 1
+            key = event.listen_id_handle if event.event == CMEventType.CONNECT_REQUEST else event.id_handle
+            handler = self._handlers.get(key)
+            if handler is None:
+                if event.event == CMEventType.CONNECT_REQUEST:
+                    # Listener already gone: the new id is ours to dispose of.
+                    CMId.from_event(channel, event).close()
+                continue
+            try:
+                handler(event)
+            except Exception:
+                log.exception("rdmaio: CM event handler failed for %s", event.event.name)
+
+    # --- completion channels -------------------------------------------------------------------------
+
+    def watch(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop whenever ``fd`` is readable."""
+        self.loop.add_reader(fd, callback)
+
+    def unwatch(self, fd: int) -> None:
+        """Stop watching ``fd``; must happen before the fd is closed."""
+        self.loop.remove_reader(fd)
+
+    # --- device async events -------------------------------------------------------------------------
+
+    def watch_device(self, device: DeviceContext) -> None:
+        """Put the device's async-event fd on the loop (once per device; kept for the reactor's life)."""
+        if device.handle in self._devices:
+            return
+        self._devices[device.handle] = device
+        device.set_async_nonblocking()
+        self.loop.add_reader(device.async_fd, self._on_async_readable, device)
+
+    def watch_qp(self, qp_num: int, handler: QPEventHandler) -> None:
+        """Send async events about QP ``qp_num`` (QP_FATAL, ...) to ``handler``."""
+        self._qp_handlers[qp_num] = handler
+
+    def unwatch_qp(self, qp_num: int) -> None:
+        """Forget the async-event handler of QP ``qp_num``."""
+        self._qp_handlers.pop(qp_num, None)
+
+    def _on_async_readable(self, device: DeviceContext) -> None:
+        while True:
+            try:
+                event = device.get_async_event()
+            except Exception:
+                log.exception("rdmaio: reading async events of %s failed", device.name)
+                self.loop.remove_reader(device.async_fd)
+                return
+            if event is None:
+                return
+            self.async_events += 1
+            handler = self._qp_handlers.get(event.element) if event.kind == "qp" else None
+            if handler is not None:
+                handler(event)
+            elif event.event_type in (verbs.lib.IBV_EVENT_CQ_ERR, verbs.lib.IBV_EVENT_DEVICE_FATAL):
+                log.error("rdmaio: device %s reported %s", device.name, event.description)
+                for qp_handler in list(self._qp_handlers.values()):
+                    qp_handler(event)
+            else:
+                log.debug(
+                    "rdmaio: device %s async event %s (%d)", device.name, event.description, event.element
+                )

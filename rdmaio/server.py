@@ -1,0 +1,256 @@
+"""``rdmaio.serve()`` and :class:`StreamServer`: accept RDMA connections and run a handler for each."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Self
+
+from rdmaio.client import local_handshake, resolve_host
+from rdmaio.endpoint import Endpoint
+from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
+from rdmaio.options import Options
+from rdmaio.protocol import Handshake, Session
+from rdmaio.reactor import Reactor
+from rdmaio.transport import Transport
+from rdmaio.verbs import CMEvent, CMEventType, CMId
+
+__all__ = ["Handler", "StreamServer", "serve"]
+
+log = logging.getLogger("rdmaio")
+
+Handler = Callable[[Endpoint], Awaitable[None]]
+"""A connection handler: called with each new :class:`Endpoint`, in its own task."""
+
+
+class _Pending:
+    """A connection accepted but not yet ESTABLISHED."""
+
+    __slots__ = ("cm_id", "session", "transport")
+
+    def __init__(self, cm_id: CMId, transport: Transport, session: Session) -> None:
+        self.cm_id = cm_id
+        self.transport = transport
+        self.session = session
+
+
+class StreamServer:
+    """A listening RDMA endpoint that runs ``handler(endpoint)`` in a new task for each connection.
+
+    Mirrors ``asyncio.Server``: :meth:`close`, :meth:`wait_closed`, :meth:`serve_forever`,
+    :meth:`is_serving`, :meth:`close_clients`, :meth:`abort_clients`, ``async with``. A handler that
+    raises is logged and its connection closed; other connections are not affected.
+    """
+
+    def __init__(self, handler: Handler, options: Options, backlog: int) -> None:
+        self._handler = handler
+        self._options = options
+        self._backlog = backlog
+        self._reactor = Reactor.current()
+        self._loop = self._reactor.loop
+        self._listener: CMId | None = None
+        self._serving = False
+        self._pending: dict[int, _Pending] = {}
+        self._clients: set[Endpoint] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = self._loop.create_future()
+        self._serve_forever_fut: asyncio.Future[None] | None = None
+        self.addresses: list[tuple[str, int]] = []
+        self.connections_accepted = 0
+        self.connections_rejected = 0
+
+    def _listen(self, host: str, port: int) -> None:
+        listener = self._reactor.create_id(self._on_listener_event)
+        try:
+            listener.set_reuseaddr()
+            listener.bind_addr(host, port)
+            listener.listen(self._backlog)
+        except BaseException:
+            self._reactor.release_id(listener)
+            raise
+        self._listener = listener
+        address = listener.local_address
+        self.addresses = [address] if address else []
+        self._serving = True
+
+    # --- accepting --------------------------------------------------------------------------------
+
+    def _on_listener_event(self, event: CMEvent) -> None:
+        if event.event == CMEventType.CONNECT_REQUEST:
+            self._on_connect_request(event)
+        elif event.event == CMEventType.DEVICE_REMOVAL:
+            log.error("rdmaio: RDMA device removed under the listener %s; closing it", self.addresses)
+            self.close()
+        else:
+            log.debug("rdmaio: listener ignores %s", event.event.name)
+
+    def _on_connect_request(self, event: CMEvent) -> None:
+        cm_id = self._reactor.adopt_id(event, self._on_pending_event)
+        if not self._serving:
+            self._reject(cm_id, "server is closed")
+            return
+        try:
+            peer = Handshake.decode(event.private_data)
+        except HandshakeError as exc:
+            self._reject(cm_id, f"bad handshake: {exc}")
+            return
+        transport = None
+        try:
+            transport = Transport(self._reactor, cm_id, self._options)
+            handshake = local_handshake(self._options)
+            cm_id.accept(handshake.encode(), rnr_retry_count=self._options.rnr_retry_count)
+        except Exception as exc:
+            log.warning("rdmaio: cannot accept a connection: %s", exc)
+            if transport is not None:
+                transport.close()
+            self._reject(cm_id, str(exc))
+            return
+        self._pending[cm_id.handle] = _Pending(cm_id, transport, Session(handshake, peer))
+
+    def _reject(self, cm_id: CMId, why: str) -> None:
+        self.connections_rejected += 1
+        log.info("rdmaio: rejecting a connection request: %s", why)
+        try:
+            cm_id.reject()
+        except VerbsError as exc:
+            log.debug("rdmaio: rdma_reject failed: %s", exc)
+        self._reactor.release_id(cm_id)
+
+    def _on_pending_event(self, event: CMEvent) -> None:
+        pending = self._pending.pop(event.id_handle, None)
+        if pending is None:
+            return
+        if event.event != CMEventType.ESTABLISHED:
+            log.info("rdmaio: connection attempt failed before it was established: %s", event.event.name)
+            pending.transport.close()
+            self._reactor.release_id(pending.cm_id)
+            return
+        endpoint = Endpoint(self._reactor, pending.cm_id, pending.transport, pending.session, self._options)
+        self.connections_accepted += 1
+        self._clients.add(endpoint)
+        task = self._loop.create_task(self._run_handler(endpoint))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_handler(self, endpoint: Endpoint) -> None:
+        try:
+            await self._handler(endpoint)
+        except asyncio.CancelledError:
+            endpoint.abort()
+            raise
+        except Exception:
+            log.exception(
+                "rdmaio: connection handler failed for %s; closing that connection",
+                endpoint.get_extra_info("peername"),
+            )
+            endpoint.close()
+        finally:
+            endpoint_closed = endpoint.wait_closed()
+            if endpoint.is_closing():
+                await endpoint_closed
+                self._clients.discard(endpoint)
+            else:
+                endpoint_closed.close()
+                self._loop.create_task(self._forget_when_closed(endpoint))
+
+    async def _forget_when_closed(self, endpoint: Endpoint) -> None:
+        await endpoint.wait_closed()
+        self._clients.discard(endpoint)
+
+    # --- asyncio.Server surface -------------------------------------------------------------------
+
+    def is_serving(self) -> bool:
+        """True while the server accepts new connections."""
+        return self._serving
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the server runs on."""
+        return self._loop
+
+    def close(self) -> None:
+        """Stop listening. Existing connections stay open (close them with :meth:`close_clients`)."""
+        if self._listener is None:
+            return
+        self._serving = False
+        listener, self._listener = self._listener, None
+        self._reactor.release_id(listener)
+        for pending in list(self._pending.values()):
+            pending.transport.close()
+            self._reactor.release_id(pending.cm_id)
+        self._pending.clear()
+        if self._serve_forever_fut is not None and not self._serve_forever_fut.done():
+            self._serve_forever_fut.cancel()
+
+    def close_clients(self) -> None:
+        """Close every connection gracefully."""
+        for endpoint in list(self._clients):
+            endpoint.close()
+
+    def abort_clients(self) -> None:
+        """Abort every connection at once."""
+        for endpoint in list(self._clients):
+            endpoint.abort()
+
+    async def wait_closed(self) -> None:
+        """Wait until the server is closed and every connection and handler has finished."""
+        while self._listener is not None or self._tasks or self._clients:
+            if self._listener is not None:
+                await asyncio.sleep(0.05)
+                continue
+            waits = [*self._tasks, *(asyncio.ensure_future(c.wait_closed()) for c in self._clients)]
+            await asyncio.wait(waits)
+
+    async def start_serving(self) -> None:
+        """Start accepting connections (already done by :func:`serve` unless ``start_serving=False``)."""
+
+    async def serve_forever(self) -> None:
+        """Serve until cancelled or closed; the server is closed when this returns."""
+        if self._serve_forever_fut is not None:
+            raise RuntimeError(f"server {self!r} is already being awaited on serve_forever()")
+        if self._listener is None:
+            raise EndpointClosedError(f"server {self!r} is closed")
+        self._serve_forever_fut = self._loop.create_future()
+        try:
+            await self._serve_forever_fut
+        except asyncio.CancelledError:
+            try:
+                self.close()
+                await self.wait_closed()
+            finally:
+                raise
+        finally:
+            self._serve_forever_fut = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Stop listening, close the connections gracefully and wait for their handlers."""
+        self.close()
+        self.close_clients()
+        await self.wait_closed()
+
+    def __repr__(self) -> str:
+        state = "serving" if self._serving else "closed"
+        return f"<rdmaio.StreamServer {state} {self.addresses} clients={len(self._clients)}>"
+
+
+async def serve(
+    handler: Handler,
+    host: str | None,
+    port: int,
+    *,
+    backlog: int = 128,
+    options: Options | dict[str, Any] | None = None,
+) -> StreamServer:
+    """Listen on ``host``:``port`` and run ``handler(endpoint)`` for each connection; return the server.
+
+    ``host`` is an address or name of an RDMA-capable interface (``None``/``""``: all), ``port`` 0 picks
+    a free port (see :attr:`StreamServer.addresses`).
+    """
+    opts = Options.coerce(options)
+    address = await resolve_host(host or "", port, passive=True)
+    server = StreamServer(handler, opts, backlog)
+    server._listen(address, port)
+    return server
