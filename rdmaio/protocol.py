@@ -1,0 +1,746 @@
+"""Sans-IO core of one rdmaio connection: handshake, frame encoding, credit flow control and close states.
+
+Nothing in this module does I/O. The I/O layer posts RDMA SEND-with-immediate work requests and receive
+buffers; it asks a :class:`Session` which 32-bit immediate value to attach to every frame it sends and feeds
+it every received ``(imm, byte_len)``. Keeping the rules here makes them testable without an RDMA device.
+
+Wire format
+-----------
+A frame is one SEND with immediate data. The immediate value (host order) is laid out as::
+
+    bits 31..28  kind      (FrameKind)
+    bits 27..16  reserved  (must be 0)
+    bits 15..0   credits   granted to the receiver of this frame
+
+Every SEND consumes one receive buffer ("slot") that the peer posted. The peer advertises ``recv_depth``
+slots of ``slot_size`` bytes each in the :class:`Handshake` (rdma_cm private data); a message larger than
+one slot travels as DATA_MORE fragments followed by one DATA_END.
+
+Flow control and liveness
+-------------------------
+A sender holds one credit per peer slot it knows to be posted and free. Whenever the I/O layer reposts slots
+(:meth:`Session.on_recv_reposted`) they become *ungranted* credits; every frame we send piggybacks all of
+them, and a standalone CREDIT frame is sent once ``credit_threshold`` have accumulated.
+
+* No RNR: a frame is only sent while holding a credit, and a credit only exists for a posted slot.
+* Reserve: DATA frames need two credits, so one credit is always left for a control frame. A frame may use
+  the *last* credit only if it grants at least one credit itself (CREDIT frames always do; EOF must).
+* No deadlock: suppose nothing is in flight and both applications have consumed everything, so every slot
+  is reposted. Then ``peer.ungranted == peer.recv_depth - our.send_credits``. If we are stuck (fewer than
+  two credits), the peer owes us at least ``recv_depth - 1 >= threshold`` credits, so its CREDIT frame is
+  due as soon as it holds one credit. Both sides cannot hold zero: a side left with zero received no grant
+  after its last send, and that send, having taken the last credit, granted at least one. Whichever of
+  the two last sends came later delivers its grant after the other's last send - a contradiction. So one
+  side can always send a CREDIT frame, and the other side's answer (it then owes ``recv_depth``) unblocks.
+* No ping-pong: a CREDIT frame costs its sender at least ``threshold >= 2`` owed credits and makes the
+  receiver owe exactly one more (the slot it consumed, once reposted). While no data flows the total owed
+  by both sides therefore drops by at least one per CREDIT frame, so idle peers exchange at most
+  ``local.recv_depth + peer.recv_depth`` CREDIT frames and then stop. A threshold of 1 would allow an
+  endless exchange, a threshold of ``recv_depth`` could deadlock; hence ``2 <= threshold <= recv_depth-1``
+  and the default ``recv_depth // 2`` (``recv_depth >= 4``).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from rdmaio.errors import (
+    ConnectionAbortedError,
+    ConnectionResetError,
+    EndpointClosedError,
+    FrameError,
+    HandshakeError,
+    MessageTooLargeError,
+    ProtocolError,
+)
+
+__all__ = [
+    "EOF",
+    "HANDSHAKE_MAGIC",
+    "MAX_CREDITS",
+    "MAX_MESSAGE_SIZE",
+    "MAX_PRIVATE_DATA",
+    "MAX_RECV_DEPTH",
+    "MAX_SLOT_SIZE",
+    "MIN_MESSAGE_SIZE",
+    "MIN_RECV_DEPTH",
+    "MIN_SLOT_SIZE",
+    "PROTOCOL_VERSION",
+    "EOFType",
+    "FrameKind",
+    "Handshake",
+    "ReceivedMessageTooLargeError",
+    "Session",
+    "State",
+    "decode_imm",
+    "encode_imm",
+]
+
+PROTOCOL_VERSION: Final = 1
+HANDSHAKE_MAGIC: Final = b"RDIO"
+MAX_PRIVATE_DATA: Final = 56  # rdma_cm limit for RDMA_PS_TCP connect private data
+
+# recv_depth >= 4 so that the credit reserve (1) and a threshold in 2..recv_depth-1 both fit.
+MIN_RECV_DEPTH: Final = 4
+MAX_RECV_DEPTH: Final = 0xFFFF
+MIN_SLOT_SIZE: Final = 64
+MAX_SLOT_SIZE: Final = 16 * 1024 * 1024
+MIN_MESSAGE_SIZE: Final = 1
+MAX_MESSAGE_SIZE: Final = 2**40
+MAX_CREDITS: Final = 0xFFFF  # width of the credit field of the immediate value
+
+# Header: magic, version, flags (0; ignored on receipt, reserved for compatible extensions), body length.
+_HEADER: Final = struct.Struct("!4sBBH")
+# Version 1 body: recv_depth, slot_size, max_message_size. Wider than the ranges so that decode can see
+# and reject out-of-range values instead of silently truncating them.
+_BODY_V1: Final = struct.Struct("!IIQ")
+
+_KIND_SHIFT: Final = 28
+_RESERVED_MASK: Final = 0x0FFF_0000
+_CREDIT_MASK: Final = 0xFFFF
+_U32_MAX: Final = 0xFFFF_FFFF
+
+
+def _check_fields(recv_depth: int, slot_size: int, max_message_size: int) -> None:
+    """Raise HandshakeError if a handshake field is outside the range this version allows."""
+    for name, value, low, high in (
+        ("recv_depth", recv_depth, MIN_RECV_DEPTH, MAX_RECV_DEPTH),
+        ("slot_size", slot_size, MIN_SLOT_SIZE, MAX_SLOT_SIZE),
+        ("max_message_size", max_message_size, MIN_MESSAGE_SIZE, MAX_MESSAGE_SIZE),
+    ):
+        if not low <= value <= high:
+            raise HandshakeError(f"{name} {value} is out of range {low}..{high}")
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """Connection parameters one side announces in the rdma_cm private data.
+
+    ``recv_depth`` receive buffers of ``slot_size`` bytes each are posted for the peer; ``max_message_size``
+    is the largest message this side accepts.
+    """
+
+    recv_depth: int
+    slot_size: int
+    max_message_size: int
+    version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("recv_depth", "slot_size", "max_message_size", "version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Handshake.{name} must be an int, not {type(value).__name__}")
+        if self.version != PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"unsupported protocol version {self.version} (this side supports {PROTOCOL_VERSION})"
+            )
+        _check_fields(self.recv_depth, self.slot_size, self.max_message_size)
+
+    def encode(self) -> bytes:
+        """Return the private-data bytes (at most :data:`MAX_PRIVATE_DATA`) announcing this handshake."""
+        body = _BODY_V1.pack(self.recv_depth, self.slot_size, self.max_message_size)
+        return _HEADER.pack(HANDSHAKE_MAGIC, self.version, 0, len(body)) + body
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> Handshake:
+        """Parse a handshake received from an untrusted peer.
+
+        Bytes beyond the declared length are ignored: rdma_cm pads private data with zeros, and later
+        compatible extensions may append fields. Raises :class:`HandshakeError` for anything malformed.
+        """
+        raw = bytes(data)
+        if len(raw) < _HEADER.size:
+            raise HandshakeError(
+                f"handshake too short: {len(raw)} bytes, the header alone needs {_HEADER.size}"
+            )
+        magic, version, _flags, body_len = _HEADER.unpack_from(raw)
+        if magic != HANDSHAKE_MAGIC:
+            raise HandshakeError(
+                f"bad handshake magic {magic!r} (expected {HANDSHAKE_MAGIC!r}): the peer is not rdmaio"
+            )
+        if version != PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"unsupported protocol version {version} from the peer "
+                f"(this side supports {PROTOCOL_VERSION})"
+            )
+        if body_len < _BODY_V1.size:
+            raise HandshakeError(
+                f"handshake declared length {body_len} is too small for version {version} "
+                f"(needs at least {_BODY_V1.size})"
+            )
+        if len(raw) < _HEADER.size + body_len:
+            raise HandshakeError(
+                f"handshake too short: {len(raw)} bytes, the declared length needs {_HEADER.size + body_len}"
+            )
+        recv_depth, slot_size, max_message_size = _BODY_V1.unpack_from(raw, _HEADER.size)
+        try:
+            _check_fields(recv_depth, slot_size, max_message_size)
+        except HandshakeError as exc:
+            raise HandshakeError(f"invalid handshake from the peer: {exc.message}") from None
+        return cls(recv_depth, slot_size, max_message_size, version)
+
+
+class FrameKind(enum.IntEnum):
+    """Kind of a frame, bits 31..28 of the immediate value."""
+
+    DATA_MORE = 1  # a fragment of a message; more fragments follow
+    DATA_END = 2  # the last (or only) fragment of a message; may be empty
+    CREDIT = 3  # no payload, only grants credits
+    EOF = 4  # no payload; the sender sends no more data (half-close)
+
+
+_DATA_KINDS: Final = (FrameKind.DATA_MORE, FrameKind.DATA_END)
+
+
+def encode_imm(kind: FrameKind, credits: int) -> int:
+    """Return the immediate value of a frame of ``kind`` that grants ``credits`` (0..65535)."""
+    kind = FrameKind(kind)
+    if not 0 <= credits <= MAX_CREDITS:
+        raise ValueError(f"credits {credits} out of range 0..{MAX_CREDITS}")
+    return (int(kind) << _KIND_SHIFT) | credits
+
+
+def decode_imm(imm: int) -> tuple[FrameKind, int]:
+    """Split a received immediate value into ``(kind, credits)``; :class:`FrameError` if malformed."""
+    if not 0 <= imm <= _U32_MAX:
+        raise FrameError(f"immediate value {imm:#x} is not an unsigned 32-bit value")
+    if imm & _RESERVED_MASK:
+        raise FrameError(f"immediate value {imm:#010x} has reserved bits set")
+    raw_kind = imm >> _KIND_SHIFT
+    try:
+        kind = FrameKind(raw_kind)
+    except ValueError:
+        raise FrameError(f"unknown frame kind {raw_kind} in immediate value {imm:#010x}") from None
+    return kind, imm & _CREDIT_MASK
+
+
+class ReceivedMessageTooLargeError(MessageTooLargeError, FrameError):
+    """The peer sent a message larger than our ``max_message_size``.
+
+    On the receive side this is a protocol violation (the sender must check the size first), so it is both
+    a :class:`MessageTooLargeError` and a :class:`~rdmaio.errors.ProtocolError`.
+    """
+
+
+class EOFType(enum.Enum):
+    """Type of the :data:`EOF` sentinel returned by :meth:`Session.recv_outcome`."""
+
+    EOF = "EOF"
+
+    def __repr__(self) -> str:
+        return "EOF"
+
+
+EOF: Final = EOFType.EOF
+"""Clean end of stream: the peer sent an EOF frame."""
+
+
+class State(enum.Enum):
+    """Life cycle of a connection as seen by this side."""
+
+    OPEN = "open"  # transport up, not closed locally (half-close is tracked separately)
+    CLOSING = "closing"  # close() called; the I/O layer flushes and tears down
+    DISCONNECTED = "disconnected"  # transport gone (peer disconnect or transport error), not closed locally
+    ABORTED = "aborted"  # abort() called or the peer violated the protocol
+    CLOSED = "closed"  # the I/O layer finished teardown (mark_closed())
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _chained(err: BaseException, cause: BaseException) -> BaseException:
+    err.__cause__ = cause
+    err.__suppress_context__ = True
+    return err
+
+
+class Session:
+    """Flow control, fragmentation accounting and close state of one established connection.
+
+    ``local`` is the handshake this side sent, ``peer`` the one it received. See the module docstring for
+    the credit rules and why ``credit_threshold`` must be in ``2..local.recv_depth-1``.
+
+    Contract with the I/O layer:
+
+    * send a frame only with an imm obtained from ``take_*_frame()`` right before posting it;
+    * for every receive completion call :meth:`on_frame` first and :meth:`on_recv_reposted` only after the
+      buffer was posted again (slots of CREDIT/EOF frames carry no payload: repost them right away);
+    * send a CREDIT frame whenever :meth:`credit_frame_due` is true, and the EOF frame once
+      :meth:`eof_pending` and :meth:`can_send_eof` are true and all data written before ``write_eof()`` is
+      sent.
+    """
+
+    __slots__ = (
+        "_abort_exc",
+        "_aborted",
+        "_bytes_received",
+        "_bytes_sent",
+        "_credit_frames_received",
+        "_credit_frames_sent",
+        "_credits_granted",
+        "_credits_received",
+        "_data_frames_received",
+        "_data_frames_sent",
+        "_eof_requested",
+        "_eof_sent",
+        "_frames_received",
+        "_frames_sent",
+        "_local",
+        "_local_closed",
+        "_messages_received",
+        "_messages_sent",
+        "_min_send_credits",
+        "_peer",
+        "_peer_eof",
+        "_posted",
+        "_recv_in_message",
+        "_recv_message_bytes",
+        "_send_credits",
+        "_send_in_message",
+        "_send_message_bytes",
+        "_threshold",
+        "_torn_down",
+        "_transport_error",
+        "_transport_lost",
+        "_ungranted",
+    )
+
+    def __init__(self, local: Handshake, peer: Handshake, *, credit_threshold: int | None = None) -> None:
+        if credit_threshold is None:
+            credit_threshold = local.recv_depth // 2
+        if not 2 <= credit_threshold <= local.recv_depth - 1:
+            raise ValueError(
+                f"credit_threshold {credit_threshold} out of range 2..{local.recv_depth - 1} "
+                "(1 lets idle peers exchange CREDIT frames forever, recv_depth can deadlock)"
+            )
+        self._local = local
+        self._peer = peer
+        self._threshold = credit_threshold
+        self._send_credits = peer.recv_depth
+        self._ungranted = 0
+        self._posted = local.recv_depth
+        self._recv_in_message = False
+        self._recv_message_bytes = 0
+        self._send_in_message = False
+        self._send_message_bytes = 0
+        self._eof_requested = False
+        self._eof_sent = False
+        self._peer_eof = False
+        self._local_closed = False
+        self._aborted = False
+        self._abort_exc: BaseException | None = None
+        self._transport_lost = False
+        self._transport_error: BaseException | None = None
+        self._torn_down = False
+        self._frames_sent = 0
+        self._frames_received = 0
+        self._data_frames_sent = 0
+        self._data_frames_received = 0
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        self._messages_sent = 0
+        self._messages_received = 0
+        self._credit_frames_sent = 0
+        self._credit_frames_received = 0
+        self._credits_granted = 0
+        self._credits_received = 0
+        self._min_send_credits = self._send_credits
+
+    def __repr__(self) -> str:
+        return (
+            f"<Session {self.state.name} send_credits={self._send_credits} ungranted={self._ungranted} "
+            f"posted={self._posted} eof_sent={self._eof_sent} peer_eof={self._peer_eof}>"
+        )
+
+    # -- properties ---------------------------------------------------------------------------------------
+
+    @property
+    def local(self) -> Handshake:
+        """The handshake this side sent."""
+        return self._local
+
+    @property
+    def peer(self) -> Handshake:
+        """The handshake the peer sent."""
+        return self._peer
+
+    @property
+    def send_credits(self) -> int:
+        """Peer slots known to be posted for us: frames we may still send."""
+        return self._send_credits
+
+    @property
+    def ungranted(self) -> int:
+        """Slots reposted locally that the peer has not been told about yet."""
+        return self._ungranted
+
+    @property
+    def posted(self) -> int:
+        """Receive slots currently posted locally."""
+        return self._posted
+
+    @property
+    def credit_threshold(self) -> int:
+        """Number of ungranted credits that makes a standalone CREDIT frame due."""
+        return self._threshold
+
+    @property
+    def max_fragment(self) -> int:
+        """The most payload bytes one frame may carry (the peer's slot size)."""
+        return self._peer.slot_size
+
+    @property
+    def peer_eof(self) -> bool:
+        """True once the peer's EOF frame was received."""
+        return self._peer_eof
+
+    @property
+    def eof_sent(self) -> bool:
+        """True once our EOF frame was taken (:meth:`take_eof_frame`)."""
+        return self._eof_sent
+
+    @property
+    def state(self) -> State:
+        """The connection's :class:`State`, derived from the events seen so far."""
+        if self._torn_down:
+            return State.CLOSED
+        if self._aborted:
+            return State.ABORTED
+        if self._local_closed:
+            return State.CLOSING
+        if self._transport_lost:
+            return State.DISCONNECTED
+        return State.OPEN
+
+    # -- sending ------------------------------------------------------------------------------------------
+
+    def check_message_size(self, n: int) -> None:
+        """Raise :class:`MessageTooLargeError` if the peer does not accept a message of ``n`` bytes."""
+        if n < 0:
+            raise ValueError(f"message size {n} is negative")
+        if n > self._peer.max_message_size:
+            raise MessageTooLargeError(
+                f"message of {n} bytes exceeds the peer's maximum message size of "
+                f"{self._peer.max_message_size} bytes"
+            )
+
+    def fragment_count(self, n: int) -> int:
+        """Number of frames a message of ``n`` bytes needs (an empty message still needs one)."""
+        if n < 0:
+            raise ValueError(f"message size {n} is negative")
+        return max(1, -(-n // self.max_fragment))
+
+    def can_send_data(self) -> bool:
+        """True if a DATA frame may be posted now (transport usable, EOF not sent, two credits held).
+
+        Data accepted before ``write_eof()``/``close()`` may still be flushed; whether the application may
+        hand over *new* data is :meth:`send_error`'s business.
+        """
+        return self._wire_ok() and not self._eof_sent and self._send_credits >= 2
+
+    def take_data_frame(self, last: bool, nbytes: int = 0) -> int:
+        """Account for one DATA frame about to be posted and return its immediate value.
+
+        ``last`` selects DATA_END (end of message) over DATA_MORE. ``nbytes`` (the payload size) is
+        optional; when given it is checked against :attr:`max_fragment` and the peer's maximum message
+        size and counted in :meth:`statistics`. Raises the connection's error if the transport is unusable,
+        :class:`EndpointClosedError` after the EOF frame, RuntimeError without two credits.
+        """
+        self._raise_wire_error()
+        if self._eof_sent:
+            raise EndpointClosedError("cannot send data: EOF was already sent (write_eof() was called)")
+        if not 0 <= nbytes <= self.max_fragment:
+            raise ValueError(f"fragment of {nbytes} bytes out of range 0..{self.max_fragment}")
+        if self._send_credits < 2:
+            # The last credit is reserved so that a CREDIT/EOF frame can always be sent.
+            raise RuntimeError(f"no credit for a DATA frame (send_credits={self._send_credits}, need 2)")
+        message_bytes = self._send_message_bytes + nbytes
+        if message_bytes > self._peer.max_message_size:
+            raise MessageTooLargeError(
+                f"message exceeds the peer's maximum message size of {self._peer.max_message_size} bytes"
+            )
+        self._data_frames_sent += 1
+        self._bytes_sent += nbytes
+        if last:
+            self._messages_sent += 1
+            self._send_in_message = False
+            self._send_message_bytes = 0
+        else:
+            self._send_in_message = True
+            self._send_message_bytes = message_bytes
+        return self._take(FrameKind.DATA_END if last else FrameKind.DATA_MORE)
+
+    def credit_frame_due(self) -> bool:
+        """True if a standalone CREDIT frame should be sent now."""
+        return self._wire_ok() and self._ungranted >= self._threshold and self._send_credits >= 1
+
+    def take_credit_frame(self) -> int:
+        """Account for one CREDIT frame about to be posted and return its immediate value.
+
+        Allowed with a single credit left, but only if it grants at least one credit (the liveness argument
+        relies on that). Send it when :meth:`credit_frame_due` says so to keep idle peers quiet.
+        """
+        self._raise_wire_error()
+        if self._send_credits < 1:
+            raise RuntimeError("no credit left for a CREDIT frame")
+        if self._ungranted < 1:
+            raise RuntimeError("a CREDIT frame must grant at least one credit (ungranted is 0)")
+        self._credit_frames_sent += 1
+        return self._take(FrameKind.CREDIT)
+
+    def write_eof(self) -> None:
+        """Half-close: request an EOF frame after the pending data; new data is refused from now on."""
+        self._eof_requested = True
+
+    def eof_pending(self) -> bool:
+        """True if ``write_eof()``/``close()`` asked for an EOF frame that was not sent yet.
+
+        False once the transport is gone, as there is no one left to tell.
+        """
+        return self._eof_requested and not self._eof_sent and self._wire_ok()
+
+    def can_send_eof(self) -> bool:
+        """True if the pending EOF frame may be posted now as far as credits and framing go.
+
+        EOF may use the last credit only if it grants one too (see the module docstring).
+        """
+        return self.eof_pending() and not self._send_in_message and self._eof_credit_ok()
+
+    def _eof_credit_ok(self) -> bool:
+        # The last credit may go to EOF only if EOF grants one back; otherwise both sides could end up
+        # holding zero credits with nothing in flight.
+        return self._send_credits >= 2 or (self._send_credits == 1 and self._ungranted >= 1)
+
+    def take_eof_frame(self) -> int:
+        """Account for the EOF frame about to be posted and return its immediate value (once only)."""
+        self._raise_wire_error()
+        if self._eof_sent:
+            raise RuntimeError("EOF was already sent")
+        if self._send_in_message:
+            raise RuntimeError("cannot send EOF in the middle of a message (DATA_END missing)")
+        if not self._eof_credit_ok():
+            raise RuntimeError(
+                f"no credit for the EOF frame "
+                f"(send_credits={self._send_credits}, ungranted={self._ungranted})"
+            )
+        self._eof_requested = True
+        self._eof_sent = True
+        return self._take(FrameKind.EOF)
+
+    def _take(self, kind: FrameKind) -> int:
+        # Every frame piggybacks everything we owe: fewer standalone CREDIT frames. The cap is a guard only:
+        # ungranted <= posted <= recv_depth <= MAX_CREDITS as long as on_frame accepts the frames.
+        grant = min(self._ungranted, MAX_CREDITS)
+        self._ungranted -= grant
+        self._credits_granted += grant
+        self._send_credits -= 1
+        self._min_send_credits = min(self._min_send_credits, self._send_credits)
+        self._frames_sent += 1
+        return encode_imm(kind, grant)
+
+    # -- receiving ----------------------------------------------------------------------------------------
+
+    def on_recv_reposted(self, n: int) -> None:
+        """The I/O layer posted ``n`` receive buffers again; they become credits owed to the peer."""
+        if n < 0:
+            raise ValueError(f"reposted count {n} is negative")
+        if self._posted + n > self._local.recv_depth:
+            raise RuntimeError(
+                f"{self._posted + n} receives posted, more than recv_depth {self._local.recv_depth}"
+            )
+        self._posted += n
+        self._ungranted += n
+
+    def on_frame(self, imm: int, byte_len: int) -> FrameKind:
+        """Validate and apply one received frame; return its kind (DATA_END completes a message).
+
+        Raises a :class:`~rdmaio.errors.ProtocolError` (:class:`FrameError`, or
+        :class:`ReceivedMessageTooLargeError`) if the peer broke the protocol; the session is then aborted
+        with that error, as its accounting can no longer be trusted.
+        """
+        try:
+            kind, credits = self._check_frame(imm, byte_len)
+        except ProtocolError as exc:
+            self.abort(exc)
+            raise
+        self._posted -= 1
+        self._send_credits += credits
+        self._credits_received += credits
+        self._frames_received += 1
+        if kind in _DATA_KINDS:
+            self._data_frames_received += 1
+            self._bytes_received += byte_len
+            if kind is FrameKind.DATA_END:
+                self._messages_received += 1
+                self._recv_in_message = False
+                self._recv_message_bytes = 0
+            else:
+                self._recv_in_message = True
+                self._recv_message_bytes += byte_len
+        elif kind is FrameKind.CREDIT:
+            self._credit_frames_received += 1
+        else:
+            self._peer_eof = True
+        return kind
+
+    def _check_frame(self, imm: int, byte_len: int) -> tuple[FrameKind, int]:
+        # Validate everything before changing any state, so a rejected frame leaves the counters intact.
+        kind, credits = decode_imm(imm)
+        if self._posted <= 0:
+            raise FrameError(
+                f"{kind.name} frame arrived with no receive posted (RNR): the peer overran its credits"
+            )
+        # posted - ungranted = the peer's credits + frames and grants in flight: this frame must be one of
+        # them. Stricter than posted > 0, which misses a peer that uses slots we reposted but never granted.
+        if self._posted - self._ungranted <= 0:
+            raise FrameError(f"{kind.name} frame arrived although the peer held no credit for it")
+        if not 0 <= byte_len <= self._local.slot_size:
+            raise FrameError(
+                f"{kind.name} frame of {byte_len} bytes exceeds the slot size of {self._local.slot_size}"
+            )
+        if kind not in _DATA_KINDS and byte_len != 0:
+            raise FrameError(f"{kind.name} frame carries {byte_len} payload bytes, it must carry none")
+        if self._send_credits + credits > self._peer.recv_depth:
+            raise FrameError(
+                f"peer granted {credits} credits, more than its recv_depth {self._peer.recv_depth} allows "
+                f"(we hold {self._send_credits})"
+            )
+        if kind in _DATA_KINDS:
+            if self._peer_eof:
+                raise FrameError(f"{kind.name} frame after the peer's EOF")
+            size = self._recv_message_bytes + byte_len
+            if size > self._local.max_message_size:
+                raise ReceivedMessageTooLargeError(
+                    f"peer sent a message of at least {size} bytes, more than our maximum message size "
+                    f"of {self._local.max_message_size} bytes"
+                )
+        elif kind is FrameKind.EOF:
+            if self._peer_eof:
+                raise FrameError("second EOF frame from the peer")
+            if self._recv_in_message:
+                raise FrameError("EOF frame in the middle of a message (DATA_END missing)")
+        return kind, credits
+
+    # -- close state machine ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Graceful local close: implies :meth:`write_eof`; the state becomes CLOSING. Idempotent."""
+        self._local_closed = True
+        self._eof_requested = True
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Abort the connection now (state ABORTED); ``exc``, if any, is reported to pending operations.
+
+        Idempotent: the first cause is kept. A no-op once :meth:`mark_closed` was called.
+        """
+        if self._aborted or self._torn_down:
+            return
+        self._aborted = True
+        self._abort_exc = exc
+
+    def on_disconnected(self) -> None:
+        """The transport reported DISCONNECTED (the peer left or our disconnect completed)."""
+        self._transport_lost = True
+
+    def on_transport_error(self, exc: BaseException) -> None:
+        """A completion or rdma_cm error made the transport unusable.
+
+        Only the first cause is kept: errors after a disconnect (e.g. flushed work requests) are
+        consequences, not news.
+        """
+        if not self._transport_lost:
+            self._transport_lost = True
+            self._transport_error = exc
+
+    def mark_closed(self) -> None:
+        """The I/O layer finished tearing the connection down; the state becomes CLOSED."""
+        self._torn_down = True
+
+    def send_error(self) -> BaseException | None:
+        """The exception a send/write/drain must raise now, or None if the state allows new data.
+
+        Credits are a separate matter (:meth:`can_send_data`). A new instance is returned on each call.
+        """
+        if self._aborted:
+            return self._abort_error()
+        if self._local_closed:
+            return EndpointClosedError("endpoint is closed")
+        if self._eof_requested:
+            return EndpointClosedError("cannot send after write_eof() was called")
+        if self._transport_lost:
+            return self._reset_error("peer closed the connection")
+        if self._torn_down:
+            return EndpointClosedError("endpoint is closed")
+        return None
+
+    def recv_outcome(self) -> BaseException | EOFType | None:
+        """What a read that finds no buffered data gets.
+
+        None means wait for more, :data:`EOF` is the clean end of stream (the peer's EOF wins over a later
+        disconnect or transport error), an exception instance is to be raised.
+        """
+        if self._aborted:
+            return self._abort_error()
+        if self._local_closed:
+            return EndpointClosedError("endpoint is closed")
+        if self._peer_eof:
+            return EOF
+        if self._transport_lost:
+            return self._reset_error("connection reset: the peer disconnected without sending EOF")
+        if self._torn_down:
+            return EndpointClosedError("endpoint is closed")
+        return None
+
+    def _abort_error(self) -> BaseException:
+        exc = self._abort_exc
+        if exc is None:
+            return EndpointClosedError("endpoint was aborted")
+        return _chained(ConnectionAbortedError(f"connection aborted: {_describe(exc)}"), exc)
+
+    def _reset_error(self, message: str) -> BaseException:
+        exc = self._transport_error
+        if exc is None:
+            return ConnectionResetError(message)
+        return _chained(ConnectionResetError(f"connection lost: transport error: {_describe(exc)}"), exc)
+
+    def _wire_ok(self) -> bool:
+        # A local close() still lets the I/O layer flush data, EOF and credits until teardown.
+        return not (self._aborted or self._torn_down or self._transport_lost)
+
+    def _raise_wire_error(self) -> None:
+        if self._aborted:
+            raise self._abort_error()
+        if self._transport_lost:
+            raise self._reset_error("peer closed the connection")
+        if self._torn_down:
+            raise EndpointClosedError("endpoint is closed")
+
+    # -- statistics ---------------------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, int]:
+        """Counters and current credit state, for monitoring and tuning."""
+        return {
+            "frames_sent": self._frames_sent,
+            "frames_received": self._frames_received,
+            "data_frames_sent": self._data_frames_sent,
+            "data_frames_received": self._data_frames_received,
+            "bytes_sent": self._bytes_sent,
+            "bytes_received": self._bytes_received,
+            "messages_sent": self._messages_sent,
+            "messages_received": self._messages_received,
+            "credit_frames_sent": self._credit_frames_sent,
+            "credit_frames_received": self._credit_frames_received,
+            "eof_sent": int(self._eof_sent),
+            "eof_received": int(self._peer_eof),
+            "credits_granted": self._credits_granted,
+            "credits_received": self._credits_received,
+            "send_credits": self._send_credits,
+            "min_send_credits": self._min_send_credits,
+            "ungranted": self._ungranted,
+            "posted": self._posted,
+            "credit_threshold": self._threshold,
+        }

@@ -1,0 +1,1021 @@
+"""Unit tests of rdmaio.protocol: handshake, immediate values, credits, close states and a simulation."""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rdmaio.errors import (
+    ConnectionAbortedError,
+    ConnectionResetError,
+    EndpointClosedError,
+    FrameError,
+    HandshakeError,
+    MessageTooLargeError,
+    ProtocolError,
+)
+from rdmaio.protocol import (
+    EOF,
+    HANDSHAKE_MAGIC,
+    MAX_MESSAGE_SIZE,
+    MAX_PRIVATE_DATA,
+    MAX_SLOT_SIZE,
+    PROTOCOL_VERSION,
+    EOFType,
+    FrameKind,
+    Handshake,
+    ReceivedMessageTooLargeError,
+    Session,
+    State,
+    decode_imm,
+    encode_imm,
+)
+
+HEADER = struct.Struct("!4sBBH")
+BODY = struct.Struct("!IIQ")
+
+
+def raw_handshake(
+    recv_depth: int = 8,
+    slot_size: int = 64,
+    max_message_size: int = 1024,
+    *,
+    magic: bytes = HANDSHAKE_MAGIC,
+    version: int = PROTOCOL_VERSION,
+    flags: int = 0,
+    body_len: int | None = None,
+) -> bytes:
+    """Build handshake bytes by hand, bypassing Handshake's validation."""
+    body = BODY.pack(recv_depth, slot_size, max_message_size)
+    return HEADER.pack(magic, version, flags, len(body) if body_len is None else body_len) + body
+
+
+def make_session(
+    local_depth: int = 8,
+    peer_depth: int = 8,
+    *,
+    local_slot: int = 64,
+    peer_slot: int = 64,
+    local_max: int = 1024,
+    peer_max: int = 1024,
+    credit_threshold: int | None = None,
+) -> Session:
+    return Session(
+        Handshake(local_depth, local_slot, local_max),
+        Handshake(peer_depth, peer_slot, peer_max),
+        credit_threshold=credit_threshold,
+    )
+
+
+def imm(kind: FrameKind, credits: int = 0) -> int:
+    return encode_imm(kind, credits)
+
+
+# -- Handshake ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("recv_depth", "slot_size", "max_message_size"),
+    [(4, 64, 1), (128, 4096, 1 << 20), (65535, MAX_SLOT_SIZE, MAX_MESSAGE_SIZE)],
+)
+def test_handshake_roundtrip(recv_depth: int, slot_size: int, max_message_size: int) -> None:
+    hs = Handshake(recv_depth, slot_size, max_message_size)
+    data = hs.encode()
+    assert len(data) <= MAX_PRIVATE_DATA
+    assert data.startswith(HANDSHAKE_MAGIC)
+    assert Handshake.decode(data) == hs
+    assert Handshake.decode(bytearray(data)) == hs
+    assert Handshake.decode(memoryview(data)) == hs
+    assert hs.version == PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize("total", [MAX_PRIVATE_DATA, 196, 256])
+def test_handshake_decode_accepts_zero_padding(total: int) -> None:
+    hs = Handshake(16, 256, 4096)
+    data = hs.encode()
+    assert Handshake.decode(data + b"\0" * (total - len(data))) == hs
+
+
+def test_handshake_decode_accepts_garbage_after_declared_length() -> None:
+    hs = Handshake(16, 256, 4096)
+    assert Handshake.decode(hs.encode() + b"\xff" * 40) == hs
+
+
+def test_handshake_decode_accepts_longer_declared_body_and_ignores_flags() -> None:
+    # A compatible extension may append fields and set flags; version 1 reads what it knows.
+    data = raw_handshake(16, 256, 4096, flags=0x80, body_len=BODY.size + 4) + b"\1\2\3\4"
+    assert Handshake.decode(data) == Handshake(16, 256, 4096)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"R",
+        HANDSHAKE_MAGIC,
+        raw_handshake()[: HEADER.size - 1],
+        raw_handshake()[: HEADER.size],
+        raw_handshake()[: HEADER.size + 4],
+        raw_handshake()[:-1],
+        raw_handshake(body_len=BODY.size + 1),
+    ],
+    ids=[
+        "empty",
+        "1-byte",
+        "magic-only",
+        "partial-header",
+        "header-only",
+        "truncated",
+        "minus-1",
+        "declared+1",
+    ],
+)
+def test_handshake_decode_too_short(data: bytes) -> None:
+    with pytest.raises(HandshakeError, match="too short"):
+        Handshake.decode(data)
+
+
+@pytest.mark.parametrize("magic", [b"XDIO", b"rdio", b"\0\0\0\0"])
+def test_handshake_decode_bad_magic(magic: bytes) -> None:
+    with pytest.raises(HandshakeError, match="bad handshake magic"):
+        Handshake.decode(raw_handshake(magic=magic))
+
+
+@pytest.mark.parametrize("version", [0, 2, 255])
+def test_handshake_decode_unsupported_version(version: int) -> None:
+    with pytest.raises(HandshakeError, match=rf"unsupported protocol version {version} .*supports 1\)"):
+        Handshake.decode(raw_handshake(version=version))
+
+
+@pytest.mark.parametrize("body_len", [0, 1, BODY.size - 1])
+def test_handshake_decode_declared_length_too_small(body_len: int) -> None:
+    with pytest.raises(HandshakeError, match=f"declared length {body_len} is too small"):
+        Handshake.decode(raw_handshake(body_len=body_len))
+
+
+OUT_OF_RANGE = [
+    ({"recv_depth": 0}, "recv_depth 0 is out of range 4..65535"),
+    ({"recv_depth": 3}, "recv_depth 3 is out of range"),
+    ({"recv_depth": 65536}, "recv_depth 65536 is out of range"),
+    ({"slot_size": 0}, "slot_size 0 is out of range 64..16777216"),
+    ({"slot_size": 63}, "slot_size 63 is out of range"),
+    ({"slot_size": MAX_SLOT_SIZE + 1}, f"slot_size {MAX_SLOT_SIZE + 1} is out of range"),
+    ({"max_message_size": 0}, "max_message_size 0 is out of range 1..1099511627776"),
+    ({"max_message_size": MAX_MESSAGE_SIZE + 1}, "max_message_size 1099511627777 is out of range"),
+]
+
+
+@pytest.mark.parametrize(("fields", "fragment"), OUT_OF_RANGE)
+def test_handshake_decode_field_out_of_range(fields: dict[str, int], fragment: str) -> None:
+    with pytest.raises(HandshakeError, match="invalid handshake from the peer") as info:
+        Handshake.decode(
+            raw_handshake(
+                fields.get("recv_depth", 8), fields.get("slot_size", 64), fields.get("max_message_size", 1024)
+            )
+        )
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("fields", "fragment"), OUT_OF_RANGE)
+def test_handshake_construct_field_out_of_range(fields: dict[str, int], fragment: str) -> None:
+    args = {"recv_depth": 8, "slot_size": 64, "max_message_size": 1024, **fields}
+    with pytest.raises(ValueError, match=fragment):
+        Handshake(**args)
+
+
+def test_handshake_construct_rejects_other_versions_and_non_ints() -> None:
+    with pytest.raises(HandshakeError, match="unsupported protocol version 2"):
+        Handshake(8, 64, 1024, version=2)
+    with pytest.raises(TypeError, match="recv_depth must be an int"):
+        Handshake(True, 64, 1024)
+    with pytest.raises(TypeError, match="slot_size must be an int"):
+        Handshake(8, "64", 1024)  # type: ignore[arg-type]
+
+
+def test_handshake_is_frozen() -> None:
+    hs = Handshake(8, 64, 1024)
+    with pytest.raises(AttributeError):
+        hs.recv_depth = 9  # type: ignore[misc]
+
+
+HANDSHAKE_BYTES = st.one_of(
+    st.binary(max_size=80),
+    st.builds(
+        lambda version, body_len, body: HEADER.pack(HANDSHAKE_MAGIC, version, 0, body_len) + body,
+        st.sampled_from([0, 1, 2, 255]),
+        st.integers(0, 40),
+        st.binary(max_size=72),
+    ),
+    st.builds(
+        lambda depth, slot, size, pad: raw_handshake(depth, slot, size) + pad,
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**64 - 1),
+        st.binary(max_size=56),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(HANDSHAKE_BYTES)
+def test_handshake_decode_fuzz(data: bytes) -> None:
+    try:
+        hs = Handshake.decode(data)
+    except HandshakeError:
+        return
+    assert 4 <= hs.recv_depth <= 65535
+    assert 64 <= hs.slot_size <= MAX_SLOT_SIZE
+    assert 1 <= hs.max_message_size <= MAX_MESSAGE_SIZE
+    assert Handshake.decode(hs.encode()) == hs
+
+
+# -- immediate values ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(FrameKind))
+@pytest.mark.parametrize("credits", [0, 1, 255, 256, 65535])
+def test_imm_roundtrip(kind: FrameKind, credits: int) -> None:
+    value = encode_imm(kind, credits)
+    assert 0 <= value < 2**32
+    assert value >> 28 == kind
+    assert value & 0x0FFF0000 == 0
+    assert decode_imm(value) == (kind, credits)
+
+
+def test_encode_imm_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="credits 65536 out of range"):
+        encode_imm(FrameKind.CREDIT, 65536)
+    with pytest.raises(ValueError, match="credits -1 out of range"):
+        encode_imm(FrameKind.CREDIT, -1)
+    with pytest.raises(ValueError):
+        encode_imm(5, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw_kind", [0, *range(5, 16)])
+def test_decode_imm_unknown_kind(raw_kind: int) -> None:
+    with pytest.raises(FrameError, match=f"unknown frame kind {raw_kind}"):
+        decode_imm(raw_kind << 28 | 7)
+
+
+@pytest.mark.parametrize("bit", range(16, 28))
+def test_decode_imm_reserved_bits(bit: int) -> None:
+    with pytest.raises(FrameError, match="reserved bits set"):
+        decode_imm(int(FrameKind.DATA_END) << 28 | 1 << bit)
+
+
+@pytest.mark.parametrize("value", [-1, -(2**31), 2**32, 2**40])
+def test_decode_imm_out_of_range(value: int) -> None:
+    with pytest.raises(FrameError, match="not an unsigned 32-bit value"):
+        decode_imm(value)
+
+
+# -- Session: credits and framing ---------------------------------------------------------------------------
+
+
+def test_session_initial_state() -> None:
+    s = make_session(8, 6, local_slot=128, peer_slot=256)
+    assert (s.send_credits, s.ungranted, s.posted) == (6, 0, 8)
+    assert s.max_fragment == 256
+    assert s.credit_threshold == 4
+    assert s.state is State.OPEN
+    assert s.local == Handshake(8, 128, 1024)
+    assert s.peer == Handshake(6, 256, 1024)
+    assert s.send_error() is None
+    assert s.recv_outcome() is None
+    assert not s.peer_eof and not s.eof_sent and not s.eof_pending()
+    assert s.statistics()["send_credits"] == 6
+
+
+@pytest.mark.parametrize(("depth", "expected"), [(4, 2), (5, 2), (9, 4), (65535, 32767)])
+def test_default_credit_threshold(depth: int, expected: int) -> None:
+    assert make_session(depth).credit_threshold == expected
+
+
+@pytest.mark.parametrize(("depth", "threshold"), [(8, 0), (8, 1), (8, 8), (8, 9), (4, 4)])
+def test_credit_threshold_out_of_range(depth: int, threshold: int) -> None:
+    with pytest.raises(ValueError, match=r"credit_threshold .* out of range 2\.\."):
+        make_session(depth, credit_threshold=threshold)
+
+
+def test_credit_threshold_edges_accepted() -> None:
+    assert make_session(8, credit_threshold=2).credit_threshold == 2
+    assert make_session(8, credit_threshold=7).credit_threshold == 7
+
+
+def test_data_keeps_one_credit_in_reserve() -> None:
+    s = make_session(peer_depth=4)
+    for _ in range(3):
+        assert s.can_send_data()
+        assert decode_imm(s.take_data_frame(last=True)) == (FrameKind.DATA_END, 0)
+    assert s.send_credits == 1
+    assert not s.can_send_data()
+    with pytest.raises(RuntimeError, match="no credit for a DATA frame"):
+        s.take_data_frame(last=False)
+    # Nothing owed yet: neither CREDIT nor EOF may take the last credit without granting.
+    with pytest.raises(RuntimeError, match="must grant at least one credit"):
+        s.take_credit_frame()
+    s.write_eof()
+    assert s.eof_pending() and not s.can_send_eof()
+    with pytest.raises(RuntimeError, match="no credit for the EOF frame"):
+        s.take_eof_frame()
+    # Once something is owed, the last credit may carry it.
+    s.on_frame(imm(FrameKind.DATA_END), 10)
+    s.on_recv_reposted(1)
+    assert s.can_send_eof()
+    assert decode_imm(s.take_eof_frame()) == (FrameKind.EOF, 1)
+    assert s.send_credits == 0 and s.ungranted == 0
+    assert not s.eof_pending() and not s.can_send_eof()
+
+
+def test_credit_frame_may_use_last_credit() -> None:
+    s = make_session(local_depth=4, peer_depth=4)
+    for _ in range(3):
+        s.take_data_frame(last=True)
+    for _ in range(2):
+        s.on_frame(imm(FrameKind.DATA_END), 1)
+    assert not s.credit_frame_due()
+    s.on_recv_reposted(1)
+    assert not s.credit_frame_due()  # 1 < threshold 2
+    s.on_recv_reposted(1)
+    assert s.credit_frame_due()
+    assert decode_imm(s.take_credit_frame()) == (FrameKind.CREDIT, 2)
+    assert s.send_credits == 0
+    assert not s.credit_frame_due()
+    s.on_frame(imm(FrameKind.CREDIT), 0)
+    s.on_recv_reposted(1)
+    with pytest.raises(RuntimeError, match="no credit left for a CREDIT frame"):
+        s.take_credit_frame()
+    assert s.statistics()["credit_frames_sent"] == 1
+
+
+def test_piggyback_drains_ungranted() -> None:
+    s = make_session(local_depth=8, credit_threshold=6)
+    for _ in range(5):
+        s.on_frame(imm(FrameKind.DATA_MORE), 64)
+    s.on_recv_reposted(3)
+    assert (s.ungranted, s.posted) == (3, 6)
+    assert not s.credit_frame_due()
+    assert decode_imm(s.take_data_frame(last=False, nbytes=64)) == (FrameKind.DATA_MORE, 3)
+    assert s.ungranted == 0
+    s.on_recv_reposted(2)
+    assert decode_imm(s.take_data_frame(last=True, nbytes=1)) == (FrameKind.DATA_END, 2)
+    assert decode_imm(s.take_data_frame(last=True)) == (FrameKind.DATA_END, 0)
+    stats = s.statistics()
+    assert stats["credits_granted"] == 5
+    assert stats["bytes_sent"] == 65
+    assert stats["messages_sent"] == 2
+    assert stats["data_frames_sent"] == 3
+    assert stats["min_send_credits"] == 5
+
+
+def test_received_credits_add_to_send_credits() -> None:
+    s = make_session(peer_depth=8)
+    for _ in range(5):
+        s.take_data_frame(last=True)
+    assert s.send_credits == 3
+    assert s.on_frame(imm(FrameKind.CREDIT, 4), 0) is FrameKind.CREDIT
+    assert s.send_credits == 7
+    assert s.on_frame(imm(FrameKind.DATA_END, 1), 3) is FrameKind.DATA_END
+    assert s.send_credits == 8
+    stats = s.statistics()
+    assert stats["credits_received"] == 5
+    assert stats["credit_frames_received"] == 1
+    assert stats["bytes_received"] == 3
+
+
+def test_on_recv_reposted_validation() -> None:
+    s = make_session(local_depth=4)
+    with pytest.raises(RuntimeError, match="more than recv_depth 4"):
+        s.on_recv_reposted(1)
+    with pytest.raises(ValueError, match="negative"):
+        s.on_recv_reposted(-1)
+    s.on_recv_reposted(0)
+    assert (s.posted, s.ungranted) == (4, 0)
+
+
+def test_take_data_frame_checks_fragment_and_message_size() -> None:
+    s = make_session(peer_slot=64, peer_max=100)
+    with pytest.raises(ValueError, match="fragment of 65 bytes"):
+        s.take_data_frame(last=True, nbytes=65)
+    with pytest.raises(ValueError, match="fragment of -1 bytes"):
+        s.take_data_frame(last=True, nbytes=-1)
+    s.take_data_frame(last=False, nbytes=64)
+    with pytest.raises(MessageTooLargeError, match="maximum message size of 100"):
+        s.take_data_frame(last=True, nbytes=37)
+    s.take_data_frame(last=True, nbytes=36)
+    s.take_data_frame(last=True, nbytes=64)  # a new message starts from zero
+    assert s.send_credits == 5
+
+
+def test_check_message_size() -> None:
+    s = make_session(peer_max=1000)
+    s.check_message_size(0)
+    s.check_message_size(1000)
+    with pytest.raises(
+        MessageTooLargeError, match="1001 bytes exceeds the peer's maximum message size of 1000"
+    ):
+        s.check_message_size(1001)
+    with pytest.raises(ValueError, match="negative"):
+        s.check_message_size(-1)
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"), [(0, 1), (1, 1), (63, 1), (64, 1), (65, 2), (128, 2), (129, 3), (10**9, 15625000)]
+)
+def test_fragment_count(n: int, expected: int) -> None:
+    s = make_session(peer_slot=64)
+    assert s.fragment_count(n) == expected
+    with pytest.raises(ValueError, match="negative"):
+        s.fragment_count(-1)
+
+
+def test_on_frame_accepts_empty_message() -> None:
+    s = make_session()
+    assert s.on_frame(imm(FrameKind.DATA_END), 0) is FrameKind.DATA_END
+    assert s.statistics()["messages_received"] == 1
+    assert s.posted == 7
+
+
+def test_on_frame_reassembly_limit_is_exact() -> None:
+    s = make_session(local_slot=64, local_max=100)
+    s.on_frame(imm(FrameKind.DATA_MORE), 64)
+    s.on_frame(imm(FrameKind.DATA_END), 36)  # exactly 100
+    s.on_frame(imm(FrameKind.DATA_MORE), 64)
+    with pytest.raises(ReceivedMessageTooLargeError, match="at least 101 bytes") as info:
+        s.on_frame(imm(FrameKind.DATA_END), 37)
+    assert isinstance(info.value, MessageTooLargeError)
+    assert isinstance(info.value, ProtocolError)
+
+
+def _exhaust_slots(s: Session) -> None:
+    for _ in range(s.posted):
+        s.on_frame(imm(FrameKind.DATA_END), 1)
+
+
+def _after_peer_eof(s: Session) -> None:
+    s.on_frame(imm(FrameKind.EOF), 0)
+
+
+def _mid_message(s: Session) -> None:
+    s.on_frame(imm(FrameKind.DATA_MORE), 64)
+
+
+def _reposted_but_not_granted(s: Session) -> None:
+    _exhaust_slots(s)
+    s.on_recv_reposted(s.local.recv_depth)
+
+
+def _spent_credits(s: Session) -> None:
+    s.take_data_frame(last=True)
+
+
+def _nothing(s: Session) -> None:
+    pass
+
+
+ON_FRAME_ERRORS: list[tuple[str, Callable[[Session], None], int, int, type[Exception], str]] = [
+    ("no-slot-posted", _exhaust_slots, imm(FrameKind.DATA_END), 1, FrameError, "no receive posted"),
+    ("no-slot-credit", _exhaust_slots, imm(FrameKind.CREDIT), 0, FrameError, "no receive posted"),
+    ("ungranted-slot", _reposted_but_not_granted, imm(FrameKind.DATA_END), 1, FrameError, "held no credit"),
+    ("oversize", _nothing, imm(FrameKind.DATA_MORE), 65, FrameError, "65 bytes exceeds the slot size of 64"),
+    ("oversize-end", _nothing, imm(FrameKind.DATA_END), 2**32 - 1, FrameError, "exceeds the slot size"),
+    ("negative-len", _nothing, imm(FrameKind.DATA_END), -1, FrameError, "exceeds the slot size"),
+    ("payload-credit", _nothing, imm(FrameKind.CREDIT), 1, FrameError, "CREDIT frame carries 1 payload"),
+    ("payload-eof", _nothing, imm(FrameKind.EOF), 8, FrameError, "EOF frame carries 8 payload"),
+    ("data-after-eof", _after_peer_eof, imm(FrameKind.DATA_END), 0, FrameError, "after the peer's EOF"),
+    ("more-after-eof", _after_peer_eof, imm(FrameKind.DATA_MORE), 5, FrameError, "after the peer's EOF"),
+    ("second-eof", _after_peer_eof, imm(FrameKind.EOF), 0, FrameError, "second EOF"),
+    ("eof-mid-message", _mid_message, imm(FrameKind.EOF), 0, FrameError, "middle of a message"),
+    ("too-many-credits", _nothing, imm(FrameKind.CREDIT, 1), 0, FrameError, "more than its recv_depth 8"),
+    ("credit-overflow", _spent_credits, imm(FrameKind.CREDIT, 2), 0, FrameError, "granted 2 credits"),
+    ("bad-kind", _nothing, 7 << 28, 0, FrameError, "unknown frame kind 7"),
+    ("reserved", _nothing, 1 << 20 | 2 << 28, 0, FrameError, "reserved bits"),
+    (
+        "too-large",
+        _mid_message,
+        imm(FrameKind.DATA_END),
+        1,
+        ReceivedMessageTooLargeError,
+        "more than our maximum message size of 64",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "raw_imm", "byte_len", "exc_type", "fragment"),
+    [case[1:] for case in ON_FRAME_ERRORS],
+    ids=[case[0] for case in ON_FRAME_ERRORS],
+)
+def test_on_frame_errors(
+    setup: Callable[[Session], None], raw_imm: int, byte_len: int, exc_type: type[Exception], fragment: str
+) -> None:
+    s = make_session(local_slot=64, local_max=64)
+    setup(s)
+    before = s.statistics()
+    with pytest.raises(exc_type, match=fragment) as info:
+        s.on_frame(raw_imm, byte_len)
+    assert isinstance(info.value, ProtocolError)
+    # Rejected frames change no counters, and the session is aborted with the violation.
+    assert s.statistics() == before
+    assert s.state is State.ABORTED
+    err = s.send_error()
+    assert isinstance(err, ConnectionAbortedError)
+    assert err.__cause__ is info.value
+    assert isinstance(s.recv_outcome(), ConnectionAbortedError)
+    assert not s.credit_frame_due() and not s.can_send_data()
+
+
+def test_frames_sent_after_eof_and_flush_after_write_eof() -> None:
+    s = make_session()
+    s.take_data_frame(last=False)
+    s.write_eof()
+    assert isinstance(s.send_error(), EndpointClosedError)
+    # Data accepted before write_eof() is still flushed...
+    assert s.can_send_data()
+    assert not s.can_send_eof()  # ...and EOF waits for the message to end.
+    with pytest.raises(RuntimeError, match="middle of a message"):
+        s.take_eof_frame()
+    s.take_data_frame(last=True)
+    assert s.can_send_eof()
+    s.take_eof_frame()
+    assert s.eof_sent
+    assert not s.can_send_data()
+    with pytest.raises(EndpointClosedError, match="EOF was already sent"):
+        s.take_data_frame(last=True)
+    with pytest.raises(RuntimeError, match="already sent"):
+        s.take_eof_frame()
+    # Half-closed: we still receive and grant credits.
+    s.on_frame(imm(FrameKind.DATA_END), 1)
+    s.on_frame(imm(FrameKind.DATA_END), 1)
+    s.on_recv_reposted(2)
+    assert decode_imm(s.take_credit_frame()) == (FrameKind.CREDIT, 2)
+
+
+def test_take_eof_frame_without_write_eof_implies_it() -> None:
+    s = make_session()
+    s.take_eof_frame()
+    assert s.eof_sent
+    assert isinstance(s.send_error(), EndpointClosedError)
+
+
+@pytest.mark.parametrize(
+    ("event", "exc_type"),
+    [
+        ("disconnect", ConnectionResetError),
+        ("abort", EndpointClosedError),
+        ("mark_closed", EndpointClosedError),
+    ],
+)
+def test_no_frames_once_transport_is_gone(event: str, exc_type: type[Exception]) -> None:
+    s = make_session(local_depth=4)
+    s.on_frame(imm(FrameKind.DATA_END), 1)
+    s.on_frame(imm(FrameKind.DATA_END), 1)
+    s.on_recv_reposted(2)
+    s.close()
+    assert s.credit_frame_due() and s.eof_pending() and s.can_send_data()
+    {"disconnect": s.on_disconnected, "abort": s.abort, "mark_closed": s.mark_closed}[event]()
+    assert not s.credit_frame_due() and not s.eof_pending() and not s.can_send_eof() and not s.can_send_data()
+    takes: list[Callable[[], int]] = [
+        lambda: s.take_data_frame(last=True),
+        s.take_credit_frame,
+        s.take_eof_frame,
+    ]
+    for take in takes:
+        with pytest.raises(exc_type):
+            take()
+
+
+# -- close state machine ------------------------------------------------------------------------------------
+
+
+BOOM = OSError(5, "boom")
+
+
+def _apply(s: Session, action: str) -> None:
+    if action == "write_eof":
+        s.write_eof()
+    elif action == "close":
+        s.close()
+    elif action == "abort":
+        s.abort()
+    elif action == "abort_exc":
+        s.abort(BOOM)
+    elif action == "disconnect":
+        s.on_disconnected()
+    elif action == "transport_error":
+        s.on_transport_error(BOOM)
+    elif action == "peer_eof":
+        s.on_frame(imm(FrameKind.EOF), 0)
+    elif action == "mark_closed":
+        s.mark_closed()
+    else:  # pragma: no cover
+        raise AssertionError(action)
+
+
+Outcome = tuple[type[BaseException], str] | EOFType | None
+RESET_PEER = (ConnectionResetError, "peer closed the connection")
+RESET_NO_EOF = (ConnectionResetError, "peer disconnected without sending EOF")
+RESET_TRANSPORT = (ConnectionResetError, "transport error: .*boom")
+CLOSED = (EndpointClosedError, "endpoint is closed")
+ABORTED_CLOSED = (EndpointClosedError, "endpoint was aborted")
+ABORTED_EXC = (ConnectionAbortedError, "connection aborted: .*boom")
+WROTE_EOF = (EndpointClosedError, r"write_eof\(\) was called")
+
+CLOSE_TABLE: list[tuple[list[str], State, Outcome, Outcome]] = [
+    ([], State.OPEN, None, None),
+    (["write_eof"], State.OPEN, WROTE_EOF, None),
+    (["peer_eof"], State.OPEN, None, EOF),
+    (["peer_eof", "write_eof"], State.OPEN, WROTE_EOF, EOF),
+    (["disconnect"], State.DISCONNECTED, RESET_PEER, RESET_NO_EOF),
+    (["peer_eof", "disconnect"], State.DISCONNECTED, RESET_PEER, EOF),
+    (["peer_eof", "transport_error"], State.DISCONNECTED, RESET_TRANSPORT, EOF),
+    (["transport_error"], State.DISCONNECTED, RESET_TRANSPORT, RESET_TRANSPORT),
+    (["disconnect", "transport_error"], State.DISCONNECTED, RESET_PEER, RESET_NO_EOF),
+    (["transport_error", "disconnect"], State.DISCONNECTED, RESET_TRANSPORT, RESET_TRANSPORT),
+    (["write_eof", "disconnect"], State.DISCONNECTED, WROTE_EOF, RESET_NO_EOF),
+    (["disconnect", "mark_closed"], State.CLOSED, RESET_PEER, RESET_NO_EOF),
+    (["peer_eof", "disconnect", "mark_closed"], State.CLOSED, RESET_PEER, EOF),
+    (["close"], State.CLOSING, CLOSED, CLOSED),
+    (["peer_eof", "close"], State.CLOSING, CLOSED, CLOSED),
+    (["close", "disconnect"], State.CLOSING, CLOSED, CLOSED),
+    (["disconnect", "close"], State.CLOSING, CLOSED, CLOSED),
+    (["close", "disconnect", "mark_closed"], State.CLOSED, CLOSED, CLOSED),
+    (["mark_closed"], State.CLOSED, CLOSED, CLOSED),
+    (["abort"], State.ABORTED, ABORTED_CLOSED, ABORTED_CLOSED),
+    (["abort_exc"], State.ABORTED, ABORTED_EXC, ABORTED_EXC),
+    (["peer_eof", "abort_exc"], State.ABORTED, ABORTED_EXC, ABORTED_EXC),
+    (["close", "abort_exc"], State.ABORTED, ABORTED_EXC, ABORTED_EXC),
+    (["abort", "abort_exc"], State.ABORTED, ABORTED_CLOSED, ABORTED_CLOSED),
+    (["abort_exc", "close", "disconnect"], State.ABORTED, ABORTED_EXC, ABORTED_EXC),
+    (["abort_exc", "mark_closed"], State.CLOSED, ABORTED_EXC, ABORTED_EXC),
+    (["mark_closed", "abort_exc"], State.CLOSED, CLOSED, CLOSED),
+]
+
+
+def _check_outcome(actual: BaseException | EOFType | None, expected: Outcome) -> None:
+    if expected is None or expected is EOF:
+        assert actual is expected
+        return
+    assert isinstance(expected, tuple)
+    exc_type, pattern = expected
+    assert isinstance(actual, exc_type), actual
+    with pytest.raises(exc_type, match=pattern):
+        raise actual
+    if "boom" in pattern:
+        assert actual.__cause__ is BOOM
+
+
+@pytest.mark.parametrize(
+    ("actions", "state", "send", "recv"), CLOSE_TABLE, ids=["+".join(c[0]) or "fresh" for c in CLOSE_TABLE]
+)
+def test_close_state_machine(actions: list[str], state: State, send: Outcome, recv: Outcome) -> None:
+    s = make_session()
+    for action in actions:
+        _apply(s, action)
+    assert s.state is state
+    _check_outcome(s.send_error(), send)
+    _check_outcome(s.recv_outcome(), recv)
+    # Repeating every action except the one-shot peer EOF (a second EOF is a protocol error) changes nothing.
+    for action in actions:
+        if action != "peer_eof":
+            _apply(s, action)
+    assert s.state is state
+    _check_outcome(s.send_error(), send)
+    _check_outcome(s.recv_outcome(), recv)
+
+
+def test_close_implies_write_eof_and_errors_are_fresh_instances() -> None:
+    s = make_session()
+    s.close()
+    assert s.eof_pending()
+    assert s.state is State.CLOSING
+    assert s.send_error() is not s.send_error()
+    s.take_eof_frame()
+    assert not s.eof_pending()
+    s.close()
+    s.write_eof()
+    assert not s.eof_pending()
+
+
+def test_eof_type_repr() -> None:
+    assert repr(EOF) == "EOF"
+    assert "OPEN" in repr(make_session())
+
+
+# -- frame parser fuzz --------------------------------------------------------------------------------------
+
+IMMS = st.one_of(
+    st.integers(0, 2**32 - 1),
+    st.builds(lambda k, c: k << 28 | c, st.integers(0, 15), st.integers(0, 0xFFFF)),
+    st.builds(lambda k, c: k << 28 | c, st.integers(1, 4), st.integers(0, 3)),
+    st.sampled_from([-1, 2**32, 2**32 + 1]),
+)
+LENS = st.one_of(st.integers(0, 80), st.integers(0, 2**32 - 1), st.just(-1))
+OPS = st.one_of(
+    st.tuples(st.just("frame"), IMMS, LENS),
+    st.tuples(st.just("repost"), st.integers(0, 3), st.just(0)),
+    st.tuples(st.just("send"), st.booleans(), st.just(0)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(OPS, max_size=30))
+def test_on_frame_fuzz(ops: list[tuple[str, object, object]]) -> None:
+    s = make_session(local_depth=6, peer_depth=6, local_slot=64, local_max=200)
+    for op, a, b in ops:
+        if op == "frame":
+            assert isinstance(a, int) and isinstance(b, int)
+            try:
+                kind = s.on_frame(a, b)
+            except ProtocolError:
+                assert s.state is State.ABORTED
+            else:
+                assert isinstance(kind, FrameKind)
+        elif op == "repost":
+            assert isinstance(a, int)
+            s.on_recv_reposted(min(a, s.local.recv_depth - s.posted))
+        elif s.can_send_data():
+            s.take_data_frame(last=bool(a))
+        assert 0 <= s.ungranted <= s.posted <= s.local.recv_depth
+        assert 0 <= s.send_credits <= s.peer.recv_depth
+
+
+# -- simulation ---------------------------------------------------------------------------------------------
+
+POLICIES = ("eager", "lazy", "batched")
+
+
+@dataclass
+class Side:
+    """One end of the simulated connection: a Session plus a toy application and I/O layer."""
+
+    session: Session
+    policy: str  # when received slots are reposted: on receipt, when the app consumed them, or in batches
+    outbox: list[bytes]
+    msg_index: int = 0
+    offset: int = 0
+    eof_written: bool = False
+    wire_out: deque[tuple[int, bytes]] = field(default_factory=deque)
+    rx: deque[tuple[FrameKind, bytes, bool]] = field(default_factory=deque)  # (kind, payload, slot held)
+    pending_reposts: int = 0
+    assembling: bytearray = field(default_factory=bytearray)
+    inbox: list[bytes] = field(default_factory=list)
+    got_eof: bool = False
+
+    def data_left(self) -> bool:
+        return self.msg_index < len(self.outbox)
+
+    def send_data(self) -> None:
+        msg = self.outbox[self.msg_index]
+        chunk = msg[self.offset : self.offset + self.session.max_fragment]
+        self.offset += len(chunk)
+        last = self.offset >= len(msg)
+        value = self.session.take_data_frame(last, nbytes=len(chunk))
+        self.wire_out.append((value, chunk))
+        if last:
+            self.msg_index += 1
+            self.offset = 0
+
+    def repost(self, n: int) -> None:
+        self.session.on_recv_reposted(n)
+
+    def deliver(self, value: int, payload: bytes) -> None:
+        # The no-RNR property: every frame finds a posted receive.
+        assert self.session.posted > 0, "RNR: frame arrived with no receive posted"
+        kind = self.session.on_frame(value, len(payload))
+        if kind is FrameKind.EOF:
+            assert not self.got_eof
+            self.got_eof = True
+        if self.policy == "batched":
+            self.pending_reposts += 1
+            held = False
+        elif self.policy == "eager" or kind not in (FrameKind.DATA_MORE, FrameKind.DATA_END):
+            self.repost(1)  # payload copied out (eager), or nothing to keep (control frame)
+            held = False
+        else:
+            held = True  # zero-copy: the slot is reposted when the app has read it
+        if kind in (FrameKind.DATA_MORE, FrameKind.DATA_END):
+            self.rx.append((kind, payload, held))
+
+    def consume(self) -> None:
+        kind, payload, held = self.rx.popleft()
+        if held:
+            self.repost(1)
+        self.assembling += payload
+        if kind is FrameKind.DATA_END:
+            self.inbox.append(bytes(self.assembling))
+            self.assembling.clear()
+
+
+ACTION_NAMES = ("data", "credit", "write_eof", "eof", "deliver", "consume", "repost")
+
+
+def _actions(me: Side) -> list[str]:
+    s = me.session
+    acts: list[str] = []
+    if me.data_left() and s.can_send_data():
+        acts.append("data")
+    if s.credit_frame_due():
+        acts.append("credit")
+    if not me.eof_written:
+        acts.append("write_eof")
+    if not me.data_left() and s.can_send_eof():
+        acts.append("eof")
+    if me.wire_out:
+        acts.append("deliver")
+    if me.rx:
+        acts.append("consume")
+    if me.pending_reposts:
+        acts.append("repost")
+    return acts
+
+
+def _step(rnd: random.Random, sides: tuple[Side, Side], weights: dict[str, float]) -> bool:
+    """Run one random enabled action; False if nothing is enabled (quiescence)."""
+    choices = [(i, name) for i in range(2) for name in _actions(sides[i])]
+    if not choices:
+        return False
+    i, name = rnd.choices(choices, [weights[name] for _, name in choices])[0]
+    me, peer = sides[i], sides[1 - i]
+    if name == "data":
+        me.send_data()
+    elif name == "credit":
+        me.wire_out.append((me.session.take_credit_frame(), b""))
+    elif name == "write_eof":
+        me.eof_written = True
+        me.session.write_eof()
+        assert isinstance(me.session.send_error(), EndpointClosedError)
+    elif name == "eof":
+        me.wire_out.append((me.session.take_eof_frame(), b""))
+    elif name == "deliver":
+        value, payload = me.wire_out.popleft()
+        peer.deliver(value, payload)
+    elif name == "consume":
+        me.consume()
+    else:
+        me.repost(me.pending_reposts)
+        me.pending_reposts = 0
+    return True
+
+
+def _credit_frames(sides: tuple[Side, Side]) -> int:
+    return sum(side.session.statistics()["credit_frames_sent"] for side in sides)
+
+
+def run_simulation(
+    rnd: random.Random,
+    depths: tuple[int, int],
+    slots: tuple[int, int],
+    thresholds: tuple[int | None, int | None],
+    policies: tuple[str, str],
+    sizes: tuple[list[int], list[int]],
+    weights: dict[str, float] | None = None,
+    max_steps: int = 200_000,
+) -> tuple[Side, Side]:
+    """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet."""
+    weights = {name: 1.0 for name in ACTION_NAMES} | (weights or {})
+    max_message = max([1, *sizes[0], *sizes[1]])
+    hs = [Handshake(depths[i], slots[i], max_message) for i in range(2)]
+    sides = tuple(
+        Side(
+            session=Session(hs[i], hs[1 - i], credit_threshold=thresholds[i]),
+            policy=policies[i],
+            outbox=[rnd.randbytes(n) for n in sizes[i]],
+        )
+        for i in range(2)
+    )
+    assert len(sides) == 2
+    pair = (sides[0], sides[1])
+    credits_when_done: int | None = None
+    for _ in range(max_steps):
+        if not _step(rnd, pair, weights):
+            break
+        if credits_when_done is None and all(
+            side.inbox == other.outbox and not side.rx
+            for side, other in ((pair[0], pair[1]), (pair[1], pair[0]))
+        ):
+            credits_when_done = _credit_frames(pair)
+    else:
+        raise AssertionError(f"no quiescence after {max_steps} steps: endless exchange? {pair[0].session}")
+
+    # Quiescent: nothing can happen. That must mean everything was delivered (no deadlock).
+    for side, other in ((pair[0], pair[1]), (pair[1], pair[0])):
+        assert side.inbox == other.outbox
+        assert side.got_eof and side.session.peer_eof and side.session.eof_sent
+        assert side.session.recv_outcome() is EOF
+        assert not side.rx and not side.wire_out and not side.assembling and not side.pending_reposts
+        assert side.session.posted == side.session.local.recv_depth
+        # Quiet and ready: nothing is due and the peer can start sending data at once.
+        assert not side.session.credit_frame_due()
+        assert side.session.ungranted < side.session.credit_threshold
+        assert side.session.send_credits >= 2
+        stats = side.session.statistics()
+        assert stats["messages_sent"] == len(side.outbox)
+        assert stats["bytes_sent"] == sum(map(len, side.outbox))
+        assert stats["frames_sent"] == other.session.statistics()["frames_received"]
+    # No ping-pong: once all data is delivered, only a bounded number of CREDIT frames follows.
+    assert credits_when_done is not None
+    assert _credit_frames(pair) - credits_when_done <= depths[0] + depths[1]
+    return pair
+
+
+SIZES = st.lists(st.one_of(st.sampled_from([0, 1, 63, 64, 65, 128, 129]), st.integers(0, 400)), max_size=6)
+WEIGHTS = st.fixed_dictionaries({name: st.sampled_from([0.05, 1.0, 20.0]) for name in ACTION_NAMES})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rnd=st.randoms(use_true_random=False),
+    depths=st.tuples(st.integers(4, 9), st.integers(4, 9)),
+    slots=st.tuples(st.sampled_from([64, 65, 100]), st.sampled_from([64, 65, 100])),
+    policies=st.tuples(st.sampled_from(POLICIES), st.sampled_from(POLICIES)),
+    sizes=st.tuples(SIZES, SIZES),
+    weights=WEIGHTS,
+    data=st.data(),
+)
+def test_simulation(
+    rnd: random.Random,
+    depths: tuple[int, int],
+    slots: tuple[int, int],
+    policies: tuple[str, str],
+    sizes: tuple[list[int], list[int]],
+    weights: dict[str, float],
+    data: st.DataObject,
+) -> None:
+    thresholds = (
+        data.draw(st.one_of(st.none(), st.integers(2, depths[0] - 1)), label="threshold_a"),
+        data.draw(st.one_of(st.none(), st.integers(2, depths[1] - 1)), label="threshold_b"),
+    )
+    run_simulation(rnd, depths, slots, thresholds, policies, sizes, weights)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_simulation_larger(seed: int) -> None:
+    rnd = random.Random(seed)
+    sizes = ([rnd.randrange(3000) for _ in range(40)], [rnd.randrange(3000) for _ in range(25)])
+    policies = (POLICIES[seed % 3], POLICIES[(seed + 1 + seed // 3) % 3])
+    weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
+    a, b = run_simulation(rnd, (32, 16), (256, 128), (None, 2), policies, sizes, weights)
+    assert a.session.statistics()["messages_received"] == 25
+    assert b.session.statistics()["messages_received"] == 40
+
+
+def test_simulation_idle_credit_exchange_stops() -> None:
+    # Credit frames are taken late, so both sides end up owing nearly everything at once.
+    for seed in range(20):
+        rnd = random.Random(seed)
+        a, b = run_simulation(
+            rnd, (4, 4), (64, 64), (2, 2), ("eager", "eager"), ([64] * 3, [64] * 3), {"credit": 0.05}
+        )
+        assert a.session.statistics()["credit_frames_sent"] <= 8
+        assert b.session.statistics()["credit_frames_sent"] <= 8
+
+
+def _pair(depth: int = 4) -> tuple[Session, Session]:
+    hs = Handshake(depth, 64, 1024)
+    return Session(hs, hs, credit_threshold=2), Session(hs, hs, credit_threshold=2)
+
+
+def test_eof_may_not_strand_both_sides_without_credits() -> None:
+    # The schedule that would deadlock if EOF could take the last credit without granting one.
+    a, b = _pair()
+    for _ in range(3):  # A fills B; B's app holds the slots
+        b.on_frame(a.take_data_frame(last=True), 1)
+    for _ in range(3):  # B fills A; A's app consumes at once
+        a.on_frame(b.take_data_frame(last=True), 1)
+        a.on_recv_reposted(1)
+    assert a.send_credits == 1 and a.credit_frame_due()
+    b.on_frame(a.take_credit_frame(), 0)  # A spends its last credit granting 3; B reposts later
+    assert a.send_credits == 0 and b.send_credits == 4
+    frames = [b.take_data_frame(last=True) for _ in range(3)]
+    b.write_eof()
+    # B holds 1 credit and owes nothing yet: an EOF now would leave both sides at 0 credits while A still
+    # has data to send and B could only grant after A sends again.
+    assert b.send_credits == 1 and b.ungranted == 0
+    assert not b.can_send_eof()
+    for value in frames:
+        a.on_frame(value, 1)
+        a.on_recv_reposted(1)
+    b.on_recv_reposted(4)  # B's app consumed everything
+    assert b.can_send_eof()
+    a.on_frame(b.take_eof_frame(), 0)
+    assert a.send_credits == 4 and a.can_send_data()
+
+
+def test_idle_quiescence_leaves_both_sides_ready_to_send() -> None:
+    a, b = _pair(8)
+    for _ in range(7):
+        b.on_frame(a.take_data_frame(last=True), 0)
+        b.on_recv_reposted(1)
+    assert a.send_credits == 1 and b.ungranted == 7
+    a.on_frame(b.take_credit_frame(), 0)
+    a.on_recv_reposted(1)
+    assert a.send_credits == 8 and a.ungranted == 1 and not a.credit_frame_due()
+    assert not b.credit_frame_due()
