@@ -47,9 +47,9 @@ __all__ = ["Endpoint"]
 log = logging.getLogger("rdmaio")
 
 _RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
-_WR_SEND_WITH_IMM = int(verbs.lib.IBV_WR_SEND_WITH_IMM)
-_SEND_SIGNALED = int(verbs.lib.IBV_SEND_SIGNALED)
-_SEND_INLINE = int(verbs.lib.IBV_SEND_INLINE)
+_WR_SEND_WITH_IMM = verbs.WR_SEND_WITH_IMM
+_SEND_SIGNALED = verbs.SEND_SIGNALED
+_SEND_INLINE = verbs.SEND_INLINE
 _FLUSH = int(WcStatus.WR_FLUSH_ERR)
 _DATA_MORE = FrameKind.DATA_MORE
 _DATA_END = FrameKind.DATA_END
@@ -603,7 +603,7 @@ class Endpoint:
             return b""
         if n > 0:
             return await self._read_some(n)
-        chunks = []
+        chunks: list[bytes] = []
         while chunk := await self._read_some(1 << 30):
             chunks.append(chunk)
         return b"".join(chunks)
@@ -612,7 +612,7 @@ class Endpoint:
         """Read exactly ``n`` bytes; raise ``asyncio.IncompleteReadError`` if EOF comes first."""
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
-        chunks = []
+        chunks: list[bytes] = []
         remaining = n
         while remaining:
             chunk = await self._read_some(remaining)

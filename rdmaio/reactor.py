@@ -159,7 +159,7 @@ class Reactor:
             handler = self._qp_handlers.get(event.element) if event.kind == "qp" else None
             if handler is not None:
                 handler(event)
-            elif event.event_type in (verbs.lib.IBV_EVENT_CQ_ERR, verbs.lib.IBV_EVENT_DEVICE_FATAL):
+            elif event.event_type in (verbs.EVENT_CQ_ERR, verbs.EVENT_DEVICE_FATAL):
                 log.error("rdmaio: device %s reported %s", device.name, event.description)
                 for qp_handler in list(self._qp_handlers.values()):
                     qp_handler(event)

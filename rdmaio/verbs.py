@@ -26,6 +26,12 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.errors import DeviceError, ForkError, MemoryRegistrationError, VerbsError
 
 __all__ = [
+    "EVENT_CQ_ERR",
+    "EVENT_DEVICE_FATAL",
+    "SEND_INLINE",
+    "SEND_SIGNALED",
+    "WR_RDMA_WRITE_WITH_IMM",
+    "WR_SEND_WITH_IMM",
     "AsyncEvent",
     "CMEvent",
     "CMEventType",
@@ -111,6 +117,16 @@ class WcOpcode(enum.IntEnum):
     RDMA_READ = lib.IBV_WC_RDMA_READ
     RECV = lib.IBV_WC_RECV
     RECV_RDMA_WITH_IMM = lib.IBV_WC_RECV_RDMA_WITH_IMM
+
+
+# Work-request constants the data path fills into struct rdmaio_send.
+WR_SEND_WITH_IMM: int = lib.IBV_WR_SEND_WITH_IMM
+WR_RDMA_WRITE_WITH_IMM: int = lib.IBV_WR_RDMA_WRITE_WITH_IMM
+SEND_SIGNALED: int = lib.IBV_SEND_SIGNALED
+SEND_INLINE: int = lib.IBV_SEND_INLINE
+# Device-wide async events: every QP on the device is affected.
+EVENT_CQ_ERR: int = lib.IBV_EVENT_CQ_ERR
+EVENT_DEVICE_FATAL: int = lib.IBV_EVENT_DEVICE_FATAL
 
 
 def wc_status_str(status: int) -> str:
