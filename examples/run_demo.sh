@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The README's demo, run inside the test host: echo server + client on asyncio and uvloop, then a short
+# benchmark table. Exits non-zero if any step fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+ADDR=${RDMAIO_TEST_ADDR:-198.18.0.1}
+
+run_echo() {
+    local port=$1; shift
+    "$PY" examples/echo_server.py "$ADDR" "$port" "$@" > ".testhost/echo_server_$port.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 1 200); do
+        grep -q "listening" ".testhost/echo_server_$port.log" 2>/dev/null && break
+        kill -0 "$server" 2>/dev/null || { cat ".testhost/echo_server_$port.log"; return 1; }
+        sleep 0.1
+    done
+    local rc=0
+    "$PY" examples/echo_client.py "$ADDR" "$port" "$@" || rc=$?
+    kill -TERM "$server"
+    wait "$server" || rc=$?
+    cat ".testhost/echo_server_$port.log"
+    return $rc
+}
+
+mkdir -p .testhost
+echo "== echo on asyncio =="
+run_echo 7471
+echo "== echo on uvloop =="
+run_echo 7472 --uvloop
+echo "== benchmark (quick) =="
+"$PY" -m rdmaio bench --quick --json reports/bench-demo.json
