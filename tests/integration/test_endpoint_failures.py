@@ -21,7 +21,8 @@ import pytest
 from loops import Runner, arun
 
 import rdmaio
-from rdmaio.protocol import Session
+import rdmaio.client
+from rdmaio.protocol import Handshake
 
 HEADER = struct.Struct("<IQ32s")  # seq, length, sha256 of the body
 
@@ -380,8 +381,17 @@ def test_max_message_size_enforced_both_sides(
                 assert await asyncio.wait_for(ep.recv(), 10) is None
 
             # receiver side: a sender that ignores the limit is cut off by the receiver
+            class LyingHandshake(Handshake):
+                """Makes the client believe the server accepts 1 TiB messages."""
+
+                @classmethod
+                def decode(cls, data: bytes | bytearray | memoryview) -> Handshake:
+                    real = Handshake.decode(data)
+                    return Handshake(real.recv_depth, real.slot_size, 2**40)
+
+            monkeypatch.setattr(rdmaio.client, "Handshake", LyingHandshake)
             ep = await rdmaio.connect(rdma_addr, port, timeout=10)
-            monkeypatch.setattr(Session, "check_message_size", lambda self, n: None)
+            monkeypatch.undo()
             await ep.send(b"z" * 100_001)
             with pytest.raises(ConnectionResetError):
                 await asyncio.wait_for(ep.recv(), 10)
