@@ -795,9 +795,10 @@ class Endpoint:
 
     def _on_cm_event(self, event: CMEvent) -> None:
         if event.event == CMEventType.DISCONNECTED:
-            # Completions that raced the disconnect (the peer's last frames, its EOF) come first.
-            self._on_completions()
+            # Completions that raced the disconnect (the peer's last frames, its EOF) come first; the
+            # flag makes the flush completions that follow a disconnect count as cancellations.
             self._disconnected = True
+            self._on_completions()
             self._session.on_disconnected()
             self._teardown()
         elif event.event == CMEventType.DEVICE_REMOVAL:
