@@ -8,7 +8,6 @@ import hashlib
 import logging
 import os
 import random
-import re
 import signal
 import struct
 import subprocess
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 from loops import Runner, arun
+from rdma_state import open_fds, rdma_resources
 
 import rdmaio
 import rdmaio.client
@@ -31,18 +31,6 @@ async def echo_handler(ep: rdmaio.Endpoint) -> None:
     async with ep:
         while (msg := await ep.recv()) is not None:
             await ep.send(msg)
-
-
-def rdma_resources() -> dict[str, int]:
-    out = subprocess.run(["rdma", "resource", "show"], check=True, capture_output=True, text=True).stdout
-    totals: dict[str, int] = {}
-    for name, count in re.findall(r"(\w+) (\d+)", out):
-        totals[name] = totals.get(name, 0) + int(count)
-    return {k: totals.get(k, 0) for k in ("qp", "cq", "mr", "pd", "cm_id")}
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def peer_process(code: str, *args: str) -> subprocess.Popen[str]:

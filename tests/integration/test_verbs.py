@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import select
 import struct
-import subprocess
 import time
 from dataclasses import dataclass, field
 
 import pytest
+from rdma_state import rdma_resources
 
 from rdmaio import verbs
 from rdmaio.errors import ForkError, VerbsError
@@ -24,15 +23,6 @@ from rdmaio.verbs import CMEvent, CMEventType, CMId, EventChannel, WcOpcode, WcS
 SLOT = 64 * 1024
 DEPTH = 32
 CREDIT_MSG = struct.Struct("<I")
-
-
-def rdma_resources() -> dict[str, int]:
-    """Sum of `rdma resource show` counts (pd, cq, qp, cm_id, mr, ctx) over all devices."""
-    out = subprocess.run(["rdma", "resource", "show"], check=True, capture_output=True, text=True).stdout
-    totals: dict[str, int] = {}
-    for name, count in re.findall(r"(\w+) (\d+)", out):
-        totals[name] = totals.get(name, 0) + int(count)
-    return totals
 
 
 class Events:
