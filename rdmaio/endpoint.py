@@ -117,6 +117,9 @@ class Endpoint:
         self._free_slots = list(range(transport.send_depth))
         self._inflight: collections.deque[int] = collections.deque()
         self._unsignaled = 0
+        self._staged = 0  # entries of the send array filled but not yet posted
+        self._post_handle: asyncio.Handle | None = None
+        self._in_callback = False  # inside _process_completions: it posts once at its end
         self._eof_completion: int | None = None  # send slot of the EOF frame, once posted
         self._eof_done = False
         self._tx_waiters: list[asyncio.Future[None]] = []
@@ -239,7 +242,12 @@ class Endpoint:
         if repost:
             self._qp.post_recv_slots(self._recv_mr, slot_size, repost)
             session.on_recv_reposted(len(repost))
-        self._pump()
+        self._in_callback = True
+        try:
+            self._pump()
+        finally:
+            self._in_callback = False
+        self._post_staged()
         if got_data:
             self._wake_reader()
         if self._tx_waiters:
@@ -271,7 +279,12 @@ class Endpoint:
     # --- posting ------------------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Post queued frames (and due EOF/credit frames) as far as credits and send slots allow."""
+        """Stage queued frames (and due EOF/credit frames) as far as credits and send slots allow.
+
+        Frames are copied into send slots at once (so callers' buffers are free) but posted to the NIC
+        together by :meth:`_post_staged` at the end of the loop iteration: one doorbell for every frame
+        of the iteration, which on rxe saves a system call per frame.
+        """
         if self._torn_down:
             return
         session = self._session
@@ -281,7 +294,7 @@ class Endpoint:
         slot_size = self._slot_size
         send_view = self._send_view
         inflight = self._inflight
-        count = 0
+        first = count = self._staged
         nbytes = 0
         while txq and free and session.can_send_data():
             data, last = txq.popleft()
@@ -297,7 +310,7 @@ class Endpoint:
             nbytes += length
             if last:
                 self._stats["messages_sent"] += 1
-        self._posted_frames += count
+        self._posted_frames += count - first
         if not txq and not self._wbuf and session.eof_pending() and free and session.can_send_eof():
             slot = free.pop()
             self._fill(sends[count], slot, slot * slot_size, 0, session.take_eof_frame())
@@ -312,15 +325,26 @@ class Endpoint:
             inflight.append(slot)
             count += 1
             self._stats["credit_frames"] += 1
-        if count:
-            # Whatever runs short of send slots must get a completion to release them.
-            if len(free) < self._options.signal_interval:
-                sends[count - 1].send_flags |= _SEND_SIGNALED
-                self._unsignaled = 0
-            self._qp.post_sends(count)
-            self._stats["frames_posted"] += count
-            self._stats["post_calls"] += 1
+        if count > first:
+            self._staged = count
             self._stats["bytes_sent"] += nbytes
+            if self._post_handle is None and not self._in_callback:
+                self._post_handle = self._loop.call_soon(self._post_staged)
+
+    def _post_staged(self) -> None:
+        """Post every staged frame with one chained ibv_post_send."""
+        self._post_handle = None
+        count = self._staged
+        if not count or self._torn_down:
+            return
+        self._staged = 0
+        # Whatever runs short of send slots must get a completion to release them.
+        if len(self._free_slots) < self._options.signal_interval:
+            self._sends[count - 1].send_flags |= _SEND_SIGNALED
+            self._unsignaled = 0
+        self._qp.post_sends(count)
+        self._stats["frames_posted"] += count
+        self._stats["post_calls"] += 1
 
     def _fill(self, wr: Any, slot: int, off: int, length: int, imm: int) -> None:
         wr.wr_id = slot
@@ -517,8 +541,24 @@ class Endpoint:
             raise EndpointClosedError("write() after write_eof()")
         if not data:
             return
+        step = self._max_fragment
+        if not self._wbuf and len(data) >= step:
+            # Whole frames go straight to the queue (copied into slots by _pump, no staging copy).
+            view = memoryview(data).cast("B")
+            whole = len(view) - len(view) % step
+            before = len(self._txq)
+            for start in range(0, whole, step):
+                self._txq.append((view[start : start + step], True))
+            self._queued_frames += whole // step
+            self._txq_bytes += whole
+            added = len(self._txq) - before
+            self._pump()
+            self._own_queued(added)
+            data = view[whole:]
+            if not data:
+                return
         self._wbuf += data
-        if len(self._wbuf) >= self._max_fragment:
+        if len(self._wbuf) >= step:
             self._flush_wbuf()
             self._pump()
         elif self._flush_handle is None:
@@ -530,12 +570,15 @@ class Endpoint:
             self.write(chunk)
 
     async def drain(self) -> None:
-        """Wait until the send buffer is at or below the low-water mark, if it is above the high one."""
+        """Wait until the send buffer is at or below the low-water mark, if it is above the high one.
+
+        Below the high-water mark this returns at once and leaves small writes to be coalesced.
+        """
         self._raise_send_error()
+        if self._txq_bytes + len(self._wbuf) <= self._options.write_high_water:
+            return
         self._flush_wbuf()
         self._pump()
-        if self._txq_bytes <= self._options.write_high_water:
-            return
         while self._txq_bytes > self._options.write_low_water:
             self._raise_send_error()
             await self._wait_writable()
@@ -774,9 +817,10 @@ class Endpoint:
             return
         self._torn_down = True
         self._closing = True
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
+        for handle in (self._flush_handle, self._post_handle):
+            if handle is not None:
+                handle.cancel()
+        self._flush_handle = self._post_handle = None
         forked = self._generation != verbs.fork_generation()
         if not forked:
             self._reactor.unwatch_qp(self._qp.qp_num)
