@@ -27,6 +27,7 @@ from rdmaio.errors import (
 )
 from rdmaio.options import Options
 from rdmaio.server import StreamServer, serve
+from rdmaio.streams import open_connection, start_server
 
 __version__ = "0.1.0"
 
@@ -52,5 +53,7 @@ __all__ = [
     "VerbsError",
     "__version__",
     "connect",
+    "open_connection",
     "serve",
+    "start_server",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Self
@@ -584,16 +585,18 @@ class Endpoint:
             await self._wait_writable()
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        """Set the high- and low-water marks of :meth:`drain` (as ``WriteTransport`` does)."""
+        """Set the high- and low-water marks of :meth:`drain`, with ``WriteTransport``'s defaults.
+
+        No arguments: 64 KiB and 16 KiB; only ``low``: high is ``4 * low``; only ``high``: low is
+        ``high // 4``.
+        """
         if high is None:
-            high = self._options.write_high_water if low is None else max(4 * low, 64 * 1024)
+            high = 64 * 1024 if low is None else 4 * low
         if low is None:
             low = high // 4
         if not 0 <= low <= high:
             raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        from dataclasses import replace
-
-        self._options = replace(self._options, write_high_water=high, write_low_water=low)
+        self._options = dataclasses.replace(self._options, write_high_water=high, write_low_water=low)
 
     def get_write_buffer_size(self) -> int:
         """Bytes queued for sending and not yet posted to the NIC."""
