@@ -627,19 +627,28 @@ class Endpoint:
             await self._wait_data()
             if not self._rx:
                 return b""
-        head = self._rx[0]
-        start = self._rx_offset
-        end = min(len(head), start + n)
-        if start == 0 and end == len(head):
-            self._rx.popleft()
-            data = head
-        else:
-            data = head[start:end]
+        return self._take_buffered(n)
+
+    def _take_buffered(self, n: int) -> bytes:
+        """Take up to ``n`` bytes of what is buffered now, across frame boundaries (one join)."""
+        rx = self._rx
+        parts: list[bytes] = []
+        remaining = n
+        while rx and remaining:
+            head = rx[0]
+            start = self._rx_offset
+            end = min(len(head), start + remaining)
+            if start == 0 and end == len(head):
+                parts.append(head)
+            else:
+                parts.append(head[start:end])
             if end == len(head):
-                self._rx.popleft()
+                rx.popleft()
                 self._rx_offset = 0
             else:
                 self._rx_offset = end
+            remaining -= end - start
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         self._consumed(len(data))
         return data
 

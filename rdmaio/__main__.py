@@ -1,0 +1,60 @@
+"""``python -m rdmaio COMMAND``: ``bench`` (benchmarks) and ``devices`` (list the RDMA devices)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+USAGE = """usage: python -m rdmaio COMMAND [ARGS...]
+
+commands:
+  bench     benchmark rdmaio against perftest, rstream and TCP (python -m rdmaio bench --help)
+  devices   list the RDMA devices and their ports
+"""
+
+
+def devices() -> int:
+    """Print every RDMA device with its ports; exit status 1 when there is none."""
+    from rdmaio.errors import RdmaError
+    from rdmaio.verbs import list_devices
+
+    try:
+        found = list_devices()
+    except RdmaError as exc:
+        print(f"no RDMA device: {exc}", file=sys.stderr)
+        return 1
+    for dev in found:
+        print(
+            f"{dev.name}  fw {dev.fw_ver}  max_qp {dev.max_qp}  max_qp_wr {dev.max_qp_wr}"
+            f"  max_mr_size {dev.max_mr_size}"
+        )
+        for port in dev.ports:
+            print(
+                f"  port {port.number}: {port.state}  {port.link_layer}"
+                f"  mtu {port.active_mtu} (max {port.max_mtu})  max_msg_size {port.max_msg_size}"
+            )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a command; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "bench":
+        from rdmaio.bench import main as bench_main
+
+        return bench_main(rest)
+    if command == "devices":
+        if rest:
+            print("usage: python -m rdmaio devices", file=sys.stderr)
+            return 2
+        return devices()
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

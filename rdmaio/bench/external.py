@@ -1,0 +1,337 @@
+"""The native RDMA contenders: perftest (``ib_send_bw``, ``ib_write_bw``, ``ib_send_lat``) and rstream.
+
+Each measurement starts the tool's server and its client as two processes on the benchmark address,
+waits for the server to listen (it reads the server's output through a pseudo-terminal, so that it comes
+line by line), runs the client, and parses the client's report. A tool that is missing, fails, times out
+or prints something unparsable yields a failed :class:`~rdmaio.bench.model.Sample` carrying the error
+and the output's tail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pty
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from rdmaio.bench.model import Sample, Workload
+from rdmaio.bench.parsers import ParseError, parse_perftest_bw, parse_perftest_lat, parse_rstream
+
+__all__ = [
+    "ExternalConfig",
+    "perftest_command",
+    "rstream_command",
+    "run_external",
+    "run_pair",
+]
+
+_TAIL = 3000
+# perftest prints "Waiting for client rdma_cm QP to connect" only once a client reached its control
+# connection; its opening banner comes just before it listens for that connection.
+_PERFTEST_READY = "Waiting for client to connect"
+_RSTREAM_READY = "usec/xfer"  # rstream prints its header after it listens
+
+
+@dataclass(slots=True)
+class ExternalConfig:
+    """Where and how the native tools run."""
+
+    host: str
+    device: str | None = None
+    port_base: int = 19500
+    timeout: float = 120.0
+    """Seconds one client run may take."""
+    attempts: int = 2
+    """Server starts per measurement (each with up to 3 client tries)."""
+    rstream_mode: str = "b"
+    """rstream ``-T`` option: ``b`` (blocking calls) or ``n`` (its default, non-blocking spinning)."""
+    _ports: Iterator[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._ports = itertools.count(self.port_base)
+
+    def next_port(self) -> int:
+        """A fresh port for each server, so a lingering listener never answers the next test."""
+        return next(self._ports)
+
+
+@dataclass(slots=True)
+class PairResult:
+    """Outputs of one server/client run."""
+
+    ok: bool
+    client_out: str
+    server_out: str
+    error: str | None = None
+
+
+def _tail(text: str) -> str:
+    return text[-_TAIL:]
+
+
+class _Server:
+    """A tool's server process whose output is collected by a thread that notices a marker line.
+
+    Its output goes to a pseudo-terminal when one can be had, so that the C stdio of the tool is line
+    buffered and the marker shows up when it is printed (with a pipe it would come only at exit).
+    """
+
+    def __init__(self, cmd: Sequence[str], marker: str | None) -> None:
+        self.chunks: list[str] = []
+        self.ready = threading.Event()
+        self._marker = marker
+        self._seen = ""
+        try:
+            master, slave = pty.openpty()
+        except OSError:
+            self.proc: subprocess.Popen[bytes] = subprocess.Popen(
+                list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+            assert self.proc.stdout is not None
+            self._fd = os.dup(self.proc.stdout.fileno())
+            self.proc.stdout.close()
+        else:
+            try:
+                self.proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+            except BaseException:
+                os.close(master)
+                raise
+            finally:
+                os.close(slave)
+            self._fd = master
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    data = os.read(self._fd, 65536)
+                except OSError:  # EIO: the pty's last writer is gone
+                    break
+                if not data:
+                    break
+                text = data.decode(errors="replace").replace("\r\n", "\n")
+                self.chunks.append(text)
+                if self._marker is not None and not self.ready.is_set():
+                    self._seen = (self._seen + text)[-4096:]
+                    if self._marker in self._seen:
+                        self.ready.set()
+        finally:
+            os.close(self._fd)
+            self.ready.set()
+
+    def text(self, join_timeout: float = 2.0) -> str:
+        """Everything the server printed (waits briefly for the reader to finish)."""
+        self._thread.join(join_timeout)
+        return "".join(self.chunks)
+
+    def stop(self, grace: float) -> None:
+        """Wait up to ``grace`` s for the process (ours), then terminate it, then kill it."""
+        proc = self.proc
+        if proc.poll() is not None:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_pair(
+    server_cmd: Sequence[str],
+    client_cmd: Sequence[str],
+    *,
+    ready_marker: str | None,
+    timeout: float,
+    ready_wait: float = 10.0,
+    client_tries: int = 4,
+) -> PairResult:
+    """Start ``server_cmd``, then run ``client_cmd`` against it; return both outputs.
+
+    The client starts once the server printed ``ready_marker``, or after ``ready_wait`` seconds if the
+    marker does not show up; a client that fails while the server still runs (typically: connection
+    rejected because the server was not listening yet) is retried, ``client_tries`` times in all.
+    """
+    server = _Server(server_cmd, ready_marker)
+    failures: list[str] = []
+    client_out = ""
+    try:
+        if ready_marker is not None:
+            if server.ready.wait(ready_wait) and server.proc.poll() is None:
+                time.sleep(0.3)  # the marker is printed just before the listen call
+        else:
+            time.sleep(ready_wait)
+        for _ in range(client_tries):
+            if server.proc.poll() is not None:
+                failures.append(f"server exited with status {server.proc.returncode}")
+                break
+            try:
+                client = subprocess.run(
+                    list(client_cmd),
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired as exc:
+                client_out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+                failures.append(f"client did not finish within {timeout:.0f} s")
+                break
+            client_out = client.stdout + client.stderr
+            if client.returncode == 0:
+                server.stop(15.0)
+                return PairResult(True, client_out, server.text())
+            failures.append(f"client exited with status {client.returncode}")
+            time.sleep(1.0)
+        server.stop(0.0)
+        return PairResult(False, client_out, server.text(), ", ".join(failures))
+    finally:
+        server.stop(0.0)
+
+
+def perftest_command(tool: str, size: int, iters: int, port: int, device: str | None) -> list[str]:
+    """Arguments of a perftest run (server form; the client appends the server address)."""
+    cmd = [tool, "-R", "-F", "-s", str(size), "-n", str(iters), "-p", str(port)]
+    if device:
+        cmd += ["-d", device]
+    return cmd
+
+
+def rstream_command(size: int, count: int, iters: int, port: int, mode: str) -> list[str]:
+    """Arguments of an rstream run (without ``-s``/``-b``): ``count`` transfers each way, ``iters`` times."""
+    return [
+        "rstream",
+        "-T",
+        mode,
+        "-f",
+        "ip",
+        "-p",
+        str(port),
+        "-S",
+        str(size),
+        "-C",
+        str(count),
+        "-I",
+        str(iters),
+    ]
+
+
+def run_external(
+    contender: str, workloads: Sequence[Workload], size: int, amount: int, config: ExternalConfig
+) -> dict[Workload, Sample]:
+    """Run one native-tool measurement; return a Sample for each workload it covers.
+
+    ``amount`` is the number of messages (perftest ``-n``) for the bandwidth tools, the number of round
+    trips for the latency tools, and the number of one-way transfers for rstream's stream test.
+    """
+    tool = contender
+    if shutil.which(tool) is None:
+        failure = Sample.failure(f"{tool} not found on PATH (install perftest / rdmacm-utils)")
+        return {w: failure for w in workloads}
+    errors: list[str] = []
+    last: PairResult | None = None
+    for attempt in range(config.attempts):
+        port = config.next_port()
+        if contender == "rstream":
+            latency = Workload.ECHO in workloads
+            count, iters = (1, amount) if latency else (max(1, amount // 2), 1)
+            base = rstream_command(size, count, iters, port, config.rstream_mode)
+            server_cmd = [*base, "-b", config.host]
+            client_cmd = [*base, "-s", config.host]
+            marker = _RSTREAM_READY
+        else:
+            base = perftest_command(tool, size, amount, port, config.device)
+            server_cmd, client_cmd = base, [*base, config.host]
+            marker = _PERFTEST_READY
+        last = run_pair(server_cmd, client_cmd, ready_marker=marker, timeout=config.timeout)
+        if last.ok:
+            break
+        errors.append(f"attempt {attempt + 1}: {last.error}")
+        time.sleep(1.0)
+    assert last is not None
+    if not last.ok:
+        failure = Sample.failure("; ".join(errors), raw=_tail(last.client_out + last.server_out))
+        return {w: failure for w in workloads}
+    try:
+        samples = _parse(contender, workloads, size, last.client_out)
+    except ParseError as exc:
+        failure = Sample.failure(f"cannot parse {tool} output: {exc}", raw=_tail(last.client_out))
+        return {w: failure for w in workloads}
+    warnings = list(errors)  # it worked on a later attempt: say so
+    if "Correlation coefficient r^2" in last.client_out:
+        warnings.append("perftest warned that its CPU frequency estimate is unreliable (r^2 < 0.9)")
+    if warnings:
+        for sample in samples.values():
+            sample.note = "; ".join([*warnings, sample.note or ""]).rstrip("; ")
+    return samples
+
+
+def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -> dict[Workload, Sample]:
+    raw = _tail(out)
+    samples: dict[Workload, Sample] = {}
+    if contender in ("ib_send_bw", "ib_write_bw"):
+        bw = parse_perftest_bw(out)
+        if bw.size != size:
+            raise ParseError(f"report is for {bw.size} B, asked for {size} B")
+        if bw.bw_average_bytes_per_s <= 0 or bw.msg_rate_mpps <= 0:
+            raise ParseError("the report gives a zero bandwidth or message rate (no valid measurement)")
+        for workload in workloads:
+            samples[workload] = Sample(
+                ok=True,
+                bytes_per_s=bw.bw_average_bytes_per_s,
+                msgs_per_s=bw.msgs_per_s,
+                ops=bw.iterations,
+                note="BW average (perftest MB = 2^20 B) and MsgRate",
+                raw=raw,
+            )
+    elif contender == "ib_send_lat":
+        lat = parse_perftest_lat(out)
+        if lat.size != size:
+            raise ParseError(f"report is for {lat.size} B, asked for {size} B")
+        if lat.t_typical_us <= 0:
+            raise ParseError("the report gives a zero latency (no valid measurement)")
+        samples[Workload.ECHO] = Sample(
+            ok=True,
+            p50_us=lat.rtt_p50_us,
+            p99_us=lat.rtt_p99_us,
+            mean_us=lat.rtt_mean_us,
+            ops=lat.iterations,
+            note="RTT = 2 x one-way t_typical / 99% percentile",
+            raw=raw,
+        )
+    elif contender == "rstream":
+        result = parse_rstream(out)
+        if result.usec_per_xfer <= 0 and result.gbit_per_s <= 0:
+            raise ParseError("the report gives neither a rate nor a time per transfer")
+        if Workload.ECHO in workloads:
+            samples[Workload.ECHO] = Sample(
+                ok=True,
+                mean_us=result.rtt_us,
+                seconds=result.seconds,
+                note="RTT = 2 x usec/xfer of a -C 1 ping-pong (mean; rstream reports no percentiles)",
+                raw=raw,
+            )
+        else:
+            samples[Workload.STREAM] = Sample(
+                ok=True,
+                bytes_per_s=result.bytes_per_s(size),
+                seconds=result.seconds,
+                note="rstream -I 1 -C N: N transfers one way then N back; bytes/s over both",
+                raw=raw,
+            )
+    else:
+        raise ParseError(f"no parser for {contender}")
+    return samples

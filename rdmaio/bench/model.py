@@ -1,0 +1,367 @@
+"""What the benchmark measures: workloads, sizes, contenders, budgets, and the result records."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "CONTENDERS",
+    "CONTENDER_GROUPS",
+    "ECHO_SIZES",
+    "FULL",
+    "QUICK",
+    "SIZES",
+    "Budget",
+    "Contender",
+    "Figure",
+    "Sample",
+    "Workload",
+    "format_size",
+    "parse_size",
+    "resolve_contenders",
+]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+SIZES: tuple[int, ...] = (64, 4 * KiB, 64 * KiB, MiB)
+"""Message/chunk sizes of the stream and message workloads."""
+ECHO_SIZES: tuple[int, ...] = (64, 4 * KiB)
+"""Sizes of the echo (round-trip latency) workload."""
+
+
+class Workload(StrEnum):
+    """The three workloads."""
+
+    STREAM = "stream"
+    """One-way byte stream, writer to reader: bytes/s."""
+    MESSAGE = "message"
+    """Messages sent back to back (a pipeline of outstanding sends): messages/s."""
+    ECHO = "echo"
+    """Ping-pong of one message: round-trip time, p50 and p99."""
+
+
+WORKLOAD_TITLES: dict[Workload, str] = {
+    Workload.STREAM: "One-way stream throughput",
+    Workload.MESSAGE: "Message rate (pipelined sends)",
+    Workload.ECHO: "Echo round trip",
+}
+WORKLOAD_UNITS: dict[Workload, str] = {
+    Workload.STREAM: "B/s",
+    Workload.MESSAGE: "msg/s",
+    Workload.ECHO: "us",
+}
+HIGHER_IS_BETTER: dict[Workload, bool] = {
+    Workload.STREAM: True,
+    Workload.MESSAGE: True,
+    Workload.ECHO: False,
+}
+
+
+def sizes_of(workload: Workload) -> tuple[int, ...]:
+    """The sizes measured for ``workload``."""
+    return ECHO_SIZES if workload is Workload.ECHO else SIZES
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """One implementation under test."""
+
+    name: str
+    kind: str
+    """``rdmaio``, ``tcp``, ``perftest`` or ``rstream``."""
+    loop: str | None
+    """Event loop of a Python contender (``asyncio`` or ``uvloop``)."""
+    workloads: tuple[Workload, ...]
+    rdma_baseline: bool
+    """A native RDMA tool: a candidate for "best RDMA contender"."""
+    description: str
+
+    @property
+    def python(self) -> bool:
+        """True for the contenders implemented by this module (run as server/client subprocesses)."""
+        return self.kind in ("rdmaio", "tcp")
+
+
+_ALL = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO)
+
+CONTENDERS: dict[str, Contender] = {
+    c.name: c
+    for c in (
+        Contender("rdmaio-asyncio", "rdmaio", "asyncio", _ALL, False, "rdmaio on the asyncio loop"),
+        Contender("rdmaio-uvloop", "rdmaio", "uvloop", _ALL, False, "rdmaio on uvloop"),
+        Contender("tcp-asyncio", "tcp", "asyncio", _ALL, False, "asyncio streams over TCP"),
+        Contender("tcp-uvloop", "tcp", "uvloop", _ALL, False, "asyncio streams on uvloop over TCP"),
+        Contender(
+            "ib_send_bw",
+            "perftest",
+            None,
+            (Workload.STREAM, Workload.MESSAGE),
+            True,
+            "perftest ib_send_bw -R (SEND, rdma_cm)",
+        ),
+        Contender(
+            "ib_write_bw",
+            "perftest",
+            None,
+            (Workload.STREAM, Workload.MESSAGE),
+            True,
+            "perftest ib_write_bw -R (RDMA WRITE, rdma_cm)",
+        ),
+        Contender(
+            "ib_send_lat", "perftest", None, (Workload.ECHO,), True, "perftest ib_send_lat -R (ping-pong)"
+        ),
+        Contender(
+            "rstream",
+            "rstream",
+            None,
+            (Workload.STREAM, Workload.ECHO),
+            True,
+            "rsocket streams (rdmacm-utils rstream)",
+        ),
+    )
+}
+
+CONTENDER_GROUPS: dict[str, tuple[str, ...]] = {
+    "all": tuple(CONTENDERS),
+    "rdmaio": ("rdmaio-asyncio", "rdmaio-uvloop"),
+    "tcp": ("tcp-asyncio", "tcp-uvloop"),
+    "python": ("rdmaio-asyncio", "rdmaio-uvloop", "tcp-asyncio", "tcp-uvloop"),
+    "perftest": ("ib_send_bw", "ib_write_bw", "ib_send_lat"),
+    "asyncio": ("rdmaio-asyncio", "tcp-asyncio"),
+    "uvloop": ("rdmaio-uvloop", "tcp-uvloop"),
+}
+
+
+def resolve_contenders(spec: Iterable[str]) -> list[str]:
+    """Expand contender names and group names (``rdmaio``, ``tcp``, ``perftest``, ...), keeping order."""
+    names: list[str] = []
+    for item in spec:
+        item = item.strip()
+        if not item:
+            continue
+        expanded = CONTENDER_GROUPS.get(item, (item,))
+        for name in expanded:
+            if name not in CONTENDERS:
+                known = ", ".join([*CONTENDERS, *CONTENDER_GROUPS])
+                raise ValueError(f"unknown contender {name!r} (known: {known})")
+            if name not in names:
+                names.append(name)
+    return names
+
+
+_SUFFIXES = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``64``, ``4K``, ``64KiB``, ``1M`` into bytes."""
+    raw = text.strip().lower().replace(" ", "")
+    digits = raw.rstrip("kmgib")
+    suffix = raw[len(digits) :]
+    if not digits.isdigit() or suffix not in _SUFFIXES:
+        raise ValueError(f"bad size {text!r} (examples: 64, 4K, 64K, 1M)")
+    return int(digits) * _SUFFIXES[suffix]
+
+
+def format_size(size: int) -> str:
+    """``64 B``, ``4 KiB``, ``64 KiB``, ``1 MiB``."""
+    if size >= MiB and size % MiB == 0:
+        return f"{size // MiB} MiB"
+    if size >= KiB and size % KiB == 0:
+        return f"{size // KiB} KiB"
+    return f"{size} B"
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How much each measurement moves, and for how long at most."""
+
+    name: str
+    stream_bytes: Mapping[int, int]
+    """Bytes written per one-way stream measurement, by chunk size."""
+    message_bytes: Mapping[int, int]
+    """Bytes sent as messages per message-rate measurement, by message size."""
+    echo_iters: Mapping[int, int]
+    """Round trips per echo measurement, by message size."""
+    time_cap: float
+    """Seconds after which a Python client stops early (it reports what it moved)."""
+    reps: int
+    """Repetitions per figure; the median is reported."""
+
+    def amount(self, workload: Workload, size: int) -> int:
+        """Operations of one measurement: writes, messages or round trips."""
+        if workload is Workload.ECHO:
+            return max(5, self.echo_iters.get(size, 1000))
+        table = self.stream_bytes if workload is Workload.STREAM else self.message_bytes
+        return max(5, table.get(size, 16 * MiB) // size)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "name": self.name,
+            "stream_bytes": {str(k): v for k, v in self.stream_bytes.items()},
+            "message_bytes": {str(k): v for k, v in self.message_bytes.items()},
+            "echo_iters": {str(k): v for k, v in self.echo_iters.items()},
+            "time_cap_s": self.time_cap,
+            "reps": self.reps,
+        }
+
+
+FULL = Budget(
+    name="full",
+    stream_bytes={64: 4 * MiB, 4 * KiB: 32 * MiB, 64 * KiB: 64 * MiB, MiB: 64 * MiB},
+    message_bytes={64: 2 * MiB, 4 * KiB: 32 * MiB, 64 * KiB: 64 * MiB, MiB: 64 * MiB},
+    echo_iters={64: 2000, 4 * KiB: 2000},
+    time_cap=5.0,
+    reps=3,
+)
+QUICK = Budget(
+    name="quick",
+    stream_bytes={64: 256 * KiB, 4 * KiB: 4 * MiB, 64 * KiB: 8 * MiB, MiB: 8 * MiB},
+    message_bytes={64: 256 * KiB, 4 * KiB: 4 * MiB, 64 * KiB: 8 * MiB, MiB: 8 * MiB},
+    echo_iters={64: 300, 4 * KiB: 300},
+    time_cap=1.0,
+    reps=1,
+)
+
+
+@dataclass(slots=True)
+class Sample:
+    """One repetition of one measurement (or its failure)."""
+
+    ok: bool
+    error: str | None = None
+    bytes_per_s: float | None = None
+    msgs_per_s: float | None = None
+    p50_us: float | None = None
+    p99_us: float | None = None
+    mean_us: float | None = None
+    seconds: float | None = None
+    ops: int | None = None
+    """Writes, messages or round trips completed."""
+    capped: bool = False
+    """Stopped by the time cap before the budget was used up."""
+    rdmaio: dict[str, float] | None = None
+    """Loop wake-ups per operation and CQ batch sizes (rdmaio only)."""
+    note: str | None = None
+    raw: str | None = None
+    """Tail of a tool's output, kept for checking the parse."""
+
+    def value(self, workload: Workload) -> float | None:
+        """The primary figure: bytes/s, messages/s, or p50 round trip (mean when no p50 exists)."""
+        if not self.ok:
+            return None
+        if workload is Workload.STREAM:
+            return self.bytes_per_s
+        if workload is Workload.MESSAGE:
+            return self.msgs_per_s
+        return self.p50_us if self.p50_us is not None else self.mean_us
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form (``None`` fields dropped)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Sample:
+        """Inverse of :meth:`to_json` (unknown keys ignored)."""
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def failure(cls, error: str, raw: str | None = None) -> Sample:
+        """A failed measurement."""
+        return cls(ok=False, error=error, raw=raw)
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """Median of the non-None values, or None."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+@dataclass(slots=True)
+class Figure:
+    """All repetitions of one (contender, workload, size)."""
+
+    contender: str
+    workload: Workload
+    size: int
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def ok_samples(self) -> list[Sample]:
+        """The successful repetitions."""
+        return [s for s in self.samples if s.ok]
+
+    @property
+    def status(self) -> str:
+        """``ok`` (every repetition worked), ``partial`` (some did), ``error`` (none did)."""
+        ok = len(self.ok_samples)
+        if ok and ok == len(self.samples):
+            return "ok"
+        return "partial" if ok else "error"
+
+    @property
+    def errors(self) -> list[str]:
+        """Distinct error messages of failed repetitions."""
+        seen: list[str] = []
+        for s in self.samples:
+            if not s.ok and s.error and s.error not in seen:
+                seen.append(s.error)
+        return seen
+
+    @property
+    def value(self) -> float | None:
+        """Median primary figure over the successful repetitions."""
+        return median(s.value(self.workload) for s in self.ok_samples)
+
+    def median_of(self, name: str) -> float | None:
+        """Median of a Sample attribute over the successful repetitions."""
+        return median(getattr(s, name) for s in self.ok_samples)
+
+    def rdmaio_median(self, name: str) -> float | None:
+        """Median of one rdmaio statistic (``wakeups_per_op``, ...) over the successful repetitions."""
+        return median((s.rdmaio or {}).get(name) for s in self.ok_samples)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form with the medians and every repetition."""
+        data: dict[str, Any] = {
+            "contender": self.contender,
+            "workload": str(self.workload),
+            "size": self.size,
+            "status": self.status,
+            "unit": WORKLOAD_UNITS[self.workload],
+            "value": self.value,
+            "bytes_per_s": self.median_of("bytes_per_s"),
+            "msgs_per_s": self.median_of("msgs_per_s"),
+            "p50_us": self.median_of("p50_us"),
+            "p99_us": self.median_of("p99_us"),
+            "mean_us": self.median_of("mean_us"),
+            "errors": self.errors,
+            "samples": [s.to_json() for s in self.samples],
+        }
+        stats_keys: list[str] = []
+        for s in self.ok_samples:
+            for key in s.rdmaio or {}:
+                if key not in stats_keys:
+                    stats_keys.append(key)
+        if stats_keys:
+            data["rdmaio"] = {key: self.rdmaio_median(key) for key in stats_keys}
+        notes = sorted({s.note for s in self.samples if s.note})
+        if notes:
+            data["note"] = "; ".join(notes)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Figure:
+        """Rebuild a Figure from :meth:`to_json` output."""
+        return cls(
+            contender=str(data["contender"]),
+            workload=Workload(data["workload"]),
+            size=int(data["size"]),
+            samples=[Sample.from_json(s) for s in data.get("samples", [])],
+        )
