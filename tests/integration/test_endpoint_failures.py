@@ -10,14 +10,12 @@ import os
 import random
 import signal
 import struct
-import subprocess
-import sys
-import textwrap
 import time
 from typing import Any
 
 import pytest
 from loops import Runner, arun
+from peer_process import peer_process, wait_ready
 from rdma_state import open_fds, rdma_resources
 
 import rdmaio
@@ -31,20 +29,6 @@ async def echo_handler(ep: rdmaio.Endpoint) -> None:
     async with ep:
         while (msg := await ep.recv()) is not None:
             await ep.send(msg)
-
-
-def peer_process(code: str, *args: str) -> subprocess.Popen[str]:
-    """Start a separate Python process running ``code`` (it prints READY when connected)."""
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE, text=True
-    )
-
-
-def wait_ready(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), line
-    return line
 
 
 def test_peer_killed_client_side_survivor_server_keeps_serving(arun: Runner[Any], rdma_addr: str) -> None:

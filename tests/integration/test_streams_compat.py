@@ -15,15 +15,13 @@ import contextlib
 import hashlib
 import signal
 import socket
-import subprocess
-import sys
-import textwrap
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from loops import Runner, arun
+from peer_process import peer_process, wait_ready
 
 import rdmaio
 import rdmaio.streams
@@ -387,20 +385,6 @@ def test_client_close(arun: Runner[Any], net: Net) -> None:
 
 
 # ===== RDMA only ========================================================================================
-
-
-def peer_process(code: str, *args: str) -> subprocess.Popen[str]:
-    """A separate Python process running ``code``; it prints READY when it is connected."""
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE, text=True
-    )
-
-
-def wait_ready(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), line
-    return line
 
 
 def test_rdma_objects_and_extra_info(arun: Runner[Any], rdma_addr: str) -> None:
