@@ -1,0 +1,52 @@
+"""The examples, run as their users run them: separate processes, checked exit codes and output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
+def test_echo_server_and_client(rdma_addr: str, loop_flag: list[str], tmp_path: Path) -> None:
+    port = "7471" if not loop_flag else "7472"
+    log = (tmp_path / "server.log").open("w+")
+    server = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "echo_server.py"), rdma_addr, port, *loop_flag],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "listening" not in (tmp_path / "server.log").read_text():
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "echo server did not start"
+            time.sleep(0.1)
+        client = run_example(str(EXAMPLES / "echo_client.py"), rdma_addr, port, *loop_flag)
+        assert client.returncode == 0, client.stdout + client.stderr
+        assert client.stdout.count(" ok ") == 7, client.stdout  # every size echoed intact
+        assert "MISMATCH" not in client.stdout + client.stderr
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+    output = (tmp_path / "server.log").read_text()
+    assert "echoed 35 messages" in output, output  # 7 sizes x 5 round trips
+    assert "echo server stopped" in output
+
+
+@pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
+def test_streams_echo_example_over_rdma(rdma_addr: str, loop_flag: list[str]) -> None:
+    result = run_example(
+        str(EXAMPLES / "streams_echo.py"), "--transport", "rdma", "--host", rdma_addr, *loop_flag
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
