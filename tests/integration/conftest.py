@@ -18,9 +18,6 @@ from collections.abc import Callable, Generator
 from pathlib import Path
 
 import pytest
-from loops import arun
-
-__all__ = ["arun"]  # the loop-parametrized runner fixture, shared by every integration test
 
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
 DEFAULT_ADDR = "198.18.0.1"

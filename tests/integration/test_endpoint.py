@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from loops import Runner
+from loops import Runner, arun
 
 import rdmaio
 

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from loops import Runner
+from loops import Runner, arun
 from peer_process import peer_process, wait_ready
 from rdma_state import open_fds, rdma_resources
 

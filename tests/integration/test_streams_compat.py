@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from loops import Runner
+from loops import Runner, arun
 from peer_process import peer_process, wait_ready
 
 import rdmaio
