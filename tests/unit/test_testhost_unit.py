@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import ModuleType
@@ -454,13 +455,21 @@ def test_sigterm_kills_the_vm_and_cleans_up(fake_vm: Path, tmp_path: Path) -> No
     proc.terminate()
     assert proc.wait(timeout=30) == 128 + 15
     assert not run_dir.exists()
-    cmdlines = []
-    for entry in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            cmdlines.append(entry.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:
-            continue
-    assert not [c for c in cmdlines if str(run_dir) in c]  # the fake VM (sh running sleep) is gone too
+
+    def vm_processes() -> list[str]:
+        cmdlines = []
+        for entry in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                cmdlines.append(entry.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                continue
+        return [c for c in cmdlines if str(run_dir) in c]
+
+    # The fake VM (sh running sleep) was killed; give the kernel a moment to reap it.
+    deadline = time.monotonic() + 10
+    while vm_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not vm_processes()
 
 
 # ---------------------------------------------------------------------------------------------------------
