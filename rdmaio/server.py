@@ -146,12 +146,10 @@ class StreamServer:
             )
             endpoint.close()
         finally:
-            endpoint_closed = endpoint.wait_closed()
             if endpoint.is_closing():
-                await endpoint_closed
+                await endpoint.wait_closed()
                 self._clients.discard(endpoint)
             else:
-                endpoint_closed.close()
                 self._loop.create_task(self._forget_when_closed(endpoint))
 
     async def _forget_when_closed(self, endpoint: Endpoint) -> None:
