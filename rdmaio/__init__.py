@@ -26,7 +26,7 @@ from rdmaio.errors import (
     VerbsError,
 )
 from rdmaio.options import Options
-from rdmaio.server import StreamServer, serve
+from rdmaio.server import StreamServer, listen, serve
 from rdmaio.streams import open_connection, start_server
 
 __version__ = "0.1.0"
@@ -53,6 +53,7 @@ __all__ = [
     "VerbsError",
     "__version__",
     "connect",
+    "listen",
     "open_connection",
     "serve",
     "start_server",

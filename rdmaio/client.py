@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import builtins
+import collections
 import ipaddress
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from rdmaio.backend import Backend, Waiter
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import (
     AddressError,
@@ -38,9 +39,8 @@ async def resolve_host(host: str, port: int, *, passive: bool = False) -> str:
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
-    loop = asyncio.get_running_loop()
     try:
-        infos = await loop.getaddrinfo(
+        infos = await Reactor.current().backend.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE if passive else 0
         )
     except socket.gaierror as exc:
@@ -61,24 +61,34 @@ def local_handshake(options: Options) -> Handshake:
 
 
 class CMEventQueue:
-    """Collects the CM events of a cm id that is still being set up, for a coroutine to await."""
+    """Collects the CM events of a cm id that is still being set up, for one coroutine to await."""
 
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[CMEvent] = asyncio.Queue()
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._events: collections.deque[CMEvent] = collections.deque()
+        self._waiter: Waiter | None = None
 
     def put(self, event: CMEvent) -> None:
         """Reactor handler: queue one event."""
-        self._queue.put_nowait(event)
+        self._events.append(event)
+        if self._waiter is not None:
+            self._waiter.set()
 
     async def get(self) -> CMEvent:
         """Next event of the id."""
-        return await self._queue.get()
+        while not self._events:
+            self._waiter = self._backend.waiter()
+            try:
+                await self._waiter.wait()
+            finally:
+                self._waiter = None
+        return self._events.popleft()
 
 
 @asynccontextmanager
 async def _deadline(timeout: float | None, what: str) -> AsyncIterator[None]:  # noqa: ASYNC109
     try:
-        async with asyncio.timeout(timeout):
+        async with Reactor.current().backend.timeout(timeout):
             yield
     except builtins.TimeoutError as exc:
         if isinstance(exc, TimeoutError):
@@ -148,7 +158,7 @@ async def _connect(
     if local_addr is not None:
         src = (await resolve_host(local_addr[0], local_addr[1]), local_addr[1])
     reactor = Reactor.current()
-    events = CMEventQueue()
+    events = CMEventQueue(reactor.backend)
     cm_id = reactor.create_id(events.put)
     transport: Transport | None = None
     try:

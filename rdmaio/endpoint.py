@@ -25,10 +25,11 @@ import collections
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
 from rdmaio import verbs
+from rdmaio.backend import Event, Handle, Waiter
 from rdmaio.errors import (
     ConnectionAbortedError,
     ConnectionResetError,
@@ -71,7 +72,7 @@ class Endpoint:
     def __init__(
         self, reactor: Reactor, cm_id: CMId, transport: Transport, session: Session, options: Options
     ) -> None:
-        self._loop = reactor.loop
+        self._io = reactor.backend
         self._reactor = reactor
         self._cm_id = cm_id
         self._transport = transport
@@ -107,28 +108,28 @@ class Endpoint:
         self._rx_bytes = 0
         self._reassembly: list[bytes] = []
         self._held: list[int] = []  # slots not re-posted while the receive buffer is over its limit
-        self._rx_waiter: asyncio.Future[None] | None = None
+        self._rx_waiter: Waiter | None = None
         # send side
         self._txq: collections.deque[tuple[bytes | memoryview, bool]] = collections.deque()
         self._txq_bytes = 0
         self._queued_frames = 0  # frames ever queued
         self._posted_frames = 0  # frames ever posted
         self._wbuf = bytearray()
-        self._flush_handle: asyncio.Handle | None = None
+        self._flush_handle: Handle | None = None
         self._free_slots = list(range(transport.send_depth))
         self._inflight: collections.deque[int] = collections.deque()
         self._unsignaled = 0
         self._staged = 0  # entries of the send array filled but not yet posted
-        self._post_handle: asyncio.Handle | None = None
+        self._post_handle: Handle | None = None
         self._in_callback = False  # inside _process_completions: it posts once at its end
         self._eof_completion: int | None = None  # send slot of the EOF frame, once posted
         self._eof_done = False
-        self._tx_waiters: list[asyncio.Future[None]] = []
+        self._tx_waiters: list[Waiter] = []
         # lifetime
         self._closing = False
         self._torn_down = False
-        self._closed: asyncio.Future[None] = self._loop.create_future()
-        self._close_task: asyncio.Task[None] | None = None
+        self._closed: Event = self._io.event()
+        self._close_callbacks: list[Callable[[Endpoint], None]] = []
         # statistics
         self._stats = collections.Counter[str]()
 
@@ -136,7 +137,7 @@ class Endpoint:
         reactor.watch_qp(qp.qp_num, self._on_async_event)
         transport.watch(self._on_completions)
         # Completions may already be waiting (the peer can send as soon as it is established).
-        self._loop.call_soon(self._on_completions)
+        self._io.call_soon(self._on_completions)
 
     # --- information -------------------------------------------------------------------------------
 
@@ -330,7 +331,7 @@ class Endpoint:
             self._staged = count
             self._stats["bytes_sent"] += nbytes
             if self._post_handle is None and not self._in_callback:
-                self._post_handle = self._loop.call_soon(self._post_staged)
+                self._post_handle = self._io.call_soon(self._post_staged)
 
     def _post_staged(self) -> None:
         """Post every staged frame with one chained ibv_post_send."""
@@ -407,30 +408,28 @@ class Endpoint:
         waiter = self._rx_waiter
         if waiter is not None:
             self._rx_waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+            waiter.set()
 
     def _wake_writers(self) -> None:
         waiters, self._tx_waiters = self._tx_waiters, []
         for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+            waiter.set()
 
     async def _wait_readable(self) -> None:
-        if self._rx_waiter is not None and not self._rx_waiter.done():
+        if self._rx_waiter is not None and not self._rx_waiter.is_set():
             raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self._loop.create_future()
+        waiter = self._io.waiter()
         self._rx_waiter = waiter
         try:
-            await waiter
+            await waiter.wait()
         finally:
             if self._rx_waiter is waiter:
                 self._rx_waiter = None
 
     async def _wait_writable(self) -> None:
-        waiter = self._loop.create_future()
+        waiter = self._io.waiter()
         self._tx_waiters.append(waiter)
-        await waiter
+        await waiter.wait()
 
     def _check_fork(self) -> None:
         if self._generation != verbs.fork_generation():
@@ -563,7 +562,7 @@ class Endpoint:
             self._flush_wbuf()
             self._pump()
         elif self._flush_handle is None:
-            self._flush_handle = self._loop.call_soon(self._flush_and_pump)
+            self._flush_handle = self._io.call_soon(self._flush_and_pump)
 
     def writelines(self, data: Any) -> None:
         """Write every bytes-like object of an iterable."""
@@ -775,11 +774,11 @@ class Endpoint:
         self._flush_wbuf()
         self._session.close()
         self._pump()
-        self._close_task = self._loop.create_task(self._graceful_close())
+        self._io.spawn(self._graceful_close(), name=f"rdmaio close qp {self._qp.qp_num}")
 
     async def _graceful_close(self) -> None:
         try:
-            async with asyncio.timeout(self._options.close_timeout):
+            async with self._io.timeout(self._options.close_timeout):
                 while not self._torn_down and (self._txq or not self._eof_done):
                     await self._wait_writable()
         except TimeoutError:
@@ -789,7 +788,7 @@ class Endpoint:
 
     async def wait_closed(self) -> None:
         """Wait until the connection is fully released."""
-        await asyncio.shield(self._closed)
+        await self._closed.wait()
 
     async def aclose(self) -> None:
         """Close gracefully and wait until released."""
@@ -812,6 +811,13 @@ class Endpoint:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    def _add_close_callback(self, callback: Callable[[Endpoint], None]) -> None:
+        """Call ``callback(self)`` once every resource is released (at once if that already happened)."""
+        if self._torn_down:
+            callback(self)
+        else:
+            self._close_callbacks.append(callback)
 
     def _fail(self, exc: BaseException) -> None:
         """A transport or protocol failure: every pending and later operation fails."""
@@ -846,8 +852,13 @@ class Endpoint:
         self._session.mark_closed()
         self._wake_reader()
         self._wake_writers()
-        if not self._closed.done():
-            self._closed.set_result(None)
+        self._closed.set()
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("rdmaio: close callback %r failed", callback)
 
     def _on_cm_event(self, event: CMEvent) -> None:
         if event.event == CMEventType.DISCONNECTED:

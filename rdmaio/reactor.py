@@ -1,8 +1,9 @@
-"""Reactor: puts rdma_cm and verbs file descriptors on the running asyncio event loop.
+"""Reactor: puts rdma_cm and verbs file descriptors on the running event loop (asyncio, uvloop or trio).
 
 One :class:`Reactor` per event loop owns the shared rdma_cm :class:`~rdmaio.verbs.EventChannel` and
 dispatches each CM event to the handler registered for its cm id (a CONNECT_REQUEST goes to its
-listener). Completion-channel fds and device async-event fds are watched with ``loop.add_reader``; a
+listener). Completion-channel fds and device async-event fds are watched through the loop's
+:class:`~rdmaio.backend.Backend` (``loop.add_reader`` on asyncio, ``anyio.wait_readable`` on trio); a
 readiness callback drains everything that is pending (the fds are edge-safe: callers drain until empty).
 Fds are always removed from the loop before they are closed.
 
@@ -13,11 +14,13 @@ process that stops using RDMA holds no rdma_cm file descriptor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import weakref
 from collections.abc import Callable
 
 from rdmaio import verbs
+from rdmaio.backend import AsyncioBackend, Backend, TrioBackend, current_backend, trio_run_key
 from rdmaio.verbs import CMEvent, CMEventType, CMId, DeviceContext, EventChannel
 
 __all__ = ["CMHandler", "Reactor"]
@@ -33,10 +36,10 @@ QPEventHandler = Callable[[verbs.AsyncEvent], None]
 class Reactor:
     """Per-loop owner of the CM event channel and the fd watches of completion channels and devices."""
 
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reactor] = weakref.WeakKeyDictionary()
+    _by_loop: weakref.WeakKeyDictionary[object, Reactor] = weakref.WeakKeyDictionary()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         self._channel: EventChannel | None = None
         self._handlers: dict[int, CMHandler] = {}
         self._devices: dict[int, DeviceContext] = {}
@@ -46,11 +49,17 @@ class Reactor:
 
     @classmethod
     def current(cls) -> Reactor:
-        """The reactor of the running loop (created on first use)."""
-        loop = asyncio.get_running_loop()
-        reactor = cls._by_loop.get(loop)
+        """The reactor of the running asyncio loop or trio run (created on first use)."""
+        if current_backend() == "asyncio":
+            loop = asyncio.get_running_loop()
+            reactor = cls._by_loop.get(loop)
+            if reactor is None:
+                reactor = cls._by_loop[loop] = cls(AsyncioBackend(loop))
+            return reactor
+        key = trio_run_key()
+        reactor = cls._by_loop.get(key)
         if reactor is None:
-            reactor = cls._by_loop[loop] = cls(loop)
+            reactor = cls._by_loop[key] = cls(TrioBackend())
         return reactor
 
     # --- cm ids --------------------------------------------------------------------------------------
@@ -60,7 +69,7 @@ class Reactor:
         """The shared event channel (opened and put on the loop on first use)."""
         if self._channel is None or self._channel.closed:
             self._channel = EventChannel()
-            self.loop.add_reader(self._channel.fd, self._on_cm_readable)
+            self.backend.add_reader(self._channel.fd, self._on_cm_readable)
         return self._channel
 
     def create_id(self, handler: CMHandler) -> CMId:
@@ -89,7 +98,7 @@ class Reactor:
     def _close_channel(self) -> None:
         channel, self._channel = self._channel, None
         if channel is not None and not channel.closed:
-            self.loop.remove_reader(channel.fd)  # before the fd is closed
+            self.backend.remove_reader(channel.fd)  # before the fd is closed
             channel.close()
 
     def _on_cm_readable(self) -> None:
@@ -121,11 +130,11 @@ class Reactor:
 
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` on the loop whenever ``fd`` is readable."""
-        self.loop.add_reader(fd, callback)
+        self.backend.add_reader(fd, callback)
 
     def unwatch(self, fd: int) -> None:
         """Stop watching ``fd``; must happen before the fd is closed."""
-        self.loop.remove_reader(fd)
+        self.backend.remove_reader(fd)
 
     # --- device async events -------------------------------------------------------------------------
 
@@ -135,7 +144,7 @@ class Reactor:
             return
         self._devices[device.handle] = device
         device.set_async_nonblocking()
-        self.loop.add_reader(device.async_fd, self._on_async_readable, device)
+        self.backend.add_reader(device.async_fd, functools.partial(self._on_async_readable, device))
 
     def watch_qp(self, qp_num: int, handler: QPEventHandler) -> None:
         """Send async events about QP ``qp_num`` (QP_FATAL, ...) to ``handler``."""
@@ -151,7 +160,7 @@ class Reactor:
                 event = device.get_async_event()
             except Exception:
                 log.exception("rdmaio: reading async events of %s failed", device.name)
-                self.loop.remove_reader(device.async_fd)
+                self.backend.remove_reader(device.async_fd)
                 return
             if event is None:
                 return

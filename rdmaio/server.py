@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
+from rdmaio.backend import AsyncioBackend, Waiter
 from rdmaio.client import local_handshake, resolve_host
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
@@ -16,7 +18,7 @@ from rdmaio.reactor import Reactor
 from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType, CMId
 
-__all__ = ["Handler", "StreamServer", "serve"]
+__all__ = ["Handler", "StreamServer", "listen", "serve"]
 
 log = logging.getLogger("rdmaio")
 
@@ -36,26 +38,30 @@ class _Pending:
 
 
 class StreamServer:
-    """A listening RDMA endpoint that runs ``handler(endpoint)`` in a new task for each connection.
+    """A listening RDMA endpoint: runs ``handler(endpoint)`` per connection, or queues them for accept().
 
-    Mirrors ``asyncio.Server``: :meth:`close`, :meth:`wait_closed`, :meth:`serve_forever`,
-    :meth:`is_serving`, :meth:`close_clients`, :meth:`abort_clients`, ``async with``. A handler that
-    raises is logged and its connection closed; other connections are not affected.
+    Made by :func:`serve` (a handler runs in a new task for each connection) or by :func:`listen` (no
+    handler: take connections with :meth:`accept`). Mirrors ``asyncio.Server``: :meth:`close`,
+    :meth:`wait_closed`, :meth:`serve_forever`, :meth:`is_serving`, :meth:`close_clients`,
+    :meth:`abort_clients`, ``async with``. A handler that raises is logged and its connection closed;
+    other connections are not affected. Works on asyncio, uvloop and trio.
     """
 
-    def __init__(self, handler: Handler, options: Options, backlog: int) -> None:
+    def __init__(self, handler: Handler | None, options: Options, backlog: int) -> None:
         self._handler = handler
         self._options = options
         self._backlog = backlog
         self._reactor = Reactor.current()
-        self._loop = self._reactor.loop
+        self._io = self._reactor.backend
         self._listener: CMId | None = None
         self._serving = False
         self._pending: dict[int, _Pending] = {}
         self._clients: set[Endpoint] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._closed = self._loop.create_future()
-        self._serve_forever_fut: asyncio.Future[None] | None = None
+        self._handlers_running = 0
+        self._accepted: collections.deque[Endpoint] = collections.deque()  # listen(): not yet accepted
+        self._accept_waiter: Waiter | None = None
+        self._state_waiters: list[Waiter] = []  # wait_closed() and serve_forever()
+        self._serve_forever_running = False
         self.addresses: list[tuple[str, int]] = []
         self.connections_accepted = 0
         self.connections_rejected = 0
@@ -73,6 +79,16 @@ class StreamServer:
         address = listener.local_address
         self.addresses = [address] if address else []
         self._serving = True
+
+    def _state_changed(self) -> None:
+        waiters, self._state_waiters = self._state_waiters, []
+        for waiter in waiters:
+            waiter.set()
+
+    async def _wait_state_change(self) -> None:
+        waiter = self._io.waiter()
+        self._state_waiters.append(waiter)
+        await waiter.wait()
 
     # --- accepting --------------------------------------------------------------------------------
 
@@ -129,32 +145,55 @@ class StreamServer:
         endpoint = Endpoint(self._reactor, pending.cm_id, pending.transport, pending.session, self._options)
         self.connections_accepted += 1
         self._clients.add(endpoint)
-        task = self._loop.create_task(self._run_handler(endpoint))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        endpoint._add_close_callback(self._forget)
+        if self._handler is None:
+            self._accepted.append(endpoint)
+            if self._accept_waiter is not None:
+                self._accept_waiter.set()
+            return
+        self._handlers_running += 1
+        self._io.spawn(self._run_handler(self._handler, endpoint), name=f"rdmaio handler {endpoint!r}")
 
-    async def _run_handler(self, endpoint: Endpoint) -> None:
+    def _forget(self, endpoint: Endpoint) -> None:
+        self._clients.discard(endpoint)
+        self._state_changed()
+
+    async def _run_handler(self, handler: Handler, endpoint: Endpoint) -> None:
         try:
-            await self._handler(endpoint)
-        except asyncio.CancelledError:
-            endpoint.abort()
-            raise
+            await handler(endpoint)
         except Exception:
             log.exception(
                 "rdmaio: connection handler failed for %s; closing that connection",
                 endpoint.get_extra_info("peername"),
             )
             endpoint.close()
+        except BaseException:  # cancelled: the connection cannot be finished cleanly
+            endpoint.abort()
+            raise
         finally:
-            if endpoint.is_closing():
-                await endpoint.wait_closed()
-                self._clients.discard(endpoint)
-            else:
-                self._loop.create_task(self._forget_when_closed(endpoint))
+            self._handlers_running -= 1
+            self._state_changed()
 
-    async def _forget_when_closed(self, endpoint: Endpoint) -> None:
-        await endpoint.wait_closed()
-        self._clients.discard(endpoint)
+    async def accept(self) -> Endpoint:
+        """The next established connection of a server made by :func:`listen`.
+
+        Raises :class:`~rdmaio.EndpointClosedError` once the server is closed. A cancelled ``accept()``
+        loses no connection: it stays queued for the next call.
+        """
+        if self._handler is not None:
+            raise RuntimeError("accept() is for servers made by rdmaio.listen(); this one runs a handler")
+        while not self._accepted:
+            if self._listener is None:
+                raise EndpointClosedError(f"server {self!r} is closed")
+            if self._accept_waiter is not None and not self._accept_waiter.is_set():
+                raise RuntimeError("another task is already waiting in accept()")
+            waiter = self._accept_waiter = self._io.waiter()
+            try:
+                await waiter.wait()
+            finally:
+                if self._accept_waiter is waiter:
+                    self._accept_waiter = None
+        return self._accepted.popleft()
 
     # --- asyncio.Server surface -------------------------------------------------------------------
 
@@ -163,11 +202,16 @@ class StreamServer:
         return self._serving
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
-        """The loop the server runs on."""
-        return self._loop
+        """The asyncio loop the server runs on (``RuntimeError`` on trio)."""
+        if isinstance(self._io, AsyncioBackend):
+            return self._io.loop
+        raise RuntimeError("this server runs on trio, not on an asyncio loop")
 
     def close(self) -> None:
-        """Stop listening. Existing connections stay open (close them with :meth:`close_clients`)."""
+        """Stop listening. Existing connections stay open (close them with :meth:`close_clients`).
+
+        Connections of a :func:`listen` server that were established but never accepted are aborted.
+        """
         if self._listener is None:
             return
         self._serving = False
@@ -177,8 +221,11 @@ class StreamServer:
             pending.transport.close()
             self._reactor.release_id(pending.cm_id)
         self._pending.clear()
-        if self._serve_forever_fut is not None and not self._serve_forever_fut.done():
-            self._serve_forever_fut.cancel()
+        while self._accepted:
+            self._accepted.popleft().abort()
+        if self._accept_waiter is not None:
+            self._accept_waiter.set()
+        self._state_changed()
 
     def close_clients(self) -> None:
         """Close every connection gracefully."""
@@ -192,33 +239,30 @@ class StreamServer:
 
     async def wait_closed(self) -> None:
         """Wait until the server is closed and every connection and handler has finished."""
-        while self._listener is not None or self._tasks or self._clients:
-            if self._listener is not None:
-                await asyncio.sleep(0.05)
-                continue
-            waits = [*self._tasks, *(asyncio.ensure_future(c.wait_closed()) for c in self._clients)]
-            await asyncio.wait(waits)
+        while self._listener is not None or self._handlers_running or self._clients:
+            await self._wait_state_change()
 
     async def start_serving(self) -> None:
         """Start accepting connections (already done by :func:`serve` unless ``start_serving=False``)."""
 
     async def serve_forever(self) -> None:
-        """Serve until cancelled or closed; the server is closed when this returns."""
-        if self._serve_forever_fut is not None:
+        """Serve until :meth:`close` is called (then return) or the caller is cancelled (then close)."""
+        if self._serve_forever_running:
             raise RuntimeError(f"server {self!r} is already being awaited on serve_forever()")
         if self._listener is None:
             raise EndpointClosedError(f"server {self!r} is closed")
-        self._serve_forever_fut = self._loop.create_future()
+        self._serve_forever_running = True
         try:
-            await self._serve_forever_fut
-        except asyncio.CancelledError:
+            while self._listener is not None:
+                await self._wait_state_change()
+        except BaseException:  # cancelled: close, and wait for the handlers where the backend allows it
             try:
                 self.close()
                 await self.wait_closed()
             finally:
                 raise
         finally:
-            self._serve_forever_fut = None
+            self._serve_forever_running = False
 
     async def __aenter__(self) -> Self:
         return self
@@ -250,5 +294,29 @@ async def serve(
     opts = Options.coerce(options)
     address = await resolve_host(host or "", port, passive=True)
     server = StreamServer(handler, opts, backlog)
+    server._listen(address, port)
+    return server
+
+
+async def listen(
+    host: str | None,
+    port: int,
+    *,
+    backlog: int = 128,
+    options: Options | dict[str, Any] | None = None,
+) -> StreamServer:
+    """Listen on ``host``:``port`` and return a server whose connections are taken with ``accept()``.
+
+    The accept-loop form of :func:`serve`, for code that wants to run connections in its own tasks
+    (a trio nursery, an anyio task group)::
+
+        server = await rdmaio.listen(host, 0)
+        while True:
+            endpoint = await server.accept()
+            task_group.start_soon(handle, endpoint)
+    """
+    opts = Options.coerce(options)
+    address = await resolve_host(host or "", port, passive=True)
+    server = StreamServer(None, opts, backlog)
     server._listen(address, port)
     return server

@@ -1,0 +1,347 @@
+"""Event-loop backends: what the reactor and the endpoints need from asyncio (and uvloop) or trio.
+
+The data path is written once against :class:`Backend`: one-shot waiters, a cancellation-safe event,
+``call_soon`` with a cancellable handle, background tasks, a timeout scope, fd readiness callbacks and
+``getaddrinfo``. :class:`AsyncioBackend` maps these onto the running loop (``add_reader``,
+``call_soon``, futures), so uvloop and anyio's asyncio backend get the same fast path.
+:class:`TrioBackend` maps them onto trio: fds are watched with ``anyio.wait_readable`` in one system
+task per fd and released with ``anyio.notify_closing`` before the fd is closed; ``call_soon`` callbacks
+run in one parked system task, so a burst of calls costs one reschedule, not one wake-up write each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+__all__ = [
+    "AsyncioBackend",
+    "Backend",
+    "Event",
+    "Handle",
+    "TrioBackend",
+    "Waiter",
+    "current_backend",
+    "trio_run_key",
+]
+
+log = logging.getLogger("rdmaio")
+
+
+class Handle(Protocol):
+    """A scheduled callback that can still be cancelled."""
+
+    def cancel(self) -> None:
+        """Do not run the callback (no effect once it ran)."""
+
+
+class Waiter(Protocol):
+    """A one-shot wake-up for one task: ``set()`` wakes it; cancelling the waiting task is harmless."""
+
+    def set(self) -> None:
+        """Wake the waiting task (idempotent)."""
+
+    def is_set(self) -> bool:
+        """True once set (or, on asyncio, once its waiting task was cancelled)."""
+
+    def wait(self) -> Awaitable[Any]:
+        """The awaitable to wait on (once)."""
+
+
+class Event(Protocol):
+    """A level-triggered event any number of tasks may wait on; a cancelled wait leaves it intact."""
+
+    def set(self) -> None:
+        """Set the event and wake every waiter."""
+
+    def is_set(self) -> bool:
+        """True once set."""
+
+    async def wait(self) -> Any:
+        """Wait until set."""
+
+
+class Backend(Protocol):
+    """The operations rdmaio's reactor and endpoints need from an event loop."""
+
+    name: str
+
+    def waiter(self) -> Waiter:
+        """A new one-shot waiter."""
+
+    def event(self) -> Event:
+        """A new cancellation-safe event."""
+
+    def call_soon(self, callback: Callable[[], None]) -> Handle:
+        """Run ``callback`` soon on the loop, after the currently runnable tasks."""
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``coro`` in the background; an exception is logged (it is a bug)."""
+
+    def timeout(self, seconds: float | None) -> Any:
+        """``async with`` scope raising builtin ``TimeoutError`` when ``seconds`` pass (None: never)."""
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever ``fd`` is readable (level-triggered: it must drain)."""
+
+    def remove_reader(self, fd: int) -> None:
+        """Stop watching ``fd``; must be called before the fd is closed."""
+
+    async def getaddrinfo(self, host: str, port: int, *, type: int, flags: int) -> list[Any]:
+        """``socket.getaddrinfo`` without blocking the loop."""
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``."""
+
+
+# --- asyncio (and uvloop, and anyio on asyncio) -------------------------------------------------------
+
+
+class _FutureWaiter:
+    __slots__ = ("_fut",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._fut: asyncio.Future[None] = loop.create_future()
+
+    def set(self) -> None:
+        if not self._fut.done():
+            self._fut.set_result(None)
+
+    def is_set(self) -> bool:
+        return self._fut.done()
+
+    def wait(self) -> asyncio.Future[None]:
+        # The future itself: awaiting an exact asyncio.Future takes the C task's fast path.
+        return self._fut
+
+
+class AsyncioBackend:
+    """The running asyncio loop (any implementation: the default loop, uvloop)."""
+
+    name = "asyncio"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def waiter(self) -> Waiter:
+        """A future-backed one-shot waiter."""
+        return _FutureWaiter(self.loop)
+
+    def event(self) -> Event:
+        """An ``asyncio.Event``."""
+        return asyncio.Event()
+
+    def call_soon(self, callback: Callable[[], None]) -> Handle:
+        """``loop.call_soon``."""
+        return self.loop.call_soon(callback)
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """A task the backend keeps a reference to until it ends."""
+        task = self.loop.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rdmaio: background task %s failed", task.get_name(), exc_info=task.exception())
+
+    def timeout(self, seconds: float | None) -> Any:
+        """``asyncio.timeout``."""
+        return asyncio.timeout(seconds)
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        """``loop.add_reader``."""
+        self.loop.add_reader(fd, callback)
+
+    def remove_reader(self, fd: int) -> None:
+        """``loop.remove_reader``."""
+        self.loop.remove_reader(fd)
+
+    async def getaddrinfo(self, host: str, port: int, *, type: int, flags: int) -> list[Any]:
+        """``loop.getaddrinfo``."""
+        return await self.loop.getaddrinfo(host, port, type=type, flags=flags)
+
+    async def sleep(self, seconds: float) -> None:
+        """``asyncio.sleep``."""
+        await asyncio.sleep(seconds)
+
+
+# --- trio ---------------------------------------------------------------------------------------------
+
+
+class _TrioHandle:
+    __slots__ = ("callback", "cancelled")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _TrioWatch:
+    __slots__ = ("callback", "removed")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.removed = False
+
+
+class TrioBackend:
+    """The running trio run (used directly, or through anyio's trio backend)."""
+
+    name = "trio"
+
+    def __init__(self) -> None:
+        import trio
+
+        self._trio = trio
+        self._soon: collections.deque[_TrioHandle] = collections.deque()
+        self._soon_task: Any = None
+        self._soon_parked = False
+        self._watches: dict[int, _TrioWatch] = {}
+        trio.lowlevel.spawn_system_task(self._run_soon, name="rdmaio call_soon")
+
+    def waiter(self) -> Waiter:
+        """A ``trio.Event`` (a cancelled wait leaves it untouched)."""
+        event: Waiter = self._trio.Event()
+        return event
+
+    def event(self) -> Event:
+        """A ``trio.Event``."""
+        event: Event = self._trio.Event()
+        return event
+
+    # call_soon: one system task runs queued callbacks and parks when the queue is empty.
+
+    async def _run_soon(self) -> None:
+        lowlevel = self._trio.lowlevel
+        self._soon_task = lowlevel.current_task()
+        queue = self._soon
+        while True:
+            while queue:
+                handle = queue.popleft()
+                if handle.cancelled:
+                    continue
+                try:
+                    handle.callback()
+                except Exception:
+                    log.exception("rdmaio: callback %r failed", handle.callback)
+            self._soon_parked = True
+            await lowlevel.wait_task_rescheduled(lambda _: lowlevel.Abort.SUCCEEDED)
+
+    def call_soon(self, callback: Callable[[], None]) -> Handle:
+        """Queue ``callback`` for the call_soon system task."""
+        handle = _TrioHandle(callback)
+        self._soon.append(handle)
+        if self._soon_parked:
+            self._soon_parked = False
+            self._trio.lowlevel.reschedule(self._soon_task)
+        return handle
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """A trio system task (cancelled when the run ends); exceptions are logged, not propagated."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except Exception:
+                log.exception("rdmaio: background task %s failed", name)
+
+        self._trio.lowlevel.spawn_system_task(guarded, name=name)
+
+    @asynccontextmanager
+    async def timeout(self, seconds: float | None) -> AsyncIterator[None]:
+        """``trio.fail_after``, raising builtin ``TimeoutError``."""
+        if seconds is None:
+            yield
+            return
+        try:
+            with self._trio.fail_after(seconds):
+                yield
+        except self._trio.TooSlowError as exc:
+            raise TimeoutError(f"timed out after {seconds} s") from exc
+
+    # fds: one system task per fd waits with anyio.wait_readable and runs the callback.
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        """Start a system task that calls ``callback`` each time ``fd`` becomes readable."""
+        if fd in self._watches:
+            self._watches[fd].callback = callback
+            return
+        watch = self._watches[fd] = _TrioWatch(callback)
+        self._trio.lowlevel.spawn_system_task(self._watch_fd, fd, watch, name=f"rdmaio fd {fd}")
+
+    async def _watch_fd(self, fd: int, watch: _TrioWatch) -> None:
+        import anyio
+
+        while not watch.removed:
+            try:
+                await anyio.wait_readable(fd)
+            except (anyio.ClosedResourceError, OSError):
+                return  # notify_closing() from remove_reader, or the fd is gone
+            if watch.removed:
+                return
+            try:
+                watch.callback()
+            except Exception:
+                log.exception("rdmaio: readiness callback of fd %d failed", fd)
+
+    def remove_reader(self, fd: int) -> None:
+        """Stop the fd's task: ``anyio.notify_closing`` wakes a pending wait before the fd is closed."""
+        import anyio
+
+        watch = self._watches.pop(fd, None)
+        if watch is None:
+            return
+        watch.removed = True
+        anyio.notify_closing(fd)
+
+    async def getaddrinfo(self, host: str, port: int, *, type: int, flags: int) -> list[Any]:
+        """``trio.socket.getaddrinfo``."""
+        result: list[Any] = await self._trio.socket.getaddrinfo(host, port, type=type, flags=flags)
+        return result
+
+    async def sleep(self, seconds: float) -> None:
+        """``trio.sleep``."""
+        await self._trio.sleep(seconds)
+
+
+def trio_run_key() -> object:
+    """The trio token of the current run (what a per-run registry is keyed by)."""
+    import trio
+
+    return trio.lowlevel.current_trio_token()
+
+
+def _running_trio() -> bool:
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True
+
+
+def current_backend() -> str:
+    """``"asyncio"`` or ``"trio"``: the async library running the current task.
+
+    Raises ``RuntimeError`` outside of both.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        if _running_trio():
+            return "trio"
+        raise RuntimeError("rdmaio needs a running asyncio loop or trio run") from None
+    return "asyncio"

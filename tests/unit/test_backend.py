@@ -1,0 +1,206 @@
+"""rdmaio.backend on asyncio, uvloop and trio (native: fd watching is tested with a pipe)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import trio
+import uvloop
+
+from rdmaio.backend import AsyncioBackend, Backend, TrioBackend, current_backend
+
+Runner = Callable[[Callable[[Backend], Coroutine[Any, Any, None]]], None]
+
+
+def _run_asyncio(factory: Callable[[], asyncio.AbstractEventLoop]) -> Runner:
+    def run(test: Callable[[Backend], Coroutine[Any, Any, None]]) -> None:
+        async def main() -> None:
+            assert current_backend() == "asyncio"
+            await test(AsyncioBackend(asyncio.get_running_loop()))
+
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main())
+
+    return run
+
+
+def _run_trio(test: Callable[[Backend], Coroutine[Any, Any, None]]) -> None:
+    async def main() -> None:
+        assert current_backend() == "trio"
+        await test(TrioBackend())
+
+    trio.run(main)
+
+
+RUNNERS: dict[str, Runner] = {
+    "asyncio": _run_asyncio(asyncio.new_event_loop),
+    "uvloop": _run_asyncio(uvloop.new_event_loop),
+    "trio": _run_trio,
+}
+
+
+@pytest.fixture(params=sorted(RUNNERS))
+def run(request: pytest.FixtureRequest) -> Runner:
+    return RUNNERS[request.param]
+
+
+def test_current_backend_outside_a_loop() -> None:
+    with pytest.raises(RuntimeError, match="running asyncio loop or trio run"):
+        current_backend()
+
+
+def test_call_soon_runs_in_order_and_cancel_skips(run: Runner) -> None:
+    async def test(io: Backend) -> None:
+        seen: list[int] = []
+        io.call_soon(lambda: seen.append(1))
+        cancelled = io.call_soon(lambda: seen.append(2))
+        io.call_soon(lambda: seen.append(3))
+        cancelled.cancel()
+        assert seen == []  # not run synchronously
+        await io.sleep(0.01)
+        assert seen == [1, 3]
+        # A burst after the runner parked again is served too.
+        for i in range(100):
+            io.call_soon(lambda i=i: seen.append(i))
+        await io.sleep(0.01)
+        assert seen == [1, 3, *range(100)]
+
+    run(test)
+
+
+def test_call_soon_callback_error_is_logged_not_fatal(run: Runner, caplog: pytest.LogCaptureFixture) -> None:
+    async def test(io: Backend) -> None:
+        seen: list[str] = []
+
+        def boom() -> None:
+            raise ValueError("boom")
+
+        io.call_soon(boom)
+        io.call_soon(lambda: seen.append("after"))
+        await io.sleep(0.01)
+        assert seen == ["after"]
+
+    with caplog.at_level(logging.ERROR):
+        run(test)  # nothing escapes: asyncio's exception handler and the trio runner both log it
+    assert "boom" in caplog.text
+
+
+def test_waiter_wakes_one_task_and_survives_cancellation(run: Runner) -> None:
+    async def test(io: Backend) -> None:
+        waiter = io.waiter()
+        assert not waiter.is_set()
+        io.call_soon(waiter.set)
+        await waiter.wait()
+        assert waiter.is_set()
+        waiter.set()  # idempotent
+        # A waiter whose waiting task was cancelled can still be set without error.
+        lonely = io.waiter()
+        with pytest.raises(TimeoutError):
+            async with io.timeout(0.01):
+                await lonely.wait()
+        lonely.set()
+
+    run(test)
+
+
+def test_event_is_level_triggered_and_cancel_safe(run: Runner) -> None:
+    async def test(io: Backend) -> None:
+        event = io.event()
+        with pytest.raises(TimeoutError):
+            async with io.timeout(0.01):
+                await event.wait()
+        assert not event.is_set()  # the cancelled wait left it alone
+        io.call_soon(event.set)
+        await event.wait()
+        await event.wait()  # stays set
+        assert event.is_set()
+
+    run(test)
+
+
+def test_timeout_none_never_fires_and_raises_builtin_timeout(run: Runner) -> None:
+    async def test(io: Backend) -> None:
+        async with io.timeout(None):
+            await io.sleep(0.01)
+        with pytest.raises(TimeoutError):
+            async with io.timeout(0.02):
+                await io.sleep(5)
+
+    run(test)
+
+
+def test_spawn_runs_in_background_and_logs_failures(run: Runner, caplog: pytest.LogCaptureFixture) -> None:
+    async def test(io: Backend) -> None:
+        done = io.event()
+
+        async def work() -> None:
+            await io.sleep(0)
+            done.set()
+
+        async def fail() -> None:
+            raise KeyError("background failure")
+
+        io.spawn(work(), name="work")
+        io.spawn(fail(), name="fail")
+        async with io.timeout(5):
+            await done.wait()
+        await io.sleep(0.01)
+
+    with caplog.at_level(logging.ERROR):
+        run(test)
+    assert "background failure" in caplog.text
+
+
+def test_add_reader_calls_back_until_removed(run: Runner) -> None:
+    """Readiness callbacks drain a pipe; after remove_reader the fd can be closed and nothing runs."""
+
+    async def test(io: Backend) -> None:
+        rfd, wfd = os.pipe()
+        os.set_blocking(rfd, False)
+        received: list[bytes] = []
+        got = io.event()
+
+        def on_readable() -> None:
+            while True:
+                try:
+                    chunk = os.read(rfd, 4096)
+                except BlockingIOError:
+                    return
+                received.append(chunk)
+                if b"".join(received).endswith(b"3"):
+                    got.set()
+
+        try:
+            io.add_reader(rfd, on_readable)
+            for part in (b"1", b"2", b"3"):
+                os.write(wfd, part)
+                await io.sleep(0.01)
+            async with io.timeout(5):
+                await got.wait()
+            assert b"".join(received) == b"123"
+            io.remove_reader(rfd)
+            io.remove_reader(rfd)  # idempotent
+            os.write(wfd, b"4")
+            await io.sleep(0.05)
+            assert b"".join(received) == b"123"  # no callback after remove_reader
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+        await io.sleep(0.01)  # the fd's task (trio) ends without touching the closed fd
+
+    run(test)
+
+
+def test_getaddrinfo_numeric(run: Runner) -> None:
+    import socket
+
+    async def test(io: Backend) -> None:
+        infos = await io.getaddrinfo("127.0.0.1", 80, type=socket.SOCK_STREAM, flags=0)
+        assert infos[0][4][0] == "127.0.0.1"
+
+    run(test)
