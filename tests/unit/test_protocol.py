@@ -1,7 +1,8 @@
-"""Unit tests of rdmaio.protocol: handshake, immediate values, credits, close states and a simulation."""
+"""Unit tests of rdmaio.protocol: handshake, imm values, credits, batches, close states and a simulation."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import struct
 from collections import deque
@@ -22,8 +23,11 @@ from rdmaio.errors import (
     ProtocolError,
 )
 from rdmaio.protocol import (
+    BATCH_RECORD_HEADER,
     EOF,
+    FEATURE_BATCH,
     HANDSHAKE_MAGIC,
+    KNOWN_FEATURES,
     MAX_MESSAGE_SIZE,
     MAX_PRIVATE_DATA,
     MAX_SLOT_SIZE,
@@ -34,8 +38,11 @@ from rdmaio.protocol import (
     ReceivedMessageTooLargeError,
     Session,
     State,
+    batch_record_size,
     decode_imm,
     encode_imm,
+    pack_batch_into,
+    unpack_batch,
 )
 
 HEADER = struct.Struct("!4sBBH")
@@ -66,12 +73,24 @@ def make_session(
     local_max: int = 1024,
     peer_max: int = 1024,
     credit_threshold: int | None = None,
+    local_features: int = 0,
+    peer_features: int = 0,
 ) -> Session:
     return Session(
-        Handshake(local_depth, local_slot, local_max),
-        Handshake(peer_depth, peer_slot, peer_max),
+        Handshake(local_depth, local_slot, local_max, features=local_features),
+        Handshake(peer_depth, peer_slot, peer_max, features=peer_features),
         credit_threshold=credit_threshold,
     )
+
+
+def batch_session(**kwargs: int) -> Session:
+    """A session on which both sides announced FEATURE_BATCH."""
+    return make_session(local_features=FEATURE_BATCH, peer_features=FEATURE_BATCH, **kwargs)
+
+
+def batch_payload(messages: list[bytes]) -> bytes:
+    """Encode a DATA_BATCH payload by hand (the reference for pack_batch_into)."""
+    return b"".join(struct.pack("<I", len(m)) + m for m in messages)
 
 
 def imm(kind: FrameKind, credits: int = 0) -> int:
@@ -236,6 +255,53 @@ def test_handshake_decode_fuzz(data: bytes) -> None:
     assert Handshake.decode(hs.encode()) == hs
 
 
+# -- Handshake features -------------------------------------------------------------------------------------
+
+
+def test_handshake_features_roundtrip_in_the_flags_byte() -> None:
+    hs = Handshake(16, 256, 4096, features=FEATURE_BATCH)
+    data = hs.encode()
+    assert len(data) == HEADER.size + BODY.size == 24  # no new bytes: the feature bits use the flags byte
+    assert HEADER.unpack_from(data) == (HANDSHAKE_MAGIC, PROTOCOL_VERSION, FEATURE_BATCH, BODY.size)
+    assert Handshake.decode(data) == hs
+    assert Handshake.decode(data).features == FEATURE_BATCH
+    assert Handshake(16, 256, 4096).encode()[5] == 0  # no features: byte-identical to the original encoding
+
+
+@pytest.mark.parametrize(
+    ("flags", "features"), [(0, 0), (FEATURE_BATCH, FEATURE_BATCH), (0x80, 0), (0xFF, KNOWN_FEATURES)]
+)
+def test_handshake_decode_keeps_known_feature_bits_only(flags: int, features: int) -> None:
+    # Unknown bits (a later version's features) are ignored, as the flags byte always was.
+    assert Handshake.decode(raw_handshake(16, 256, 4096, flags=flags)) == Handshake(
+        16, 256, 4096, features=features
+    )
+
+
+def test_handshake_construct_rejects_unknown_features() -> None:
+    with pytest.raises(HandshakeError, match="unknown feature bits 0x2"):
+        Handshake(8, 64, 1024, features=2)
+    with pytest.raises(HandshakeError, match="unknown feature bits"):
+        Handshake(8, 64, 1024, features=-1)
+    with pytest.raises(TypeError, match="features must be an int"):
+        Handshake(8, 64, 1024, features=True)
+
+
+@pytest.mark.parametrize(
+    ("local", "peer", "expected"),
+    [
+        (0, 0, False),
+        (FEATURE_BATCH, 0, False),
+        (0, FEATURE_BATCH, False),
+        (FEATURE_BATCH, FEATURE_BATCH, True),
+    ],
+)
+def test_session_batching_needs_both_sides(local: int, peer: int, expected: bool) -> None:
+    s = make_session(local_features=local, peer_features=peer)
+    assert s.batching is expected
+    assert s.statistics()["batching"] == int(expected)
+
+
 # -- immediate values ---------------------------------------------------------------------------------------
 
 
@@ -255,10 +321,10 @@ def test_encode_imm_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="credits -1 out of range"):
         encode_imm(FrameKind.CREDIT, -1)
     with pytest.raises(ValueError):
-        encode_imm(5, 0)  # type: ignore[arg-type]
+        encode_imm(6, 0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("raw_kind", [0, *range(5, 16)])
+@pytest.mark.parametrize("raw_kind", [0, *range(6, 16)])
 def test_decode_imm_unknown_kind(raw_kind: int) -> None:
     with pytest.raises(FrameError, match=f"unknown frame kind {raw_kind}"):
         decode_imm(raw_kind << 28 | 7)
@@ -274,6 +340,110 @@ def test_decode_imm_reserved_bits(bit: int) -> None:
 def test_decode_imm_out_of_range(value: int) -> None:
     with pytest.raises(FrameError, match="not an unsigned 32-bit value"):
         decode_imm(value)
+
+
+# -- DATA_BATCH payloads ------------------------------------------------------------------------------------
+
+
+def test_batch_record_size() -> None:
+    assert BATCH_RECORD_HEADER == 4
+    assert batch_record_size(0) == 4
+    assert batch_record_size(60) == 64
+
+
+def test_pack_batch_into_layout() -> None:
+    buf = bytearray(b"\xee" * 32)
+    n = pack_batch_into(memoryview(buf), 3, [b"ab", b"", memoryview(b"xyz"), bytearray(b"q")])
+    assert n == 4 + 2 + 4 + 0 + 4 + 3 + 4 + 1
+    assert bytes(buf[3 : 3 + n]) == (b"\x02\0\0\0ab" + b"\0\0\0\0" + b"\x03\0\0\0xyz" + b"\x01\0\0\0q")
+    assert buf[:3] == b"\xee" * 3 and buf[3 + n :] == b"\xee" * (32 - 3 - n)  # nothing else touched
+    assert unpack_batch(memoryview(buf)[3 : 3 + n]) == [b"ab", b"", b"xyz", b"q"]
+
+
+def test_pack_batch_into_fits_exactly_or_writes_nothing() -> None:
+    buf = bytearray(16)
+    assert pack_batch_into(buf, 4, [b"12345678"]) == 12  # exactly to the end
+    before = bytes(buf)
+    with pytest.raises(ValueError, match="needs 13 bytes, 12 are available at offset 4"):
+        pack_batch_into(buf, 4, [b"123456789"])
+    with pytest.raises(ValueError, match="available at offset -1"):
+        pack_batch_into(buf, -1, [b""])
+    with pytest.raises(ValueError, match="at least one message"):
+        pack_batch_into(buf, 0, [])
+    assert bytes(buf) == before
+
+
+def test_pack_batch_into_a_slot_view_cannot_spill() -> None:
+    # The endpoint passes the view of one slot; the next slot stays untouched even at offset 0.
+    slots = memoryview(bytearray(128))
+    with pytest.raises(ValueError, match="needs 69 bytes, 64 are available"):
+        pack_batch_into(slots[0:64], 0, [b"x" * 65])
+    assert bytes(slots) == bytes(128)
+
+
+BATCH_MESSAGES = st.lists(
+    st.one_of(st.binary(max_size=40), st.binary(min_size=200, max_size=300)), min_size=1
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=BATCH_MESSAGES, offset=st.integers(0, 9), slack=st.integers(0, 9), as_view=st.booleans())
+def test_batch_roundtrip(messages: list[bytes], offset: int, slack: int, as_view: bool) -> None:
+    size = sum(batch_record_size(len(m)) for m in messages)
+    buf = bytearray(offset + size + slack)
+    sources: list[bytes | memoryview] = [memoryview(m) if as_view else m for m in messages]
+    assert pack_batch_into(memoryview(buf), offset, sources) == size
+    payload = bytes(buf[offset : offset + size])
+    assert payload == batch_payload(messages)
+    assert unpack_batch(payload) == messages
+    assert unpack_batch(memoryview(buf)[offset : offset + size]) == messages
+    assert all(type(m) is bytes for m in unpack_batch(bytearray(payload)))
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        (b"", "0 bytes is too short for one record"),
+        (b"\0\0\0", "3 bytes is too short for one record"),
+        (b"\x01\0\0\0", "record at offset 0 declares 1 bytes, only 0 follow"),
+        (b"\x05\0\0\0abc", "declares 5 bytes, only 3 follow"),
+        (b"\xff\xff\xff\xffabc", "declares 4294967295 bytes"),
+        (b"\0\0\0\0\0", "1 bytes left at offset 4, a record header needs 4"),
+        (b"\x01\0\0\0a\x02\0\0", "3 bytes left at offset 5"),
+        (b"\x01\0\0\0a\x02\0\0\0b", "record at offset 5 declares 2 bytes, only 1 follow"),
+    ],
+)
+def test_unpack_batch_rejects_malformed_payloads(payload: bytes, fragment: str) -> None:
+    with pytest.raises(FrameError, match=fragment):
+        unpack_batch(payload)
+    with pytest.raises(FrameError, match=fragment):
+        unpack_batch(memoryview(payload))
+
+
+def test_unpack_batch_checks_message_size() -> None:
+    payload = batch_payload([b"abc", b"defgh"])
+    assert unpack_batch(payload, 5) == [b"abc", b"defgh"]
+    with pytest.raises(ReceivedMessageTooLargeError, match=r"batched message of 5 bytes, more than .* of 4"):
+        unpack_batch(payload, 4)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=40),
+        st.builds(lambda ms, cut: batch_payload(ms)[:cut], BATCH_MESSAGES, st.integers(0, 400)),
+        st.builds(
+            lambda ms, junk: batch_payload(ms) + junk, BATCH_MESSAGES, st.binary(min_size=1, max_size=7)
+        ),
+    )
+)
+def test_unpack_batch_fuzz(payload: bytes) -> None:
+    # Either a FrameError, or a canonical decoding: packing the messages again gives the same bytes.
+    try:
+        messages = unpack_batch(payload)
+    except FrameError:
+        return
+    assert messages and batch_payload(messages) == payload
 
 
 # -- Session: credits and framing ---------------------------------------------------------------------------
@@ -497,6 +667,24 @@ ON_FRAME_ERRORS: list[tuple[str, Callable[[Session], None], int, int, type[Excep
     ("credit-overflow", _spent_credits, imm(FrameKind.CREDIT, 2), 0, FrameError, "granted 2 credits"),
     ("bad-kind", _nothing, 7 << 28, 0, FrameError, "unknown frame kind 7"),
     ("reserved", _nothing, 1 << 20 | 2 << 28, 0, FrameError, "reserved bits"),
+    ("kind-15", _nothing, 15 << 28, 0, FrameError, "unknown frame kind 15"),
+    ("kind-0", _nothing, 0, 0, FrameError, "unknown frame kind 0"),
+    ("negative-imm", _nothing, -1, 0, FrameError, "not an unsigned 32-bit value"),
+    ("wide-imm", _nothing, 1 << 32 | 2 << 28, 0, FrameError, "not an unsigned 32-bit value"),
+    ("batch-no-slot", _exhaust_slots, imm(FrameKind.DATA_BATCH), 4, FrameError, "no receive posted"),
+    ("batch-oversize", _nothing, imm(FrameKind.DATA_BATCH), 65, FrameError, "exceeds the slot size of 64"),
+    ("batch-empty", _nothing, imm(FrameKind.DATA_BATCH), 0, FrameError, "0 bytes is too short for one"),
+    ("batch-short", _nothing, imm(FrameKind.DATA_BATCH), 3, FrameError, "3 bytes is too short for one"),
+    ("batch-after-eof", _after_peer_eof, imm(FrameKind.DATA_BATCH), 4, FrameError, "after the peer's EOF"),
+    ("batch-credits", _spent_credits, imm(FrameKind.DATA_BATCH, 2), 4, FrameError, "granted 2 credits"),
+    (
+        "batch-mid-message",
+        _mid_message,
+        imm(FrameKind.DATA_BATCH),
+        4,
+        FrameError,
+        r"DATA_BATCH frame in the middle of a message \(DATA_END missing\)",
+    ),
     (
         "too-large",
         _mid_message,
@@ -516,7 +704,7 @@ ON_FRAME_ERRORS: list[tuple[str, Callable[[Session], None], int, int, type[Excep
 def test_on_frame_errors(
     setup: Callable[[Session], None], raw_imm: int, byte_len: int, exc_type: type[Exception], fragment: str
 ) -> None:
-    s = make_session(local_slot=64, local_max=64)
+    s = batch_session(local_slot=64, local_max=64)
     setup(s)
     before = s.statistics()
     with pytest.raises(exc_type, match=fragment) as info:
@@ -584,12 +772,165 @@ def test_no_frames_once_transport_is_gone(event: str, exc_type: type[Exception])
     assert not s.credit_frame_due() and not s.eof_pending() and not s.can_send_eof() and not s.can_send_data()
     takes: list[Callable[[], int]] = [
         lambda: s.take_data_frame(last=True),
+        lambda: s.take_batch_frame(4, 1),
         s.take_credit_frame,
         s.take_eof_frame,
     ]
     for take in takes:
         with pytest.raises(exc_type):
             take()
+
+
+# -- Session: DATA_BATCH frames -----------------------------------------------------------------------------
+
+
+def test_take_batch_frame_accounting() -> None:
+    s = batch_session(peer_slot=64)
+    s.on_frame(imm(FrameKind.DATA_END), 1)
+    s.on_recv_reposted(1)
+    slot = bytearray(64)
+    n = pack_batch_into(memoryview(slot), 0, [b"ab", b"", b"xyz"])
+    assert n == 17
+    assert decode_imm(s.take_batch_frame(n, 3)) == (FrameKind.DATA_BATCH, 1)  # piggybacks the grant
+    assert (s.send_credits, s.ungranted) == (7, 0)
+    s.take_data_frame(last=False, nbytes=64)
+    s.take_data_frame(last=True, nbytes=2)
+    assert decode_imm(s.take_batch_frame(64, 16)) == (FrameKind.DATA_BATCH, 0)  # 16 empty messages
+    stats = s.statistics()
+    assert stats["frames_sent"] == 4
+    assert stats["data_frames_sent"] == 2
+    assert stats["batch_frames_sent"] == 2
+    assert stats["batched_messages_sent"] == 19
+    assert stats["messages_sent"] == 20
+    assert stats["bytes_sent"] == 5 + 66  # message bytes; the record headers are not counted
+    assert stats["credits_granted"] == 1
+    assert stats["min_send_credits"] == 4
+
+
+def _mid_send(s: Session) -> None:
+    s.take_data_frame(last=False, nbytes=1)
+
+
+def _eof_sent(s: Session) -> None:
+    s.take_eof_frame()
+
+
+def _one_credit_left(s: Session) -> None:
+    while s.send_credits > 1:
+        s.take_data_frame(last=True)
+
+
+TAKE_BATCH_ERRORS: list[tuple[str, Callable[[Session], None], int, int, type[Exception], str]] = [
+    ("mid-message", _mid_send, 4, 1, RuntimeError, "DATA_BATCH frame in the middle of a message"),
+    ("after-eof", _eof_sent, 4, 1, EndpointClosedError, "EOF was already sent"),
+    ("one-credit", _one_credit_left, 4, 1, RuntimeError, "no credit for a DATA frame"),
+    ("no-messages", _nothing, 4, 0, ValueError, "0 messages cannot make a DATA_BATCH payload of 4 bytes"),
+    ("too-many-messages", _nothing, 7, 2, ValueError, "2 messages cannot make"),
+    ("too-short", _nothing, 3, 1, ValueError, "1 messages cannot make a DATA_BATCH payload of 3 bytes"),
+    ("too-large", _nothing, 65, 1, ValueError, "DATA_BATCH frame of 65 bytes out of range 0..64"),
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "nbytes", "messages", "exc_type", "fragment"),
+    [case[1:] for case in TAKE_BATCH_ERRORS],
+    ids=[case[0] for case in TAKE_BATCH_ERRORS],
+)
+def test_take_batch_frame_errors(
+    setup: Callable[[Session], None], nbytes: int, messages: int, exc_type: type[Exception], fragment: str
+) -> None:
+    s = batch_session(peer_slot=64)
+    setup(s)
+    before = s.statistics()
+    with pytest.raises(exc_type, match=fragment):
+        s.take_batch_frame(nbytes, messages)
+    assert s.statistics() == before
+
+
+@pytest.mark.parametrize(("local", "peer"), [(0, 0), (FEATURE_BATCH, 0), (0, FEATURE_BATCH)])
+def test_batch_frames_need_negotiation(local: int, peer: int) -> None:
+    s = make_session(local_features=local, peer_features=peer)
+    with pytest.raises(RuntimeError, match="batching was not negotiated"):
+        s.take_batch_frame(4, 1)
+    assert s.statistics()["frames_sent"] == 0
+    with pytest.raises(FrameError, match="DATA_BATCH frame although batching was not negotiated"):
+        s.on_frame(imm(FrameKind.DATA_BATCH), 4)
+    assert s.state is State.ABORTED
+    assert s.statistics()["frames_received"] == 0
+
+
+def test_on_frame_batch_then_on_batch() -> None:
+    s = batch_session(local_slot=64, local_max=3)
+    payload = batch_payload([b"a", b"", b"bcd"])
+    s.on_frame(imm(FrameKind.DATA_MORE), 2)
+    s.on_frame(imm(FrameKind.DATA_END), 1)
+    assert s.on_frame(imm(FrameKind.DATA_BATCH), len(payload)) is FrameKind.DATA_BATCH
+    slot = memoryview(bytearray(payload + b"junk after the frame"))
+    assert s.on_batch(slot[: len(payload)]) == [b"a", b"", b"bcd"]
+    assert s.on_frame(imm(FrameKind.DATA_BATCH), 4) == FrameKind.DATA_BATCH
+    assert s.on_batch(b"\0\0\0\0") == [b""]
+    stats = s.statistics()
+    assert stats["frames_received"] == 4
+    assert stats["data_frames_received"] == 2
+    assert stats["batch_frames_received"] == 2
+    assert stats["batched_messages_received"] == 4
+    assert stats["messages_received"] == 5
+    assert stats["bytes_received"] == 3 + 4
+    assert s.posted == 4
+    s.on_recv_reposted(4)
+    assert decode_imm(s.take_credit_frame()) == (FrameKind.CREDIT, 4)
+
+
+def test_on_batch_misuse_is_a_runtime_error() -> None:
+    s = batch_session()
+    with pytest.raises(RuntimeError, match="without a DATA_BATCH frame"):
+        s.on_batch(b"\0\0\0\0")
+    s.on_frame(imm(FrameKind.DATA_BATCH), 8)
+    with pytest.raises(RuntimeError, match="got 4 bytes, the DATA_BATCH frame had 8"):
+        s.on_batch(b"\0\0\0\0")
+    assert s.on_batch(b"\0\0\0\0" * 2) == [b"", b""]
+    with pytest.raises(RuntimeError, match="without a DATA_BATCH frame"):
+        s.on_batch(b"\0\0\0\0")
+    assert s.state is State.OPEN
+
+
+@pytest.mark.parametrize(
+    ("payload", "exc_type", "fragment"),
+    [
+        (b"\x05\0\0\0abcd", FrameError, "declares 5 bytes, only 4 follow"),
+        (b"\x01\0\0\0ab", FrameError, "1 bytes left at offset 5"),
+        (batch_payload([b"abc", b"defgh"]), ReceivedMessageTooLargeError, "batched message of 5 bytes"),
+    ],
+)
+def test_on_batch_malformed_payload_aborts(payload: bytes, exc_type: type[Exception], fragment: str) -> None:
+    s = batch_session(local_max=4)
+    s.on_frame(imm(FrameKind.DATA_BATCH), len(payload))
+    before = s.statistics()
+    with pytest.raises(exc_type, match=fragment) as info:
+        s.on_batch(payload)
+    assert isinstance(info.value, ProtocolError)
+    assert s.statistics() == before
+    assert s.state is State.ABORTED
+    err = s.recv_outcome()
+    assert isinstance(err, ConnectionAbortedError) and err.__cause__ is info.value
+
+
+def test_credit_frame_allowed_mid_message_but_not_eof_or_batch() -> None:
+    # Rule check: CREDIT carries only grants and may arrive between fragments; EOF and DATA_BATCH may not.
+    s = batch_session(local_slot=64)
+    s.on_frame(imm(FrameKind.DATA_MORE), 64)
+    assert s.on_frame(imm(FrameKind.CREDIT), 0) is FrameKind.CREDIT
+    assert s.on_frame(imm(FrameKind.DATA_END), 1) is FrameKind.DATA_END
+    assert s.on_frame(imm(FrameKind.DATA_BATCH), 4) is FrameKind.DATA_BATCH
+    # Sender side: a CREDIT frame may be taken mid-message, EOF and DATA_BATCH may not.
+    s.on_batch(b"\0\0\0\0")
+    s.take_data_frame(last=False, nbytes=1)
+    s.on_recv_reposted(3)
+    assert decode_imm(s.take_credit_frame()) == (FrameKind.CREDIT, 3)
+    with pytest.raises(RuntimeError, match="middle of a message"):
+        s.take_batch_frame(4, 1)
+    with pytest.raises(RuntimeError, match="middle of a message"):
+        s.take_eof_frame()
 
 
 # -- close state machine ------------------------------------------------------------------------------------
@@ -714,35 +1055,98 @@ def test_eof_type_repr() -> None:
 IMMS = st.one_of(
     st.integers(0, 2**32 - 1),
     st.builds(lambda k, c: k << 28 | c, st.integers(0, 15), st.integers(0, 0xFFFF)),
-    st.builds(lambda k, c: k << 28 | c, st.integers(1, 4), st.integers(0, 3)),
+    st.builds(lambda k, c: k << 28 | c, st.integers(1, 5), st.integers(0, 3)),
     st.sampled_from([-1, 2**32, 2**32 + 1]),
 )
 LENS = st.one_of(st.integers(0, 80), st.integers(0, 2**32 - 1), st.just(-1))
+
+
+@dataclass
+class RecvModel:
+    """The receive rules written out plainly, as the reference for on_frame's optimised checks."""
+
+    in_message: bool = False
+    message_bytes: int = 0
+
+    def expect(self, s: Session, raw: int, byte_len: int) -> FrameKind | None:
+        """The kind on_frame must return for this frame, or None if it must reject it."""
+        if not 0 <= raw <= 0xFFFF_FFFF or raw & 0x0FFF_0000 or not 1 <= raw >> 28 <= 5:
+            return None
+        kind, credits = FrameKind(raw >> 28), raw & 0xFFFF
+        data = kind in (FrameKind.DATA_MORE, FrameKind.DATA_END, FrameKind.DATA_BATCH)
+        if s.posted - s.ungranted <= 0 or not 0 <= byte_len <= s.local.slot_size:
+            return None
+        if (not data and byte_len) or s.send_credits + credits > s.peer.recv_depth:
+            return None
+        if (data or kind is FrameKind.EOF) and s.peer_eof:
+            return None
+        if kind in (FrameKind.DATA_BATCH, FrameKind.EOF) and self.in_message:
+            return None
+        if kind is FrameKind.DATA_BATCH and (not s.batching or byte_len < 4):
+            return None
+        if kind in (FrameKind.DATA_MORE, FrameKind.DATA_END):
+            if self.message_bytes + byte_len > s.local.max_message_size:
+                return None
+            self.in_message = kind is FrameKind.DATA_MORE
+            self.message_bytes = self.message_bytes + byte_len if self.in_message else 0
+        return kind
+
+
+# Mostly plausible frames, so that the accepting paths get exercised as much as the rejecting ones.
+GOOD_FRAMES = st.tuples(
+    st.just("frame"),
+    st.builds(lambda k, c: k << 28 | c, st.integers(1, 5), st.sampled_from([0, 0, 0, 1, 2])),
+    st.sampled_from([0, 0, 0, 1, 3, 4, 5, 63, 64, 65]),
+)
 OPS = st.one_of(
     st.tuples(st.just("frame"), IMMS, LENS),
+    GOOD_FRAMES,
+    GOOD_FRAMES,
     st.tuples(st.just("repost"), st.integers(0, 3), st.just(0)),
     st.tuples(st.just("send"), st.booleans(), st.just(0)),
+    st.tuples(st.just("batch"), st.integers(1, 3), st.integers(0, 60)),
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(OPS, max_size=30))
-def test_on_frame_fuzz(ops: list[tuple[str, object, object]]) -> None:
-    s = make_session(local_depth=6, peer_depth=6, local_slot=64, local_max=200)
+@settings(max_examples=500, deadline=None)
+@given(ops=st.lists(OPS, max_size=30), batching=st.booleans())
+def test_on_frame_fuzz(ops: list[tuple[str, object, object]], batching: bool) -> None:
+    features = FEATURE_BATCH if batching else 0
+    s = make_session(
+        local_depth=6,
+        peer_depth=6,
+        local_slot=64,
+        local_max=200,
+        local_features=features,
+        peer_features=features,
+    )
+    model = RecvModel()
     for op, a, b in ops:
         if op == "frame":
             assert isinstance(a, int) and isinstance(b, int)
+            before = s.statistics()
+            expected = model.expect(s, a, b)  # (an aborted session still validates; the I/O layer stops)
             try:
                 kind = s.on_frame(a, b)
             except ProtocolError:
+                assert expected is None, f"rejected a valid {expected!r} frame"
                 assert s.state is State.ABORTED
+                assert s.statistics() == before
             else:
+                assert kind is expected
                 assert isinstance(kind, FrameKind)
+                if kind is FrameKind.DATA_BATCH:
+                    assert s.on_batch(batch_payload([bytes(b - 4)])) == [bytes(b - 4)]
         elif op == "repost":
             assert isinstance(a, int)
             s.on_recv_reposted(min(a, s.local.recv_depth - s.posted))
-        elif s.can_send_data():
-            s.take_data_frame(last=bool(a))
+        elif op == "send":
+            if s.can_send_data():
+                s.take_data_frame(last=bool(a))
+        elif s.batching and s.can_send_data():
+            assert isinstance(a, int) and isinstance(b, int)
+            with contextlib.suppress(RuntimeError):  # refused in the middle of a message
+                s.take_batch_frame(min(4 * a + b, s.max_fragment), a)
         assert 0 <= s.ungranted <= s.posted <= s.local.recv_depth
         assert 0 <= s.send_credits <= s.peer.recv_depth
 
@@ -759,11 +1163,12 @@ class Side:
     session: Session
     policy: str  # when received slots are reposted: on receipt, when the app consumed them, or in batches
     outbox: list[bytes]
+    batch_max: int = 0  # most messages per DATA_BATCH frame (0: never), used only if batching was negotiated
     msg_index: int = 0
     offset: int = 0
     eof_written: bool = False
     wire_out: deque[tuple[int, bytes]] = field(default_factory=deque)
-    rx: deque[tuple[FrameKind, bytes, bool]] = field(default_factory=deque)  # (kind, payload, slot held)
+    rx: deque[tuple[FrameKind, list[bytes], bool]] = field(default_factory=deque)  # kind, payloads, held
     pending_reposts: int = 0
     assembling: bytearray = field(default_factory=bytearray)
     inbox: list[bytes] = field(default_factory=list)
@@ -772,7 +1177,28 @@ class Side:
     def data_left(self) -> bool:
         return self.msg_index < len(self.outbox)
 
+    def batchable(self) -> list[bytes]:
+        """The next whole messages that fit in one DATA_BATCH frame (at most batch_max of them)."""
+        if not (self.batch_max and self.session.batching) or self.offset:
+            return []
+        batch: list[bytes] = []
+        room = self.session.max_fragment
+        for msg in self.outbox[self.msg_index : self.msg_index + self.batch_max]:
+            room -= batch_record_size(len(msg))
+            if room < 0:
+                break
+            batch.append(msg)
+        return batch
+
     def send_data(self) -> None:
+        batch = self.batchable()
+        if batch:
+            slot = bytearray(self.session.max_fragment + 8)  # the slot plus the start of the next one
+            n = pack_batch_into(memoryview(slot)[: self.session.max_fragment], 0, batch)
+            self.wire_out.append((self.session.take_batch_frame(n, len(batch)), bytes(slot[:n])))
+            assert not any(slot[n:])
+            self.msg_index += len(batch)
+            return
         msg = self.outbox[self.msg_index]
         chunk = msg[self.offset : self.offset + self.session.max_fragment]
         self.offset += len(chunk)
@@ -793,22 +1219,29 @@ class Side:
         if kind is FrameKind.EOF:
             assert not self.got_eof
             self.got_eof = True
+        data = kind in (FrameKind.DATA_MORE, FrameKind.DATA_END, FrameKind.DATA_BATCH)
         if self.policy == "batched":
             self.pending_reposts += 1
             held = False
-        elif self.policy == "eager" or kind not in (FrameKind.DATA_MORE, FrameKind.DATA_END):
+        elif self.policy == "eager" or not data:
             self.repost(1)  # payload copied out (eager), or nothing to keep (control frame)
             held = False
         else:
             held = True  # zero-copy: the slot is reposted when the app has read it
-        if kind in (FrameKind.DATA_MORE, FrameKind.DATA_END):
-            self.rx.append((kind, payload, held))
+        if kind is FrameKind.DATA_BATCH:
+            self.rx.append((kind, self.session.on_batch(memoryview(payload)), held))
+        elif data:
+            self.rx.append((kind, [payload], held))
 
     def consume(self) -> None:
-        kind, payload, held = self.rx.popleft()
+        kind, payloads, held = self.rx.popleft()
         if held:
             self.repost(1)
-        self.assembling += payload
+        if kind is FrameKind.DATA_BATCH:
+            assert not self.assembling  # never between the fragments of a message
+            self.inbox += payloads
+            return
+        self.assembling += payloads[0]
         if kind is FrameKind.DATA_END:
             self.inbox.append(bytes(self.assembling))
             self.assembling.clear()
@@ -878,16 +1311,25 @@ def run_simulation(
     sizes: tuple[list[int], list[int]],
     weights: dict[str, float] | None = None,
     max_steps: int = 200_000,
+    batch_max: tuple[int, int] = (0, 0),
 ) -> tuple[Side, Side]:
-    """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet."""
+    """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet.
+
+    A side with ``batch_max > 0`` announces FEATURE_BATCH and, if the other side does too, sends runs of up
+    to that many small whole messages as DATA_BATCH frames.
+    """
     weights = {name: 1.0 for name in ACTION_NAMES} | (weights or {})
     max_message = max([1, *sizes[0], *sizes[1]])
-    hs = [Handshake(depths[i], slots[i], max_message) for i in range(2)]
+    hs = [
+        Handshake(depths[i], slots[i], max_message, features=FEATURE_BATCH if batch_max[i] else 0)
+        for i in range(2)
+    ]
     sides = tuple(
         Side(
             session=Session(hs[i], hs[1 - i], credit_threshold=thresholds[i]),
             policy=policies[i],
             outbox=[rnd.randbytes(n) for n in sizes[i]],
+            batch_max=batch_max[i],
         )
         for i in range(2)
     )
@@ -919,14 +1361,23 @@ def run_simulation(
         stats = side.session.statistics()
         assert stats["messages_sent"] == len(side.outbox)
         assert stats["bytes_sent"] == sum(map(len, side.outbox))
-        assert stats["frames_sent"] == other.session.statistics()["frames_received"]
+        other_stats = other.session.statistics()
+        assert stats["frames_sent"] == other_stats["frames_received"]
+        for key in ("data_frames", "batch_frames", "batched_messages", "messages", "bytes", "credit_frames"):
+            assert stats[f"{key}_sent"] == other_stats[f"{key}_received"], key
+        assert stats["credits_granted"] == other_stats["credits_received"]
+        if not side.session.batching:
+            assert stats["batch_frames_sent"] == stats["batch_frames_received"] == 0
     # No ping-pong: once all data is delivered, only a bounded number of CREDIT frames follows.
     assert credits_when_done is not None
     assert _credit_frames(pair) - credits_when_done <= depths[0] + depths[1]
     return pair
 
 
-SIZES = st.lists(st.one_of(st.sampled_from([0, 1, 63, 64, 65, 128, 129]), st.integers(0, 400)), max_size=6)
+SIZES = st.lists(
+    st.one_of(st.sampled_from([0, 1, 60, 61, 63, 64, 65, 128, 129]), st.integers(0, 400), st.integers(0, 30)),
+    max_size=6,
+)
 WEIGHTS = st.fixed_dictionaries({name: st.sampled_from([0.05, 1.0, 20.0]) for name in ACTION_NAMES})
 
 
@@ -938,6 +1389,7 @@ WEIGHTS = st.fixed_dictionaries({name: st.sampled_from([0.05, 1.0, 20.0]) for na
     policies=st.tuples(st.sampled_from(POLICIES), st.sampled_from(POLICIES)),
     sizes=st.tuples(SIZES, SIZES),
     weights=WEIGHTS,
+    batch_max=st.tuples(st.sampled_from([0, 1, 3, 16]), st.sampled_from([0, 1, 3, 16])),
     data=st.data(),
 )
 def test_simulation(
@@ -947,13 +1399,14 @@ def test_simulation(
     policies: tuple[str, str],
     sizes: tuple[list[int], list[int]],
     weights: dict[str, float],
+    batch_max: tuple[int, int],
     data: st.DataObject,
 ) -> None:
     thresholds = (
         data.draw(st.one_of(st.none(), st.integers(2, depths[0] - 1)), label="threshold_a"),
         data.draw(st.one_of(st.none(), st.integers(2, depths[1] - 1)), label="threshold_b"),
     )
-    run_simulation(rnd, depths, slots, thresholds, policies, sizes, weights)
+    run_simulation(rnd, depths, slots, thresholds, policies, sizes, weights, batch_max=batch_max)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -962,9 +1415,29 @@ def test_simulation_larger(seed: int) -> None:
     sizes = ([rnd.randrange(3000) for _ in range(40)], [rnd.randrange(3000) for _ in range(25)])
     policies = (POLICIES[seed % 3], POLICIES[(seed + 1 + seed // 3) % 3])
     weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
-    a, b = run_simulation(rnd, (32, 16), (256, 128), (None, 2), policies, sizes, weights)
+    batch_max = ((0, 0), (8, 8), (8, 0))[seed % 3]
+    a, b = run_simulation(rnd, (32, 16), (256, 128), (None, 2), policies, sizes, weights, batch_max=batch_max)
     assert a.session.statistics()["messages_received"] == 25
     assert b.session.statistics()["messages_received"] == 40
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_simulation_batching(seed: int) -> None:
+    # Mostly small messages with a few fragmented ones between them: batches and fragments interleave.
+    rnd = random.Random(seed)
+    sizes = tuple([rnd.choice([0, 1, 7, 20, 50, 124, 125, 300]) for _ in range(60)] for _ in range(2))
+    policies = (POLICIES[seed % 3], POLICIES[(seed + 1) % 3])
+    weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
+    a, b = run_simulation(
+        rnd, (8, 6), (128, 256), (None, None), policies, (sizes[0], sizes[1]), weights, batch_max=(5, 12)
+    )
+    for side in (a, b):
+        stats = side.session.statistics()
+        assert side.session.batching
+        assert stats["batch_frames_sent"] > 0 and stats["data_frames_sent"] > 0
+        assert stats["batched_messages_sent"] > stats["batch_frames_sent"]
+        assert stats["messages_sent"] == 60
+        assert stats["frames_sent"] < 60
 
 
 def test_simulation_idle_credit_exchange_stops() -> None:
