@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's demo, run inside the test host: echo server + client on asyncio and uvloop, then a short
+# The README's demo, run inside the test host: echo server + client on asyncio and uvloop, the
+# asyncio-streams and anyio (trio) examples, then a short
 # benchmark table. Exits non-zero if any step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +29,9 @@ echo "== echo on asyncio =="
 run_echo 7471
 echo "== echo on uvloop =="
 run_echo 7472 --uvloop
+echo "== asyncio streams echo over RDMA =="
+"$PY" examples/streams_echo.py --transport rdma --host "$ADDR"
+echo "== anyio echo over RDMA on trio =="
+"$PY" examples/anyio_echo.py --transport rdma --host "$ADDR" --backend trio
 echo "== benchmark (quick) =="
 "$PY" -m rdmaio bench --quick --json reports/bench-demo.json
