@@ -20,7 +20,7 @@ from rdmaio.errors import (
     UnreachableError,
 )
 from rdmaio.options import Options
-from rdmaio.protocol import Handshake, Session
+from rdmaio.protocol import FEATURE_BATCH, Handshake, Session
 from rdmaio.reactor import Reactor
 from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType
@@ -56,7 +56,10 @@ async def resolve_host(host: str, port: int, *, passive: bool = False) -> str:
 def local_handshake(options: Options) -> Handshake:
     """The handshake this side announces for ``options``."""
     return Handshake(
-        recv_depth=options.recv_depth, slot_size=options.slot_size, max_message_size=options.max_message_size
+        recv_depth=options.recv_depth,
+        slot_size=options.slot_size,
+        max_message_size=options.max_message_size,
+        features=FEATURE_BATCH if options.batch_limit else 0,
     )
 
 

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
@@ -55,6 +56,9 @@ _SEND_INLINE = verbs.SEND_INLINE
 _FLUSH = int(WcStatus.WR_FLUSH_ERR)
 _DATA_MORE = FrameKind.DATA_MORE
 _DATA_END = FrameKind.DATA_END
+_DATA_BATCH = FrameKind.DATA_BATCH
+_EOF = FrameKind.EOF
+_RECORD_HEADER = struct.Struct("<I")  # DATA_BATCH record: u32 little-endian length, then the message
 
 
 class Endpoint:
@@ -110,11 +114,19 @@ class Endpoint:
         self._held: list[int] = []  # slots not re-posted while the receive buffer is over its limit
         self._rx_waiter: Waiter | None = None
         # send side
-        self._txq: collections.deque[tuple[bytes | memoryview, bool]] = collections.deque()
+        # Frames to post, in order: (data, kind) with kind True/1 = DATA_END, False/0 = DATA_MORE and
+        # -n = a DATA_BATCH payload of n messages.
+        self._txq: collections.deque[tuple[bytes | bytearray | memoryview, int]] = collections.deque()
         self._txq_bytes = 0
         self._queued_frames = 0  # frames ever queued
         self._posted_frames = 0  # frames ever posted
-        self._wbuf = bytearray()
+        self._wbuf = bytearray()  # stream writes being coalesced
+        self._mbuf = bytearray()  # small messages being batched ([u32 length][bytes] records)
+        self._mbuf_count = 0
+        # send() batches messages up to this size (-1: the peer cannot unpack batches)
+        self._batch_limit = (
+            min(options.batch_limit, self._max_fragment - _RECORD_HEADER.size) if session.batching else -1
+        )
         self._flush_handle: Handle | None = None
         self._free_slots = list(range(transport.send_depth))
         self._inflight: collections.deque[int] = collections.deque()
@@ -163,7 +175,7 @@ class Endpoint:
         stats["send_credits"] = self._session.send_credits
         stats["credits_ungranted"] = self._session.ungranted
         stats["recv_buffered"] = self._rx_bytes
-        stats["send_buffered"] = self._txq_bytes + len(self._wbuf)
+        stats["send_buffered"] = self.get_write_buffer_size()
         for key, value in self._session.statistics().items():
             stats[f"protocol_{key}"] = value
         return stats
@@ -202,8 +214,8 @@ class Endpoint:
         got_data = False
         stats = self._stats
         stats["wakeups"] += 1
+        n = cq.drain()
         while True:
-            n = cq.drain()
             stats["completions"] += n
             for i in range(n):
                 wc = records[i]
@@ -228,10 +240,19 @@ class Endpoint:
                         stats["messages_received"] += 1
                         stats["bytes_received"] += len(data)
                         got_data = True
+                    elif kind == _DATA_BATCH:
+                        off = slot * slot_size
+                        messages = session.on_batch(recv_view[off : off + length])
+                        rx.extend(messages)
+                        size = length - _RECORD_HEADER.size * len(messages)
+                        self._rx_bytes += size
+                        stats["messages_received"] += len(messages)
+                        stats["bytes_received"] += size
+                        got_data = True
                     elif kind == _DATA_MORE:
                         off = slot * slot_size
                         self._reassembly.append(bytes(recv_view[off : off + length]))
-                    elif kind == FrameKind.EOF:
+                    elif kind == _EOF:
                         got_data = True
                     if self._rx_bytes > self._options.recv_buffer_limit:
                         self._held.append(slot)  # back-pressure: no credit for this slot yet
@@ -241,6 +262,7 @@ class Endpoint:
                     self._on_send_completion(int(wc.wr_id))
             if n < self._batch:
                 break
+            n = cq.drain()
         if repost:
             self._qp.post_recv_slots(self._recv_mr, slot_size, repost)
             session.on_recv_reposted(len(repost))
@@ -298,22 +320,35 @@ class Endpoint:
         inflight = self._inflight
         first = count = self._staged
         nbytes = 0
+        messages = 0
         while txq and free and session.can_send_data():
-            data, last = txq.popleft()
+            data, kind = txq.popleft()
             length = len(data)
             self._txq_bytes -= length
             slot = free.pop()
             off = slot * slot_size
             if length:
                 send_view[off : off + length] = data
-            self._fill(sends[count], slot, off, length, session.take_data_frame(last, length))
+            if kind >= 0:
+                imm = session.take_data_frame(bool(kind), length)
+                messages += kind
+            else:
+                imm = session.take_batch_frame(length, -kind)
+                messages -= kind
+            self._fill(sends[count], slot, off, length, imm)
             inflight.append(slot)
             count += 1
             nbytes += length
-            if last:
-                self._stats["messages_sent"] += 1
+        self._stats["messages_sent"] += messages
         self._posted_frames += count - first
-        if not txq and not self._wbuf and session.eof_pending() and free and session.can_send_eof():
+        if (
+            not txq
+            and not self._wbuf
+            and not self._mbuf
+            and session.eof_pending()
+            and free
+            and session.can_send_eof()
+        ):
             slot = free.pop()
             self._fill(sends[count], slot, slot * slot_size, 0, session.take_eof_frame())
             sends[count].send_flags = _SEND_SIGNALED
@@ -385,7 +420,6 @@ class Endpoint:
                 txq[i] = (bytes(data), last)
 
     def _flush_wbuf(self) -> None:
-        self._flush_handle = None
         wbuf = self._wbuf
         if wbuf:
             data = bytes(wbuf)
@@ -396,9 +430,37 @@ class Endpoint:
                 self._queued_frames += 1
             self._txq_bytes += len(data)
 
-    def _flush_and_pump(self) -> None:
+    def _flush_mbuf(self) -> None:
+        """Queue the batched messages as one frame (a lone message goes as a plain DATA_END frame)."""
+        count = self._mbuf_count
+        if not count:
+            return
+        if count == 1:
+            data: bytes | bytearray = bytes(memoryview(self._mbuf)[_RECORD_HEADER.size :])
+            self._txq.append((data, True))
+        else:
+            data = self._mbuf
+            self._txq.append((data, -count))
+        self._mbuf = bytearray()
+        self._mbuf_count = 0
+        self._queued_frames += 1
+        self._txq_bytes += len(data)
+
+    def _flush_buffers(self) -> None:
+        # At most one of the two holds data: appending to one flushes the other first (keeps order).
         self._flush_wbuf()
-        self._pump()
+        self._flush_mbuf()
+
+    def _flush_and_pump(self) -> None:
+        """End of a loop iteration's writes: queue what was coalesced, stage it and post it at once."""
+        self._flush_handle = None
+        self._flush_buffers()
+        self._in_callback = True
+        try:
+            self._pump()
+        finally:
+            self._in_callback = False
+        self._post_staged()
         if self._tx_waiters:
             self._wake_writers()
 
@@ -451,17 +513,24 @@ class Endpoint:
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send ``data`` as one message (any bytes-like object, up to the peer's ``max_message_size``).
 
-        Returns once every fragment is posted to the NIC; ``data`` is copied, so the caller may reuse it
-        at once. A cancelled ``send()`` may still deliver the whole message (never a part of it) and
-        leaves the endpoint usable.
+        ``data`` is copied, so the caller may reuse it at once. A message up to ``Options.batch_limit``
+        (8 KiB) is packed with the other small messages of the same loop iteration into one frame, and
+        ``send()`` returns once it is queued, waiting only while more than ``write_high_water`` bytes are
+        queued (as ``write()`` + ``drain()``); a larger message returns once every fragment is posted to
+        the NIC. Either way a failure of the connection is raised by the next call. A cancelled
+        ``send()`` may still deliver the whole message (never a part of it) and leaves the endpoint
+        usable.
         """
         self._raise_send_error()
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
-        self._session.check_message_size(view.nbytes)
-        if self._wbuf:
-            self._flush_wbuf()  # keep the order of earlier stream writes
+        size = view.nbytes
+        self._session.check_message_size(size)
+        if size <= self._batch_limit:
+            await self._send_batched(view, size)
+            return
+        self._flush_buffers()  # keep the order of earlier stream writes and batched messages
         before = len(self._txq)
         self._queue_frames(view)
         target = self._queued_frames
@@ -472,6 +541,22 @@ class Endpoint:
         while self._posted_frames < target:
             self._raise_send_error()
             await self._wait_writable()
+
+    async def _send_batched(self, view: memoryview, size: int) -> None:
+        """Append one small message to the batch of this loop iteration; wait only above high water."""
+        if self._wbuf:
+            self._flush_wbuf()
+        mbuf = self._mbuf
+        if len(mbuf) + _RECORD_HEADER.size + size > self._max_fragment:
+            self._flush_mbuf()
+            mbuf = self._mbuf
+        mbuf += _RECORD_HEADER.pack(size)
+        mbuf += view
+        self._mbuf_count += 1
+        if self._flush_handle is None:
+            self._flush_handle = self._io.call_soon(self._flush_and_pump)
+        if self._txq_bytes + len(mbuf) > self._options.write_high_water:
+            await self.drain()
 
     async def recv(self) -> bytes | None:
         """Return the next message, or ``None`` at a clean end of stream (the peer closed or wrote EOF).
@@ -541,6 +626,8 @@ class Endpoint:
             raise EndpointClosedError("write() after write_eof()")
         if not data:
             return
+        if self._mbuf_count:
+            self._flush_mbuf()  # batched messages come first
         step = self._max_fragment
         if not self._wbuf and len(data) >= step:
             # Whole frames go straight to the queue (copied into slots by _pump, no staging copy).
@@ -575,9 +662,9 @@ class Endpoint:
         Below the high-water mark this returns at once and leaves small writes to be coalesced.
         """
         self._raise_send_error()
-        if self._txq_bytes + len(self._wbuf) <= self._options.write_high_water:
+        if self._txq_bytes + len(self._wbuf) + len(self._mbuf) <= self._options.write_high_water:
             return
-        self._flush_wbuf()
+        self._flush_buffers()
         self._pump()
         while self._txq_bytes > self._options.write_low_water:
             self._raise_send_error()
@@ -599,7 +686,7 @@ class Endpoint:
 
     def get_write_buffer_size(self) -> int:
         """Bytes queued for sending and not yet posted to the NIC."""
-        return self._txq_bytes + len(self._wbuf)
+        return self._txq_bytes + len(self._wbuf) + len(self._mbuf)
 
     def can_write_eof(self) -> bool:
         """Always True: half-close is supported."""
@@ -609,7 +696,7 @@ class Endpoint:
         """Close the sending direction after the queued data; the peer reads EOF, we can still read."""
         if self._torn_down:
             return
-        self._flush_wbuf()
+        self._flush_buffers()
         self._session.write_eof()
         self._pump()
 
@@ -771,7 +858,7 @@ class Endpoint:
         if self._generation != verbs.fork_generation():
             self._teardown()
             return
-        self._flush_wbuf()
+        self._flush_buffers()
         self._session.close()
         self._pump()
         self._io.spawn(self._graceful_close(), name=f"rdmaio close qp {self._qp.qp_num}")
@@ -804,6 +891,8 @@ class Endpoint:
         self._txq.clear()
         self._txq_bytes = 0
         self._wbuf.clear()
+        self._mbuf.clear()
+        self._mbuf_count = 0
         self._teardown()
 
     async def __aenter__(self) -> Self:

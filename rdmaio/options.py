@@ -37,6 +37,9 @@ class Options:
     """Line/separator length limit of ``readuntil``/``readline`` (as asyncio's ``limit``)."""
     max_inline: int = 256
     """Frames up to this size are sent inline (copied by the CPU at post time; no DMA read)."""
+    batch_limit: int = 8 * KiB
+    """``send()`` packs messages up to this size several to a frame (DATA_BATCH) if the peer supports it,
+    and returns once the message is queued (``drain()`` semantics); 0 turns batching off."""
     signal_interval: int = 8
     """Request a send completion every this many sends (selective signalling)."""
     connect_timeout: float | None = None
@@ -61,6 +64,8 @@ class Options:
             raise ValueError("max_message_size must be between 1 B and 1 TiB")
         if self.write_low_water > self.write_high_water or self.write_low_water < 0:
             raise ValueError("need 0 <= write_low_water <= write_high_water")
+        if self.batch_limit < 0:
+            raise ValueError("batch_limit must be >= 0")
         if self.read_limit <= 0 or self.recv_buffer_limit <= 0:
             raise ValueError("read_limit and recv_buffer_limit must be positive")
         if not 1 <= self.signal_interval <= self.send_depth:
