@@ -900,9 +900,11 @@ def _supervise_vm(
         threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, tail), daemon=True),
         threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, tail), daemon=True),
     ]
-    for t in pumps:
-        t.start()
     try:
+        # Inside the try: SIGTERM raises SystemExit wherever the main thread is, and the VM must die
+        # with us even if that happens while the output pumps are still being started.
+        for t in pumps:
+            t.start()
         vng_rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         _kill_group(proc)
