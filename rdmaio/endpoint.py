@@ -543,9 +543,35 @@ class Endpoint:
             await self._wait_writable()
 
     async def _send_batched(self, view: memoryview, size: int) -> None:
-        """Append one small message to the batch of this loop iteration; wait only above high water."""
+        """Append one small message to the batch of this loop iteration; wait only above high water.
+
+        The first message of an iteration on an idle endpoint is posted at once instead (as a request
+        or a reply usually is): waiting for the end of the iteration would cost a round trip one more
+        loop iteration on each side, and there is nothing yet to batch it with.
+        """
         if self._wbuf:
             self._flush_wbuf()
+        if (
+            self._flush_handle is None
+            and not self._mbuf_count
+            and not self._txq
+            and self._free_slots
+            and self._session.can_send_data()
+        ):
+            self._txq.append((bytes(view), True))
+            self._queued_frames += 1
+            self._txq_bytes += size
+            self._in_callback = True  # stage without scheduling the post: it happens right here
+            try:
+                self._pump()
+            finally:
+                self._in_callback = False
+            if self._post_handle is not None:
+                self._post_handle.cancel()
+            self._post_staged()
+            # Later sends of this iteration are batched, and flushed at its end.
+            self._flush_handle = self._io.call_soon(self._flush_and_pump)
+            return
         mbuf = self._mbuf
         if len(mbuf) + _RECORD_HEADER.size + size > self._max_fragment:
             self._flush_mbuf()
