@@ -133,7 +133,7 @@ class Endpoint:
         self._unsignaled = 0
         self._staged = 0  # entries of the send array filled but not yet posted
         self._post_handle: Handle | None = None
-        self._in_callback = False  # inside _process_completions: it posts once at its end
+        self._in_callback = False  # in _pump_and_post(): it posts right after _pump, so _pump must not
         self._eof_completion: int | None = None  # send slot of the EOF frame, once posted
         self._eof_done = False
         self._tx_waiters: list[Waiter] = []
@@ -266,12 +266,7 @@ class Endpoint:
         if repost:
             self._qp.post_recv_slots(self._recv_mr, slot_size, repost)
             session.on_recv_reposted(len(repost))
-        self._in_callback = True
-        try:
-            self._pump()
-        finally:
-            self._in_callback = False
-        self._post_staged()
+        self._pump_and_post()
         if got_data:
             self._wake_reader()
         if self._tx_waiters:
@@ -368,6 +363,18 @@ class Endpoint:
             if self._post_handle is None and not self._in_callback:
                 self._post_handle = self._io.call_soon(self._post_staged)
 
+    def _pump_and_post(self) -> None:
+        """Stage what credits and send slots allow and post it now, in one doorbell with anything staged
+        earlier in this iteration, instead of at the end of the iteration."""
+        self._in_callback = True  # _pump must not schedule the post: it happens right here
+        try:
+            self._pump()
+        finally:
+            self._in_callback = False
+        if self._post_handle is not None:
+            self._post_handle.cancel()  # it would find nothing left to post
+        self._post_staged()
+
     def _post_staged(self) -> None:
         """Post every staged frame with one chained ibv_post_send."""
         self._post_handle = None
@@ -455,12 +462,7 @@ class Endpoint:
         """End of a loop iteration's writes: queue what was coalesced, stage it and post it at once."""
         self._flush_handle = None
         self._flush_buffers()
-        self._in_callback = True
-        try:
-            self._pump()
-        finally:
-            self._in_callback = False
-        self._post_staged()
+        self._pump_and_post()
         if self._tx_waiters:
             self._wake_writers()
 
@@ -558,17 +560,10 @@ class Endpoint:
             and self._free_slots
             and self._session.can_send_data()
         ):
-            self._txq.append((bytes(view), True))
-            self._queued_frames += 1
-            self._txq_bytes += size
-            self._in_callback = True  # stage without scheduling the post: it happens right here
-            try:
-                self._pump()
-            finally:
-                self._in_callback = False
-            if self._post_handle is not None:
-                self._post_handle.cancel()
-            self._post_staged()
+            self._queue_frames(view)
+            self._pump_and_post()
+            if self._txq:
+                self._own_queued(1)
             # Later sends of this iteration are batched, and flushed at its end.
             self._flush_handle = self._io.call_soon(self._flush_and_pump)
             return
