@@ -74,8 +74,14 @@ def rdma_addr() -> str:
 
 
 @pytest.fixture(autouse=True)
-def require_device() -> None:
-    """Skip (a failure under the test host or in CI) when there is no RDMA device."""
+def require_device(request: pytest.FixtureRequest) -> None:
+    """Skip (a failure under the test host or in CI) when there is no RDMA device.
+
+    A test parametrised with ``transport="tcp"`` (the TCP side of a TCP-vs-RDMA comparison) needs none.
+    """
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("transport") == "tcp":
+        return
     try:
         devices = sorted(p.name for p in SYSFS_INFINIBAND.iterdir())
     except OSError:

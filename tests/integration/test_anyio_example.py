@@ -17,15 +17,6 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "anyio_echo.py"
 
 
-@pytest.fixture(autouse=True)
-def require_device(request: pytest.FixtureRequest) -> None:
-    """Overrides the conftest's fixture: TCP cases run anywhere, RDMA cases need a device."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("transport") == "tcp":
-        return
-    request.getfixturevalue("require_device")  # the conftest's: skip (a failure in CI) without a device
-
-
 def host_args(transport: str, request: pytest.FixtureRequest) -> list[str]:
     if transport == "rdma":
         return ["--transport", "rdma", "--host", request.getfixturevalue("rdma_addr")]

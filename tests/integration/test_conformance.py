@@ -48,15 +48,6 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
-@pytest.fixture(autouse=True)
-def require_device(request: pytest.FixtureRequest) -> None:
-    """Overrides the conftest's fixture: TCP parametrisations run anywhere, the others need a device."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("transport") == "tcp":
-        return
-    request.getfixturevalue("require_device")  # the conftest's: skip (a failure in CI) without a device
-
-
 @dataclass
 class Net:
     """How one transport listens and connects: the only lines that differ between TCP and RDMA."""
