@@ -15,6 +15,7 @@ import asyncio
 import collections
 import logging
 import sys
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -126,8 +127,18 @@ class AsyncioBackend:
     name = "asyncio"
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        # Weak: the per-loop registry (Reactor._by_loop) is keyed weakly by the loop, and a strong
+        # reference from its value would keep every loop that ever touched rdmaio alive.
+        self._loop_ref = weakref.ref(loop)
         self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop (``RuntimeError`` once it was garbage-collected)."""
+        loop = self._loop_ref()
+        if loop is None:
+            raise RuntimeError("the event loop of this rdmaio backend no longer exists")
+        return loop
 
     def waiter(self) -> Waiter:
         """A future-backed one-shot waiter."""
@@ -226,17 +237,23 @@ class TrioBackend:
         lowlevel = self._trio.lowlevel
         self._soon_task = lowlevel.current_task()
         queue = self._soon
-        while True:
-            while queue:
-                handle = queue.popleft()
-                if handle.cancelled:
-                    continue
-                try:
-                    handle.callback()
-                except Exception:
-                    log.exception("rdmaio: callback %r failed", handle.callback)
-            self._soon_parked = True
-            await lowlevel.wait_task_rescheduled(lambda _: lowlevel.Abort.SUCCEEDED)
+        try:
+            while True:
+                while queue:
+                    handle = queue.popleft()
+                    if handle.cancelled:
+                        continue
+                    try:
+                        handle.callback()
+                    except Exception:
+                        log.exception("rdmaio: callback %r failed", handle.callback)
+                self._soon_parked = True
+                await lowlevel.wait_task_rescheduled(lambda _: lowlevel.Abort.SUCCEEDED)
+        finally:
+            # The task refers to the run and so to its token, the key of this backend's registry entry:
+            # dropped here (the run is ending), the entry can go with the run.
+            self._soon_task = None
+            self._soon_parked = False
 
     def call_soon(self, callback: Callable[[], None]) -> Handle:
         """Queue ``callback`` for the call_soon system task."""

@@ -42,6 +42,7 @@ from rdmaio.errors import (
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
 from rdmaio.reactor import Reactor
+from rdmaio.rxbuffer import ReceiveBuffer
 from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType, CMId, WcStatus
 
@@ -88,6 +89,9 @@ class Endpoint:
         self._sends = qp.send_array
         self._slot_size = transport.slot_size
         self._max_fragment = min(session.max_fragment, transport.slot_size)
+        # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
+        # at the peer's maximum message size too (a peer may announce one below its slot size).
+        self._stream_fragment = min(self._max_fragment, session.peer.max_message_size)
         self._max_inline = min(transport.max_inline, options.max_inline)
         self._recv_view = transport.recv_view
         self._send_view = transport.send_view
@@ -107,11 +111,7 @@ class Endpoint:
             "options": options,
         }
         # receive side
-        self._rx: collections.deque[bytes] = collections.deque()
-        self._rx_offset = 0  # bytes of _rx[0] already consumed by stream reads
-        self._rx_bytes = 0
-        self._reassembly: list[bytes] = []
-        self._held: list[int] = []  # slots not re-posted while the receive buffer is over its limit
+        self._rxbuf = ReceiveBuffer(options.recv_buffer_limit)
         self._rx_waiter: Waiter | None = None
         # send side
         # Frames to post, in order: (data, kind) with kind True/1 = DATA_END, False/0 = DATA_MORE and
@@ -136,7 +136,7 @@ class Endpoint:
         self._in_callback = False  # in _pump_and_post(): it posts right after _pump, so _pump must not
         self._eof_completion: int | None = None  # send slot of the EOF frame, once posted
         self._eof_done = False
-        self._tx_waiters: list[Waiter] = []
+        self._tx_waiters: dict[Waiter, None] = {}  # an ordered set: a cancelled wait removes its own
         # lifetime
         self._closing = False
         self._torn_down = False
@@ -146,7 +146,8 @@ class Endpoint:
         self._stats = collections.Counter[str]()
 
         reactor.set_handler(cm_id, self._on_cm_event)
-        reactor.watch_qp(qp.qp_num, self._on_async_event)
+        self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)
+        reactor.watch_qp(*self._async_key, self._on_async_event)
         transport.watch(self._on_completions)
         # Completions may already be waiting (the peer can send as soon as it is established).
         self._io.call_soon(self._on_completions)
@@ -174,7 +175,9 @@ class Endpoint:
         stats["mean_batch"] = stats["completions"] / stats["wakeups"] if stats["wakeups"] else 0.0
         stats["send_credits"] = self._session.send_credits
         stats["credits_ungranted"] = self._session.ungranted
-        stats["recv_buffered"] = self._rx_bytes
+        stats["recv_buffered"] = self._rxbuf.buffered
+        stats["recv_held_slots"] = self._rxbuf.held
+        stats["send_waiters"] = len(self._tx_waiters)
         stats["send_buffered"] = self.get_write_buffer_size()
         for key, value in self._session.statistics().items():
             stats[f"protocol_{key}"] = value
@@ -209,7 +212,7 @@ class Endpoint:
         records = self._records
         recv_view = self._recv_view
         slot_size = self._slot_size
-        rx = self._rx
+        rxbuf = self._rxbuf
         repost: list[int] = []
         got_data = False
         stats = self._stats
@@ -228,35 +231,28 @@ class Endpoint:
                     slot = wc.wr_id
                     length = wc.byte_len
                     kind = session.on_frame(wc.imm_data, length)
+                    off = slot * slot_size
                     if kind == _DATA_END:
-                        off = slot * slot_size
-                        data = bytes(recv_view[off : off + length])
-                        if self._reassembly:
-                            self._reassembly.append(data)
-                            data = b"".join(self._reassembly)
-                            self._reassembly.clear()
-                        rx.append(data)
-                        self._rx_bytes += len(data)
+                        data = rxbuf.add_message(bytes(recv_view[off : off + length]))
                         stats["messages_received"] += 1
                         stats["bytes_received"] += len(data)
                         got_data = True
                     elif kind == _DATA_BATCH:
-                        off = slot * slot_size
                         messages = session.on_batch(recv_view[off : off + length])
-                        rx.extend(messages)
-                        size = length - _RECORD_HEADER.size * len(messages)
-                        self._rx_bytes += size
+                        size = rxbuf.add_messages(messages)
                         stats["messages_received"] += len(messages)
                         stats["bytes_received"] += size
                         got_data = True
                     elif kind == _DATA_MORE:
-                        off = slot * slot_size
-                        self._reassembly.append(bytes(recv_view[off : off + length]))
-                    elif kind == _EOF:
-                        got_data = True
-                    if self._rx_bytes > self._options.recv_buffer_limit:
-                        self._held.append(slot)  # back-pressure: no credit for this slot yet
+                        rxbuf.add_fragment(bytes(recv_view[off : off + length]))
                     else:
+                        # CREDIT and EOF carry no payload and never hold their slot: holding it would
+                        # withhold the credit the peer needs to keep granting ours (two-way liveness).
+                        if kind == _EOF:
+                            got_data = True
+                        repost.append(slot)
+                        continue
+                    if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
                         repost.append(slot)
                 else:
                     self._on_send_completion(int(wc.wr_id))
@@ -317,19 +313,21 @@ class Endpoint:
         nbytes = 0
         messages = 0
         while txq and free and session.can_send_data():
-            data, kind = txq.popleft()
+            data, kind = txq[0]
             length = len(data)
-            self._txq_bytes -= length
-            slot = free.pop()
-            off = slot * slot_size
-            if length:
-                send_view[off : off + length] = data
+            # The frame is accounted for first: if that raises, no slot or queued data is lost.
             if kind >= 0:
                 imm = session.take_data_frame(bool(kind), length)
                 messages += kind
             else:
                 imm = session.take_batch_frame(length, -kind)
                 messages -= kind
+            txq.popleft()
+            self._txq_bytes -= length
+            slot = free.pop()
+            off = slot * slot_size
+            if length:
+                send_view[off : off + length] = data
             self._fill(sends[count], slot, off, length, imm)
             inflight.append(slot)
             count += 1
@@ -361,7 +359,7 @@ class Endpoint:
             self._staged = count
             self._stats["bytes_sent"] += nbytes
             if self._post_handle is None and not self._in_callback:
-                self._post_handle = self._io.call_soon(self._post_staged)
+                self._post_handle = self._io.call_soon(self._post_staged_soon)
 
     def _pump_and_post(self) -> None:
         """Stage what credits and send slots allow and post it now, in one doorbell with anything staged
@@ -374,6 +372,14 @@ class Endpoint:
         if self._post_handle is not None:
             self._post_handle.cancel()  # it would find nothing left to post
         self._post_staged()
+
+    def _post_staged_soon(self) -> None:
+        """The end-of-iteration post (a loop callback): a failure fails the endpoint, nothing escapes."""
+        try:
+            self._post_staged()
+        except Exception as exc:
+            log.exception("rdmaio: posting sends failed")
+            self._fail(exc)
 
     def _post_staged(self) -> None:
         """Post every staged frame with one chained ibv_post_send."""
@@ -431,7 +437,7 @@ class Endpoint:
         if wbuf:
             data = bytes(wbuf)
             wbuf.clear()
-            step = self._max_fragment
+            step = self._stream_fragment
             for start in range(0, len(data), step):
                 self._txq.append((data[start : start + step], True))
                 self._queued_frames += 1
@@ -459,10 +465,15 @@ class Endpoint:
         self._flush_mbuf()
 
     def _flush_and_pump(self) -> None:
-        """End of a loop iteration's writes: queue what was coalesced, stage it and post it at once."""
+        """End of a loop iteration's writes (a loop callback): queue what was coalesced, stage it and
+        post it at once. A failure fails the endpoint: nothing escapes into the loop's error log."""
         self._flush_handle = None
-        self._flush_buffers()
-        self._pump_and_post()
+        try:
+            self._flush_buffers()
+            self._pump_and_post()
+        except Exception as exc:
+            log.exception("rdmaio: sending coalesced writes failed")
+            self._fail(exc)
         if self._tx_waiters:
             self._wake_writers()
 
@@ -475,25 +486,33 @@ class Endpoint:
             waiter.set()
 
     def _wake_writers(self) -> None:
-        waiters, self._tx_waiters = self._tx_waiters, []
+        waiters, self._tx_waiters = self._tx_waiters, {}
         for waiter in waiters:
             waiter.set()
 
     async def _wait_readable(self) -> None:
+        """Wait for received data or a state change. A reader that waits needs more than is buffered, so
+        held slots are released while it waits (as asyncio's StreamReader resumes reading)."""
         if self._rx_waiter is not None and not self._rx_waiter.is_set():
             raise RuntimeError("another task is already waiting to read from this endpoint")
         waiter = self._io.waiter()
         self._rx_waiter = waiter
+        self._rxbuf.reader_waiting = True
+        self._repost_released()
         try:
             await waiter.wait()
         finally:
+            self._rxbuf.reader_waiting = False
             if self._rx_waiter is waiter:
                 self._rx_waiter = None
 
     async def _wait_writable(self) -> None:
         waiter = self._io.waiter()
-        self._tx_waiters.append(waiter)
-        await waiter.wait()
+        self._tx_waiters[waiter] = None
+        try:
+            await waiter.wait()
+        finally:
+            self._tx_waiters.pop(waiter, None)  # cancelled: do not pile up until the next wake-up
 
     def _check_fork(self) -> None:
         if self._generation != verbs.fork_generation():
@@ -505,6 +524,15 @@ class Endpoint:
     def _raise_send_error(self) -> None:
         self._check_fork()
         error = self._session.send_error()
+        if error is not None:
+            raise error
+        if self._closing:
+            raise EndpointClosedError("endpoint is closing")
+
+    def _raise_flush_error(self) -> None:
+        """What waiting for data already accepted raises: not a requested EOF, which comes after it."""
+        self._check_fork()
+        error = self._session.flush_error()
         if error is not None:
             raise error
         if self._closing:
@@ -582,17 +610,15 @@ class Endpoint:
     async def recv(self) -> bytes | None:
         """Return the next message, or ``None`` at a clean end of stream (the peer closed or wrote EOF).
 
-        Raises :class:`~rdmaio.ConnectionResetError` if the peer went away without closing cleanly.
+        Raises :class:`~rdmaio.ConnectionResetError` if the peer went away without closing cleanly. A
+        cancelled ``recv()`` takes nothing: the message stays for the next read.
         """
-        while not self._rx:
-            await self._wait_data()
-            if not self._rx:
+        rxbuf = self._rxbuf
+        while not rxbuf.has_message():
+            if not await self._wait_more():
                 return None
-        data = self._rx.popleft()
-        if self._rx_offset:
-            data = data[self._rx_offset :]
-            self._rx_offset = 0
-        self._consumed(len(data))
+        data = rxbuf.pop_message()
+        self._after_read()
         return data
 
     async def recv_into(self, buffer: bytearray | memoryview) -> int:
@@ -601,41 +627,38 @@ class Endpoint:
         A message larger than ``buffer`` fills it; the rest is returned by the next read call.
         """
         target = memoryview(buffer).cast("B")
-        while not self._rx:
-            await self._wait_data()
-            if not self._rx:
+        rxbuf = self._rxbuf
+        while not rxbuf.has_message():
+            if not await self._wait_more():
                 return 0
-        data = self._rx[0]
-        start = self._rx_offset
-        n = min(len(data) - start, target.nbytes)
-        target[:n] = memoryview(data)[start : start + n]
-        if start + n == len(data):
-            self._rx.popleft()
-            self._rx_offset = 0
-        else:
-            self._rx_offset = start + n
-        self._consumed(n)
+        n = rxbuf.read_message_into(target)
+        self._after_read()
         return n
 
-    async def _wait_data(self) -> None:
-        """Wait until data is buffered; return with nothing buffered only at EOF; raise on failure."""
-        while not self._rx:
-            self._check_fork()
-            outcome = self._session.recv_outcome()
-            if outcome is EOF:
-                return
-            if isinstance(outcome, BaseException):
-                raise outcome
-            if self._torn_down:
-                raise EndpointClosedError("endpoint is closed")
-            await self._wait_readable()
+    async def _wait_more(self) -> bool:
+        """Wait for more received data; False if none will ever come (the peer's EOF); raise if the
+        connection failed or was closed here."""
+        self._check_fork()
+        outcome = self._session.recv_outcome()
+        if outcome is EOF:
+            return False
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if self._torn_down:
+            raise EndpointClosedError("endpoint is closed")
+        await self._wait_readable()
+        return True
 
-    def _consumed(self, n: int) -> None:
-        self._rx_bytes -= n
-        if self._held and self._rx_bytes <= self._options.recv_buffer_limit and not self._torn_down:
-            held, self._held = self._held, []
-            self._qp.post_recv_slots(self._recv_mr, self._slot_size, held)
-            self._session.on_recv_reposted(len(held))
+    def _after_read(self) -> None:
+        """The application took data: post the held slots again once the buffer allows it."""
+        if self._rxbuf.held:
+            self._repost_released()
+
+    def _repost_released(self) -> None:
+        slots = self._rxbuf.releasable()
+        if slots and not self._torn_down:
+            self._qp.post_recv_slots(self._recv_mr, self._slot_size, slots)
+            self._session.on_recv_reposted(len(slots))
             self._pump()
 
     # --- stream API: writing ------------------------------------------------------------------------
@@ -649,7 +672,7 @@ class Endpoint:
             return
         if self._mbuf_count:
             self._flush_mbuf()  # batched messages come first
-        step = self._max_fragment
+        step = self._stream_fragment
         if not self._wbuf and len(data) >= step:
             # Whole frames go straight to the queue (copied into slots by _pump, no staging copy).
             view = memoryview(data).cast("B")
@@ -680,15 +703,17 @@ class Endpoint:
     async def drain(self) -> None:
         """Wait until the send buffer is at or below the low-water mark, if it is above the high one.
 
-        Below the high-water mark this returns at once and leaves small writes to be coalesced.
+        Below the high-water mark this returns at once and leaves small writes to be coalesced. After
+        :meth:`write_eof` it still waits for the data written before (as asyncio's ``drain()``): only new
+        writes are refused.
         """
-        self._raise_send_error()
+        self._raise_flush_error()
         if self._txq_bytes + len(self._wbuf) + len(self._mbuf) <= self._options.write_high_water:
             return
         self._flush_buffers()
         self._pump()
         while self._txq_bytes > self._options.write_low_water:
-            self._raise_send_error()
+            self._raise_flush_error()
             await self._wait_writable()
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
@@ -722,41 +747,17 @@ class Endpoint:
         self._pump()
 
     # --- stream API: reading ------------------------------------------------------------------------
+    # Every read call takes its data only once it can return: a cancelled read consumes nothing.
 
     async def _read_some(self, n: int) -> bytes:
         """Up to ``n`` bytes (n > 0) of the stream; b"" at EOF. Skips empty messages."""
-        while True:
-            while self._rx and len(self._rx[0]) == self._rx_offset:
-                self._rx.popleft()  # empty message, or fully consumed
-                self._rx_offset = 0
-            if self._rx:
-                break
-            await self._wait_data()
-            if not self._rx:
+        rxbuf = self._rxbuf
+        while not rxbuf.unread:
+            rxbuf.skip_empty()
+            if not await self._wait_more():
                 return b""
-        return self._take_buffered(n)
-
-    def _take_buffered(self, n: int) -> bytes:
-        """Take up to ``n`` bytes of what is buffered now, across frame boundaries (one join)."""
-        rx = self._rx
-        parts: list[bytes] = []
-        remaining = n
-        while rx and remaining:
-            head = rx[0]
-            start = self._rx_offset
-            end = min(len(head), start + remaining)
-            if start == 0 and end == len(head):
-                parts.append(head)
-            else:
-                parts.append(head[start:end])
-            if end == len(head):
-                rx.popleft()
-                self._rx_offset = 0
-            else:
-                self._rx_offset = end
-            remaining -= end - start
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        self._consumed(len(data))
+        data = rxbuf.take(n)
+        self._after_read()
         return data
 
     async def read(self, n: int = -1) -> bytes:
@@ -765,34 +766,31 @@ class Endpoint:
             return b""
         if n > 0:
             return await self._read_some(n)
-        chunks: list[bytes] = []
-        while chunk := await self._read_some(1 << 30):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        while await self._wait_more():
+            pass
+        data = self._rxbuf.take_all()
+        self._after_read()
+        return data
 
     async def readexactly(self, n: int) -> bytes:
-        """Read exactly ``n`` bytes; raise ``asyncio.IncompleteReadError`` if EOF comes first."""
+        """Read exactly ``n`` bytes; raise ``asyncio.IncompleteReadError`` if EOF comes first.
+
+        As asyncio's: nothing is consumed until ``n`` bytes are there (a cancelled call loses nothing);
+        at EOF the partial data is consumed and carried by the error.
+        """
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
-        chunks: list[bytes] = []
-        remaining = n
-        while remaining:
-            chunk = await self._read_some(remaining)
-            if not chunk:
-                partial = b"".join(chunks)
-                self._unread(partial)
+        if n == 0:
+            return b""
+        rxbuf = self._rxbuf
+        while rxbuf.unread < n:
+            if not await self._wait_more():
+                partial = rxbuf.take_all()
+                self._after_read()
                 raise asyncio.IncompleteReadError(partial, n)
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
-
-    def _unread(self, data: bytes) -> None:
-        if data:
-            if self._rx_offset:
-                self._rx[0] = self._rx[0][self._rx_offset :]
-                self._rx_offset = 0
-            self._rx.appendleft(data)
-            self._rx_bytes += len(data)
+        data = rxbuf.take(n)
+        self._after_read()
+        return data
 
     async def readuntil(self, separator: bytes = b"\n") -> bytes:
         """Read up to and including ``separator`` (asyncio semantics, including ``LimitOverrunError``)."""
@@ -800,46 +798,26 @@ class Endpoint:
             raise ValueError("Separator should be at least one-byte string")
         limit = self._options.read_limit
         seplen = len(separator)
+        rxbuf = self._rxbuf
         while True:
-            # Merge buffered chunks so the separator can be found across frame boundaries.
-            if self._rx_offset or len(self._rx) > 1:
-                merged = b"".join([self._rx[0][self._rx_offset :], *list(self._rx)[1:]])
-                self._rx.clear()
-                self._rx_offset = 0
-                if merged:
-                    self._rx.append(merged)
-            buffered = self._rx[0] if self._rx else b""
-            index = buffered.find(separator)
+            index = rxbuf.find(separator)
             if index >= 0:
                 end = index + seplen
                 if end > limit:
                     raise asyncio.LimitOverrunError(
                         "Separator is found, but chunk is longer than limit", index
                     )
-                return await self._read_some(end)
-            if len(buffered) > limit:
+                data = rxbuf.take(end)
+                self._after_read()
+                return data
+            if rxbuf.unread > limit:
                 raise asyncio.LimitOverrunError(
-                    "Separator is not found, and chunk exceed the limit", len(buffered) - seplen + 1
+                    "Separator is not found, and chunk exceed the limit", rxbuf.unread - seplen + 1
                 )
-            before = len(buffered)
-            await self._wait_more(before)
-            if self._rx_bytes == before and (self._session.peer_eof or self._torn_down):
-                partial = b"".join(self._rx)
-                self._rx.clear()
-                self._consumed(len(partial))
+            if not await self._wait_more():
+                partial = rxbuf.take_all()
+                self._after_read()
                 raise asyncio.IncompleteReadError(partial, None)
-
-    async def _wait_more(self, have: int) -> None:
-        """Wait until more than ``have`` bytes are buffered, or EOF/failure (raised if a failure)."""
-        while self._rx_bytes <= have:
-            outcome = self._session.recv_outcome()
-            if outcome is EOF:
-                return
-            if isinstance(outcome, BaseException):
-                raise outcome
-            if self._torn_down:
-                return
-            await self._wait_readable()
 
     async def readline(self) -> bytes:
         """Read one line (asyncio semantics: at EOF the partial line; b"" when nothing is left)."""
@@ -848,16 +826,16 @@ class Endpoint:
         except asyncio.IncompleteReadError as exc:
             return exc.partial
         except asyncio.LimitOverrunError as exc:
-            if self._rx and self._rx[0].startswith(b"\n", exc.consumed):
-                await self._read_some(exc.consumed + 1)
+            if self._rxbuf.startswith(b"\n", exc.consumed):
+                self._rxbuf.take(exc.consumed + 1)
             else:
-                self._rx.clear()
-                self._consumed(self._rx_bytes)
+                self._rxbuf.clear()
+            self._after_read()
             raise ValueError(exc.args[0]) from exc
 
     def at_eof(self) -> bool:
         """True when the buffer is empty and the peer sent EOF (or the connection ended)."""
-        return self._rx_bytes == 0 and (self._session.peer_eof or self._torn_down)
+        return self._rxbuf.unread == 0 and (self._session.peer_eof or self._torn_down)
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._lines()
@@ -879,9 +857,14 @@ class Endpoint:
         if self._generation != verbs.fork_generation():
             self._teardown()
             return
-        self._flush_buffers()
         self._session.close()
-        self._pump()
+        try:
+            self._flush_buffers()
+            self._pump()
+        except Exception as exc:  # never leave a close half done: release everything instead
+            log.exception("rdmaio: flushing on close failed; aborting the connection")
+            self._fail(exc)
+            return
         self._io.spawn(self._graceful_close(), name=f"rdmaio close qp {self._qp.qp_num}")
 
     async def _graceful_close(self) -> None:
@@ -951,7 +934,7 @@ class Endpoint:
         self._flush_handle = self._post_handle = None
         forked = self._generation != verbs.fork_generation()
         if not forked:
-            self._reactor.unwatch_qp(self._qp.qp_num)
+            self._reactor.unwatch_qp(*self._async_key)
             if not self._disconnected:
                 with contextlib.suppress(VerbsError):  # the peer may have disconnected already
                     self._cm_id.disconnect()

@@ -984,6 +984,22 @@ class Session:
             return EndpointClosedError("endpoint is closed")
         return None
 
+    def flush_error(self) -> BaseException | None:
+        """The exception a wait for data already accepted (``drain()``) must raise now, or None.
+
+        Unlike :meth:`send_error`, a requested EOF is no error here: the data written before
+        ``write_eof()`` is still sent, and waiting for it is legitimate. A new instance on each call.
+        """
+        if self._aborted:
+            return self._abort_error()
+        if self._local_closed:
+            return EndpointClosedError("endpoint is closed")
+        if self._transport_lost:
+            return self._reset_error("peer closed the connection")
+        if self._torn_down:
+            return EndpointClosedError("endpoint is closed")
+        return None
+
     def recv_outcome(self) -> BaseException | EOFType | None:
         """What a read that finds no buffered data gets.
 

@@ -32,10 +32,16 @@ CMHandler = Callable[[CMEvent], None]
 
 QPEventHandler = Callable[[verbs.AsyncEvent], None]
 
+# QP async events that mean the QP is in the error state. The others (COMM_EST: a receive arrived before
+# the connection was marked established; SQ_DRAINED, LAST_WQE_REACHED, PATH_MIG) are informational.
+_FATAL_QP_EVENTS = frozenset({verbs.EVENT_QP_FATAL, verbs.EVENT_QP_REQ_ERR, verbs.EVENT_QP_ACCESS_ERR})
+
 
 class Reactor:
     """Per-loop owner of the CM event channel and the fd watches of completion channels and devices."""
 
+    # Keyed weakly by the asyncio loop or the trio run's token. Nothing a reactor holds refers to its key
+    # strongly (AsyncioBackend keeps a weak reference to its loop), or the entry would keep the loop alive.
     _by_loop: weakref.WeakKeyDictionary[object, Reactor] = weakref.WeakKeyDictionary()
 
     def __init__(self, backend: Backend) -> None:
@@ -43,7 +49,9 @@ class Reactor:
         self._channel: EventChannel | None = None
         self._handlers: dict[int, CMHandler] = {}
         self._devices: dict[int, DeviceContext] = {}
-        self._qp_handlers: dict[int, QPEventHandler] = {}
+        # QP numbers are unique per device only: handlers are keyed by (device handle, QP number).
+        self._qp_handlers: dict[tuple[int, int], QPEventHandler] = {}
+        self._cq_handlers: dict[int, dict[tuple[int, int], QPEventHandler]] = {}  # by CQ handle
         self.cm_events = 0
         self.async_events = 0
 
@@ -146,13 +154,22 @@ class Reactor:
         device.set_async_nonblocking()
         self.backend.add_reader(device.async_fd, functools.partial(self._on_async_readable, device))
 
-    def watch_qp(self, qp_num: int, handler: QPEventHandler) -> None:
-        """Send async events about QP ``qp_num`` (QP_FATAL, ...) to ``handler``."""
-        self._qp_handlers[qp_num] = handler
+    def watch_qp(self, device: int, qp_num: int, cq: int, handler: QPEventHandler) -> None:
+        """Send the fatal async events of QP ``qp_num`` on ``device`` (a device handle) to ``handler``:
+        its own errors, errors of the CQ it uses (``cq``, a CQ handle) and fatal errors of the device."""
+        key = (device, qp_num)
+        self._qp_handlers[key] = handler
+        self._cq_handlers.setdefault(cq, {})[key] = handler
 
-    def unwatch_qp(self, qp_num: int) -> None:
-        """Forget the async-event handler of QP ``qp_num``."""
-        self._qp_handlers.pop(qp_num, None)
+    def unwatch_qp(self, device: int, qp_num: int, cq: int) -> None:
+        """Forget the async-event handler of QP ``qp_num`` on ``device``."""
+        key = (device, qp_num)
+        self._qp_handlers.pop(key, None)
+        handlers = self._cq_handlers.get(cq)
+        if handlers is not None:
+            handlers.pop(key, None)
+            if not handlers:
+                del self._cq_handlers[cq]
 
     def _on_async_readable(self, device: DeviceContext) -> None:
         while True:
@@ -165,14 +182,24 @@ class Reactor:
             if event is None:
                 return
             self.async_events += 1
-            handler = self._qp_handlers.get(event.element) if event.kind == "qp" else None
-            if handler is not None:
+            self._dispatch_async_event(device, event)
+
+    def _dispatch_async_event(self, device: DeviceContext, event: verbs.AsyncEvent) -> None:
+        etype = event.event_type
+        if etype in _FATAL_QP_EVENTS:
+            handlers = [self._qp_handlers.get((device.handle, event.element))]
+        elif etype == verbs.EVENT_CQ_ERR:
+            handlers = list(self._cq_handlers.get(event.obj, {}).values())
+        elif etype == verbs.EVENT_DEVICE_FATAL:
+            handlers = [h for (dev, _qp), h in self._qp_handlers.items() if dev == device.handle]
+        else:
+            log.debug("rdmaio: device %s async event %s (%d)", device.name, event.description, event.element)
+            return
+        log.warning("rdmaio: device %s reported %s (%d)", device.name, event.description, event.element)
+        for handler in handlers:
+            if handler is None:
+                continue
+            try:
                 handler(event)
-            elif event.event_type in (verbs.EVENT_CQ_ERR, verbs.EVENT_DEVICE_FATAL):
-                log.error("rdmaio: device %s reported %s", device.name, event.description)
-                for qp_handler in list(self._qp_handlers.values()):
-                    qp_handler(event)
-            else:
-                log.debug(
-                    "rdmaio: device %s async event %s (%d)", device.name, event.description, event.element
-                )
+            except Exception:
+                log.exception("rdmaio: async event handler failed for %s", event.description)

@@ -45,6 +45,12 @@ class StreamServer:
     :meth:`wait_closed`, :meth:`serve_forever`, :meth:`is_serving`, :meth:`close_clients`,
     :meth:`abort_clients`, ``async with``. A handler that raises is logged and its connection closed;
     other connections are not affected. Works on asyncio, uvloop and trio.
+
+    ``backlog`` bounds the connections that hold resources without being served yet: those accepted at
+    the rdma_cm level but not yet established, plus (for :func:`listen`) those established but not yet
+    taken by :meth:`accept`. A connection request beyond it is rejected at once (the client gets
+    :class:`~rdmaio.ConnectionRefusedError`), so a flood of requests pins at most ``backlog`` connections'
+    registered memory.
     """
 
     def __init__(self, handler: Handler | None, options: Options, backlog: int) -> None:
@@ -60,11 +66,13 @@ class StreamServer:
         self._handlers_running = 0
         self._accepted: collections.deque[Endpoint] = collections.deque()  # listen(): not yet accepted
         self._accept_waiter: Waiter | None = None
-        self._state_waiters: list[Waiter] = []  # wait_closed() and serve_forever()
+        self._state_waiters: dict[Waiter, None] = {}  # wait_closed() and serve_forever(); ordered set
         self._serve_forever_running = False
         self.addresses: list[tuple[str, int]] = []
         self.connections_accepted = 0
         self.connections_rejected = 0
+        self.connections_refused_backlog = 0
+        self._peak_waiting = 0
 
     def _listen(self, host: str, port: int) -> None:
         listener = self._reactor.create_id(self._on_listener_event)
@@ -81,14 +89,36 @@ class StreamServer:
         self._serving = True
 
     def _state_changed(self) -> None:
-        waiters, self._state_waiters = self._state_waiters, []
+        waiters, self._state_waiters = self._state_waiters, {}
         for waiter in waiters:
             waiter.set()
 
     async def _wait_state_change(self) -> None:
         waiter = self._io.waiter()
-        self._state_waiters.append(waiter)
-        await waiter.wait()
+        self._state_waiters[waiter] = None
+        try:
+            await waiter.wait()
+        finally:
+            self._state_waiters.pop(waiter, None)  # cancelled: do not pile up until the next change
+
+    def _waiting(self) -> int:
+        """Connections holding resources without being served: pending, or established and not accepted."""
+        return len(self._pending) + len(self._accepted)
+
+    def statistics(self) -> dict[str, int]:
+        """Counters: connections accepted and rejected (and how many for a full backlog), those now
+        pending (not yet established) and established but not yet taken by accept(), the most that ever
+        waited at once, the backlog, and the clients open now."""
+        return {
+            "accepted": self.connections_accepted,
+            "rejected": self.connections_rejected,
+            "rejected_backlog_full": self.connections_refused_backlog,
+            "pending": len(self._pending),
+            "unaccepted": len(self._accepted),
+            "peak_waiting": self._peak_waiting,
+            "backlog": self._backlog,
+            "clients": len(self._clients),
+        }
 
     # --- accepting --------------------------------------------------------------------------------
 
@@ -105,6 +135,11 @@ class StreamServer:
         cm_id = self._reactor.adopt_id(event, self._on_pending_event)
         if not self._serving:
             self._reject(cm_id, "server is closed")
+            return
+        if self._waiting() >= self._backlog:
+            # Before any resource is created: a flood costs a cm id and a REJ per request, nothing pinned.
+            self.connections_refused_backlog += 1
+            self._reject(cm_id, f"backlog of {self._backlog} connections is full")
             return
         try:
             peer = Handshake.decode(event.private_data)
@@ -123,6 +158,7 @@ class StreamServer:
             self._reject(cm_id, str(exc))
             return
         self._pending[cm_id.handle] = _Pending(cm_id, transport, Session(handshake, peer))
+        self._peak_waiting = max(self._peak_waiting, self._waiting())
 
     def _reject(self, cm_id: CMId, why: str) -> None:
         self.connections_rejected += 1

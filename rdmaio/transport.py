@@ -39,6 +39,7 @@ class Transport:
         self.send_depth = options.send_depth
         self._watched_fd: int | None = None
         self.pd = ProtectionDomain(device)
+        comp: CompletionChannel | None = None
         try:
             self.recv_buf = bytearray(self.slot_size * self.recv_depth)
             self.send_buf = bytearray(self.slot_size * self.send_depth)
@@ -46,7 +47,7 @@ class Transport:
             self.send_view = memoryview(self.send_buf)
             self.recv_mr = MemoryRegion(self.pd, self.recv_buf)
             self.send_mr = MemoryRegion(self.pd, self.send_buf)
-            self.comp = CompletionChannel(device)
+            self.comp = comp = CompletionChannel(device)
             # Every posted WR completes at most once: send + recv depth bounds the CQ occupancy.
             cqe = self.send_depth + self.recv_depth + 8
             self.cq = CompletionQueue(device, self.comp, cqe, batch=min(cqe, 512))
@@ -54,7 +55,11 @@ class Transport:
             self.qp.post_recv_slots(self.recv_mr, self.slot_size, list(range(self.recv_depth)))
             reactor.watch_device(device)
         except BaseException:
-            self.pd.close()  # closes whatever of the above was created, QP first
+            # Close what was created, QP first: the PD closes its QP and MRs, the channel its CQ. Left
+            # to the cyclic GC instead, the channel's fd and the CQ would outlive this call.
+            self.pd.close()
+            if comp is not None:
+                comp.close()
             raise
 
     def _create_qp(self, options: Options) -> QueuePair:

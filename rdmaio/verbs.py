@@ -26,8 +26,12 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.errors import DeviceError, ForkError, MemoryRegistrationError, VerbsError
 
 __all__ = [
+    "EVENT_COMM_EST",
     "EVENT_CQ_ERR",
     "EVENT_DEVICE_FATAL",
+    "EVENT_QP_ACCESS_ERR",
+    "EVENT_QP_FATAL",
+    "EVENT_QP_REQ_ERR",
     "SEND_INLINE",
     "SEND_SIGNALED",
     "WR_RDMA_WRITE_WITH_IMM",
@@ -124,9 +128,14 @@ WR_SEND_WITH_IMM: int = lib.IBV_WR_SEND_WITH_IMM
 WR_RDMA_WRITE_WITH_IMM: int = lib.IBV_WR_RDMA_WRITE_WITH_IMM
 SEND_SIGNALED: int = lib.IBV_SEND_SIGNALED
 SEND_INLINE: int = lib.IBV_SEND_INLINE
-# Device-wide async events: every QP on the device is affected.
+# Async event types the reactor routes: a CQ error concerns the connections of that CQ, a device fatal
+# error every connection on the device, the QP errors one QP; COMM_EST is informational.
 EVENT_CQ_ERR: int = lib.IBV_EVENT_CQ_ERR
 EVENT_DEVICE_FATAL: int = lib.IBV_EVENT_DEVICE_FATAL
+EVENT_QP_FATAL: int = lib.IBV_EVENT_QP_FATAL
+EVENT_QP_REQ_ERR: int = lib.IBV_EVENT_QP_REQ_ERR
+EVENT_QP_ACCESS_ERR: int = lib.IBV_EVENT_QP_ACCESS_ERR
+EVENT_COMM_EST: int = lib.IBV_EVENT_COMM_EST
 
 
 def wc_status_str(status: int) -> str:
@@ -614,6 +623,8 @@ class AsyncEvent:
     """``"qp"``, ``"port"`` or ``"device"``: what ``element`` names."""
     element: int
     """QP number for QP events, port number for port events, else 0."""
+    obj: int = 0
+    """Address of the QP, CQ or SRQ the event is about (compare with their ``handle``), else 0."""
 
 
 _QP_EVENTS = {
@@ -650,7 +661,8 @@ class DeviceContext:
         """Return the next pending async event (acked), or None when none is pending."""
         event_type = ffi.new("int *")
         element = ffi.new("uint32_t *")
-        rc = lib.rdmaio_get_async_event(self._ptr, event_type, element)
+        obj = ffi.new("uintptr_t *")
+        rc = lib.rdmaio_get_async_event(self._ptr, event_type, element, obj)
         if rc == -11:
             return None
         if rc < 0:
@@ -658,7 +670,7 @@ class DeviceContext:
         etype = int(event_type[0])
         desc = ffi.string(lib.ibv_event_type_str(etype)).decode()
         kind = "qp" if etype in _QP_EVENTS else "port" if etype in _PORT_EVENTS else "device"
-        return AsyncEvent(etype, desc, kind, int(element[0]))
+        return AsyncEvent(etype, desc, kind, int(element[0]), int(obj[0]))
 
     def query(self) -> DeviceInfo:
         """Query device and port attributes."""
@@ -763,6 +775,7 @@ class CompletionQueue(_Resource):
             lib.ibv_create_cq(context._ptr, cqe, ffi.NULL, channel._ptr, 0), "ibv_create_cq", f"cqe={cqe}"
         )
         self.cqe = int(self._ptr.cqe)
+        self.handle = int(ffi.cast("uintptr_t", self._ptr))  # what AsyncEvent.obj names for CQ_ERR
         self.batch = batch
         self.records = ffi.new("struct rdmaio_wc[]", batch)
         self._events = ffi.new("unsigned int *")

@@ -168,6 +168,7 @@ int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint
                            const uint32_t *slots, int count);
 int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index);
 int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out);
-int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element);
+int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element,
+                           uintptr_t *object);
 int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_storage *out);
 int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port);

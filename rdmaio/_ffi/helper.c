@@ -56,6 +56,9 @@ int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
     struct ibv_cq *ev_cq;
     void *ev_ctx;
 
+    int err = 0;
+
+    errno = 0;
     while (ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) {
         if (ev_cq != cq) {
             /* Not ours (the channel is meant to serve one CQ): ack it on its own CQ. */
@@ -65,9 +68,17 @@ int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
         events++;
     }
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != 0)
-        return -errno;
-    if (events) {
+        err = errno;
+    /* Ack what was read even when the last read failed: ibv_destroy_cq() waits for every event
+     * to be acked, so an unacked one would block the loop thread when the CQ is destroyed. */
+    if (events)
         ibv_ack_cq_events(cq, events);
+    if (err) {
+        if (events_out)
+            *events_out = events;
+        return -err;
+    }
+    if (events) {
         int rc = ibv_req_notify_cq(cq, 0);
         if (rc)
             return -(rc > 0 ? rc : EIO);
@@ -185,14 +196,18 @@ int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_eve
 }
 
 /* Fetch and ack one device async event (async_fd must be non-blocking). element is the QP
- * number for QP events, the port number for port events, 0 otherwise. */
-int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element)
+ * number for QP events, the port number for port events, 0 otherwise; object is the address of
+ * the QP, CQ or SRQ the event is about (0 for port and device events), so that a CQ error can be
+ * routed to the connections of that CQ only. */
+int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element,
+                           uintptr_t *object)
 {
     struct ibv_async_event ev;
 
     if (ibv_get_async_event(context, &ev))
         return -errno;
     *event_type = ev.event_type;
+    *object = 0;
     switch (ev.event_type) {
     case IBV_EVENT_QP_FATAL:
     case IBV_EVENT_QP_REQ_ERR:
@@ -203,6 +218,16 @@ int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_
     case IBV_EVENT_PATH_MIG_ERR:
     case IBV_EVENT_QP_LAST_WQE_REACHED:
         *element = ev.element.qp ? ev.element.qp->qp_num : 0;
+        *object = (uintptr_t)ev.element.qp;
+        break;
+    case IBV_EVENT_CQ_ERR:
+        *element = 0;
+        *object = (uintptr_t)ev.element.cq;
+        break;
+    case IBV_EVENT_SRQ_ERR:
+    case IBV_EVENT_SRQ_LIMIT_REACHED:
+        *element = 0;
+        *object = (uintptr_t)ev.element.srq;
         break;
     case IBV_EVENT_PORT_ACTIVE:
     case IBV_EVENT_PORT_ERR:

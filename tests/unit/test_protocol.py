@@ -44,6 +44,7 @@ from rdmaio.protocol import (
     pack_batch_into,
     unpack_batch,
 )
+from rdmaio.rxbuffer import ReceiveBuffer
 
 HEADER = struct.Struct("!4sBBH")
 BODY = struct.Struct("!IIQ")
@@ -1153,7 +1154,7 @@ def test_on_frame_fuzz(ops: list[tuple[str, object, object]], batching: bool) ->
 
 # -- simulation ---------------------------------------------------------------------------------------------
 
-POLICIES = ("eager", "lazy", "batched")
+POLICIES = ("eager", "lazy", "batched", "limit")
 
 
 @dataclass
@@ -1161,9 +1162,18 @@ class Side:
     """One end of the simulated connection: a Session plus a toy application and I/O layer."""
 
     session: Session
-    policy: str  # when received slots are reposted: on receipt, when the app consumed them, or in batches
+    # When received slots are reposted: on receipt ("eager"), when the app consumed them ("lazy"), in
+    # batches ("batched"), or as Endpoint does it ("limit"): on receipt unless the unread data exceeds
+    # ``limit`` bytes while a complete message is waiting to be read; then data slots are held until the app
+    # reads. Frames without payload (CREDIT, EOF) are always reposted at once, whatever the policy.
+    policy: str
     outbox: list[bytes]
     batch_max: int = 0  # most messages per DATA_BATCH frame (0: never), used only if batching was negotiated
+    # The application: "random" reads whenever the schedule says so; "write_first" reads nothing until it
+    # has handed every message of its outbox to the session (the two-way back-pressure case).
+    app: str = "random"
+    rxbuf: ReceiveBuffer = field(default_factory=lambda: ReceiveBuffer(1))  # "limit" policy
+    slots_seen: int = 0
     msg_index: int = 0
     offset: int = 0
     eof_written: bool = False
@@ -1220,6 +1230,9 @@ class Side:
             assert not self.got_eof
             self.got_eof = True
         data = kind in (FrameKind.DATA_MORE, FrameKind.DATA_END, FrameKind.DATA_BATCH)
+        if self.policy == "limit":
+            self._deliver_limited(kind, payload, data)
+            return
         if self.policy == "batched":
             self.pending_reposts += 1
             held = False
@@ -1233,7 +1246,34 @@ class Side:
         elif data:
             self.rx.append((kind, [payload], held))
 
+    def _deliver_limited(self, kind: FrameKind, payload: bytes, data: bool) -> None:
+        # The receive buffer and hold rule of Endpoint itself (rdmaio.rxbuffer.ReceiveBuffer).
+        if not data:
+            self.repost(1)  # CREDIT/EOF: never held
+            return
+        rxbuf = self.rxbuf
+        if kind is FrameKind.DATA_BATCH:
+            rxbuf.add_messages(self.session.on_batch(memoryview(payload)))
+        elif kind is FrameKind.DATA_END:
+            rxbuf.add_message(payload)
+        else:
+            rxbuf.add_fragment(payload)
+        self.slots_seen += 1
+        if rxbuf.admit(self.slots_seen):
+            self.repost(1)
+
+    def can_consume(self) -> bool:
+        if self.app == "write_first" and self.data_left():
+            return False
+        return self.rxbuf.has_message() if self.policy == "limit" else bool(self.rx)
+
     def consume(self) -> None:
+        if self.policy == "limit":
+            self.inbox.append(self.rxbuf.pop_message())
+            released = self.rxbuf.releasable()
+            if released:
+                self.repost(len(released))
+            return
         kind, payloads, held = self.rx.popleft()
         if held:
             self.repost(1)
@@ -1263,7 +1303,7 @@ def _actions(me: Side) -> list[str]:
         acts.append("eof")
     if me.wire_out:
         acts.append("deliver")
-    if me.rx:
+    if me.can_consume():
         acts.append("consume")
     if me.pending_reposts:
         acts.append("repost")
@@ -1312,6 +1352,8 @@ def run_simulation(
     weights: dict[str, float] | None = None,
     max_steps: int = 200_000,
     batch_max: tuple[int, int] = (0, 0),
+    limits: tuple[int, int] = (0, 0),
+    apps: tuple[str, str] = ("random", "random"),
 ) -> tuple[Side, Side]:
     """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet.
 
@@ -1330,6 +1372,8 @@ def run_simulation(
             policy=policies[i],
             outbox=[rnd.randbytes(n) for n in sizes[i]],
             batch_max=batch_max[i],
+            rxbuf=ReceiveBuffer(max(limits[i], 1)),
+            app=apps[i],
         )
         for i in range(2)
     )
@@ -1353,6 +1397,7 @@ def run_simulation(
         assert side.got_eof and side.session.peer_eof and side.session.eof_sent
         assert side.session.recv_outcome() is EOF
         assert not side.rx and not side.wire_out and not side.assembling and not side.pending_reposts
+        assert not side.rxbuf.held and not side.rxbuf.buffered
         assert side.session.posted == side.session.local.recv_depth
         # Quiet and ready: nothing is due and the peer can start sending data at once.
         assert not side.session.credit_frame_due()
@@ -1492,3 +1537,69 @@ def test_idle_quiescence_leaves_both_sides_ready_to_send() -> None:
     a.on_recv_reposted(1)
     assert a.send_credits == 8 and a.ungranted == 1 and not a.credit_frame_due()
     assert not b.credit_frame_due()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rnd=st.randoms(use_true_random=False),
+    depths=st.tuples(st.integers(4, 9), st.integers(4, 9)),
+    slots=st.tuples(st.sampled_from([64, 65, 100]), st.sampled_from([64, 65, 100])),
+    policies=st.tuples(st.sampled_from(POLICIES), st.sampled_from(POLICIES)),
+    limits=st.tuples(st.sampled_from([0, 1, 64, 150, 1000]), st.sampled_from([0, 1, 64, 150, 1000])),
+    sizes=st.tuples(SIZES, SIZES),
+    weights=WEIGHTS,
+    batch_max=st.tuples(st.sampled_from([0, 3]), st.sampled_from([0, 3])),
+    writer=st.sampled_from([0, 1]),
+    data=st.data(),
+)
+def test_simulation_two_way_backpressure(
+    rnd: random.Random,
+    depths: tuple[int, int],
+    slots: tuple[int, int],
+    policies: tuple[str, str],
+    limits: tuple[int, int],
+    sizes: tuple[list[int], list[int]],
+    weights: dict[str, float],
+    batch_max: tuple[int, int],
+    writer: int,
+    data: st.DataObject,
+) -> None:
+    """One side reads nothing until it has sent everything (holding slots as its buffer fills), while the
+    other side sends too and reads: both directions must complete, as over TCP (issue 9, defect 1)."""
+    thresholds = (
+        data.draw(st.one_of(st.none(), st.integers(2, depths[0] - 1)), label="threshold_a"),
+        data.draw(st.one_of(st.none(), st.integers(2, depths[1] - 1)), label="threshold_b"),
+    )
+    apps = ("write_first", "random") if writer == 0 else ("random", "write_first")
+    run_simulation(
+        rnd,
+        depths,
+        slots,
+        thresholds,
+        policies,
+        sizes,
+        weights,
+        batch_max=batch_max,
+        limits=limits,
+        apps=apps,
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_simulation_two_way_backpressure_large(seed: int) -> None:
+    """The issue's case at small scale: the reader has much to send, the writer-first side holds slots."""
+    rnd = random.Random(seed)
+    sizes = ([rnd.randrange(1, 300) for _ in range(30)], [rnd.randrange(1, 300) for _ in range(200)])
+    weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
+    run_simulation(
+        rnd,
+        (4, 4),
+        (128, 128),
+        (None, None),
+        ("limit", "limit"),
+        sizes,
+        weights,
+        limits=(200, 200),
+        apps=("random", "write_first"),
+        batch_max=((0, 0), (4, 4))[seed % 2],
+    )

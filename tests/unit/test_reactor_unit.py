@@ -1,0 +1,111 @@
+"""Unit tests of rdmaio.reactor without a device: async-event routing and the per-loop registry."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections import deque
+from typing import Any
+
+import trio
+import uvloop
+
+from rdmaio import verbs
+from rdmaio.reactor import Reactor
+
+
+class FakeDevice:
+    """Stands in for a DeviceContext: a handle, a name and scripted async events."""
+
+    def __init__(self, handle: int, *events: verbs.AsyncEvent) -> None:
+        self.handle = handle
+        self.name = f"fake{handle}"
+        self.async_fd = -1
+        self._events = deque(events)
+
+    def get_async_event(self) -> verbs.AsyncEvent | None:
+        return self._events.popleft() if self._events else None
+
+
+class FakeBackend:
+    def remove_reader(self, fd: int) -> None:
+        pass
+
+
+def qp_event(etype: int, qp_num: int) -> verbs.AsyncEvent:
+    return verbs.AsyncEvent(etype, f"event {etype}", "qp", qp_num, 0)
+
+
+def routed(events_by_device: dict[int, list[verbs.AsyncEvent]]) -> dict[str, list[int]]:
+    """Register three connections (two devices share QP number 7; a and c share CQ 100) and dispatch."""
+    reactor = Reactor(FakeBackend())  # type: ignore[arg-type]
+    seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+
+    def handler(name: str) -> Any:
+        return lambda event: seen[name].append(event.event_type)
+
+    reactor.watch_qp(1, 7, 100, handler("a"))  # device 1, QP 7, CQ 100
+    reactor.watch_qp(2, 7, 200, handler("b"))  # device 2, QP 7 too: QP numbers are per device
+    reactor.watch_qp(1, 8, 100, handler("c"))  # device 1, QP 8, CQ 100
+    for handle, events in events_by_device.items():
+        reactor._on_async_readable(FakeDevice(handle, *events))  # type: ignore[arg-type]
+    return seen
+
+
+def test_qp_events_are_routed_by_device_and_qp_number() -> None:
+    seen = routed({2: [qp_event(verbs.EVENT_QP_FATAL, 7)]})
+    assert seen == {"a": [], "b": [verbs.EVENT_QP_FATAL], "c": []}
+
+
+def test_comm_est_is_informational() -> None:
+    seen = routed({1: [qp_event(verbs.EVENT_COMM_EST, 7), qp_event(verbs.EVENT_COMM_EST, 8)]})
+    assert seen == {"a": [], "b": [], "c": []}
+
+
+def test_cq_error_fails_only_the_connections_of_that_cq() -> None:
+    cq_err = verbs.AsyncEvent(verbs.EVENT_CQ_ERR, "CQ error", "device", 0, 200)
+    seen = routed({2: [cq_err]})
+    assert seen == {"a": [], "b": [verbs.EVENT_CQ_ERR], "c": []}
+
+
+def test_device_fatal_fails_every_connection_of_that_device_only() -> None:
+    fatal = verbs.AsyncEvent(verbs.EVENT_DEVICE_FATAL, "fatal", "device", 0, 0)
+    seen = routed({1: [fatal]})
+    assert seen == {"a": [verbs.EVENT_DEVICE_FATAL], "b": [], "c": [verbs.EVENT_DEVICE_FATAL]}
+
+
+def test_unwatched_connections_get_nothing() -> None:
+    reactor = Reactor(FakeBackend())  # type: ignore[arg-type]
+    seen: list[int] = []
+    reactor.watch_qp(1, 7, 100, lambda event: seen.append(event.event_type))
+    reactor.unwatch_qp(1, 7, 100)
+    cq_err = verbs.AsyncEvent(verbs.EVENT_CQ_ERR, "CQ error", "device", 0, 100)
+    reactor._on_async_readable(FakeDevice(1, qp_event(verbs.EVENT_QP_FATAL, 7), cq_err))  # type: ignore[arg-type]
+    assert seen == [] and reactor._cq_handlers == {}
+
+
+def test_reactors_do_not_keep_their_loops_alive() -> None:
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def touch() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        assert Reactor.current() is Reactor.current()
+
+    for factory in (asyncio.new_event_loop, uvloop.new_event_loop):
+        for _ in range(5):
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(touch())
+    gc.collect()
+    assert [ref for ref in loops if ref() is not None] == []
+    assert len(Reactor._by_loop) == 0
+
+
+def test_trio_runs_leave_no_reactor_behind() -> None:
+    async def touch() -> None:
+        assert Reactor.current() is Reactor.current()
+
+    for _ in range(5):
+        trio.run(touch)
+    gc.collect()
+    assert len(Reactor._by_loop) == 0

@@ -1,0 +1,90 @@
+"""Unit tests of rdmaio.rxbuffer.ReceiveBuffer: buffering, reads and the back-pressure (hold) rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdmaio.rxbuffer import ReceiveBuffer
+
+
+def test_messages_and_stream_reads_share_one_buffer() -> None:
+    buf = ReceiveBuffer(1000)
+    buf.add_message(b"hello")
+    buf.add_messages([b"", b"world"])
+    assert buf.unread == 10 and buf.has_message()
+    assert buf.take(3) == b"hel"
+    assert buf.pop_message() == b"lo"  # the rest of a partly read message
+    assert buf.pop_message() == b""  # an empty message is a message
+    assert buf.take(100) == b"world"
+    assert buf.unread == 0 and not buf.has_message()
+
+
+def test_fragments_count_while_they_are_reassembled() -> None:
+    buf = ReceiveBuffer(1000)
+    buf.add_fragment(b"a" * 300)
+    buf.add_fragment(b"b" * 300)
+    assert buf.buffered == 600 and buf.unread == 0 and not buf.has_message()
+    assert buf.add_message(b"c" * 10) == b"a" * 300 + b"b" * 300 + b"c" * 10
+    assert buf.buffered == buf.unread == 610 and buf.assembling == 0
+
+
+def test_data_slots_are_held_only_over_the_limit_with_something_to_read() -> None:
+    buf = ReceiveBuffer(100)
+    buf.add_message(b"x" * 60)
+    assert buf.admit(0)  # 60 <= 100
+    buf.add_message(b"y" * 60)
+    assert not buf.admit(1)  # 120 > 100 and 120 unread: held
+    assert buf.held == 1 and buf.releasable() == []
+    assert buf.pop_message() == b"x" * 60
+    assert buf.releasable() == [1] and buf.held == 0
+
+
+def test_a_message_larger_than_the_limit_is_never_starved() -> None:
+    # Nothing complete to read: holding would leave the reader waiting for fragments that cannot come.
+    buf = ReceiveBuffer(100)
+    for slot in range(5):
+        buf.add_fragment(b"z" * 64)
+        assert buf.admit(slot)
+    buf.add_message(b"z")
+    assert buf.unread == 321
+    buf.add_fragment(b"next")  # the next message, with a complete one unread over the limit: held
+    assert not buf.admit(9)
+
+
+def test_a_waiting_reader_releases_held_slots() -> None:
+    # As asyncio's StreamReader resumes reading for readexactly(n) above its limit.
+    buf = ReceiveBuffer(10)
+    buf.add_message(b"a" * 20)
+    assert not buf.admit(3)
+    buf.reader_waiting = True
+    assert buf.releasable() == [3]
+    buf.add_message(b"b" * 20)
+    assert buf.admit(4)  # not held while a reader waits for more
+    buf.reader_waiting = False
+    buf.add_message(b"c")
+    assert not buf.admit(5)
+
+
+def test_find_merges_across_messages_and_clear() -> None:
+    buf = ReceiveBuffer(1000)
+    for part in (b"ab", b"c\nd", b"ef"):
+        buf.add_message(part)
+    buf.take(1)
+    assert buf.find(b"\nd") == 2
+    assert buf.startswith(b"\n", 2) and not buf.startswith(b"\n", 1)
+    assert buf.take(4) == b"bc\nd"
+    assert buf.clear() == 2 and buf.unread == 0 and buf.find(b"x") == -1
+
+
+def test_read_message_into_keeps_the_rest() -> None:
+    buf = ReceiveBuffer(1000)
+    buf.add_message(b"0123456789")
+    target = bytearray(4)
+    assert buf.read_message_into(memoryview(target)) == 4 and target == b"0123"
+    assert buf.unread == 6
+    assert buf.pop_message() == b"456789"
+
+
+def test_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        ReceiveBuffer(0)
