@@ -219,7 +219,12 @@ class TrioBackend:
         self._soon_task: Any = None
         self._soon_parked = False
         self._watches: dict[int, _TrioWatch] = {}
+        self._at_run_end: list[Callable[[], None]] = []
         trio.lowlevel.spawn_system_task(self._run_soon, name="rdmaio call_soon")
+
+    def at_run_end(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the trio run ends (its system tasks are cancelled)."""
+        self._at_run_end.append(callback)
 
     def waiter(self) -> Waiter:
         """A ``trio.Event`` (a cancelled wait leaves it untouched)."""
@@ -254,6 +259,12 @@ class TrioBackend:
             # dropped here (the run is ending), the entry can go with the run.
             self._soon_task = None
             self._soon_parked = False
+            callbacks, self._at_run_end = self._at_run_end, []
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("rdmaio: end-of-run callback %r failed", callback)
 
     def call_soon(self, callback: Callable[[], None]) -> Handle:
         """Queue ``callback`` for the call_soon system task."""

@@ -7,8 +7,10 @@ listener). Completion-channel fds and device async-event fds are watched through
 readiness callback drains everything that is pending (the fds are edge-safe: callers drain until empty).
 Fds are always removed from the loop before they are closed.
 
-The reactor is reference counted: the event channel closes when the last cm id is released, so a
-process that stops using RDMA holds no rdma_cm file descriptor.
+The event channel and the per-device :class:`~rdmaio.domain.Domain` (protection domain, registration
+cache) live as long as the loop: opening a channel costs a few hundred milliseconds under emulation, so
+connection setup reuses it. They are closed when the loop ends: at the end of the trio run, or when the
+asyncio loop is garbage-collected (``asyncio.run`` leaves nothing else referring to it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 
 from rdmaio import verbs
 from rdmaio.backend import AsyncioBackend, Backend, TrioBackend, current_backend, trio_run_key
+from rdmaio.domain import Domain
 from rdmaio.verbs import CMEvent, CMEventType, CMId, DeviceContext, EventChannel
 
 __all__ = ["CMHandler", "Reactor"]
@@ -49,6 +52,7 @@ class Reactor:
         self._channel: EventChannel | None = None
         self._handlers: dict[int, CMHandler] = {}
         self._devices: dict[int, DeviceContext] = {}
+        self._domains: dict[int, Domain] = {}
         # QP numbers are unique per device only: handlers are keyed by (device handle, QP number).
         self._qp_handlers: dict[tuple[int, int], QPEventHandler] = {}
         self._cq_handlers: dict[int, dict[tuple[int, int], QPEventHandler]] = {}  # by CQ handle
@@ -63,12 +67,41 @@ class Reactor:
             reactor = cls._by_loop.get(loop)
             if reactor is None:
                 reactor = cls._by_loop[loop] = cls(AsyncioBackend(loop))
+                # Holds the reactor (not the loop) until the loop is collected, then releases its fds.
+                weakref.finalize(loop, reactor._close_at_loop_end, False)
             return reactor
         key = trio_run_key()
         reactor = cls._by_loop.get(key)
         if reactor is None:
-            reactor = cls._by_loop[key] = cls(TrioBackend())
+            backend = TrioBackend()
+            reactor = cls._by_loop[key] = cls(backend)
+            backend.at_run_end(functools.partial(reactor._close_at_loop_end, True))
         return reactor
+
+    def domain(self, device: DeviceContext) -> Domain:
+        """The :class:`~rdmaio.domain.Domain` of ``device`` on this loop (created on first use)."""
+        domain = self._domains.get(device.handle)
+        if domain is None or domain.closed:
+            domain = self._domains[device.handle] = Domain(device)
+        return domain
+
+    def _close_at_loop_end(self, loop_alive: bool) -> None:
+        """Release what lives as long as the loop: the domains (and anything left on them) and the
+        channel. With the loop gone there is no reader to remove; with it alive (trio) there is."""
+        domains, self._domains = self._domains, {}
+        for domain in domains.values():
+            try:
+                domain.close()
+            except Exception:
+                log.exception("rdmaio: closing %r failed", domain)
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.closed:
+            if loop_alive:
+                try:
+                    self.backend.remove_reader(channel.fd)
+                except Exception:
+                    log.debug("rdmaio: removing the event channel from the loop failed", exc_info=True)
+            channel.close()
 
     # --- cm ids --------------------------------------------------------------------------------------
 
@@ -97,17 +130,9 @@ class Reactor:
         self._handlers[cm_id.handle] = handler
 
     def release_id(self, cm_id: CMId) -> None:
-        """Destroy ``cm_id`` (and its QP) and forget its handler; close the channel when none remain."""
+        """Destroy ``cm_id`` (and its QP) and forget its handler (the channel stays for the next one)."""
         self._handlers.pop(cm_id.handle, None)
         cm_id.close()
-        if not self._handlers:
-            self._close_channel()
-
-    def _close_channel(self) -> None:
-        channel, self._channel = self._channel, None
-        if channel is not None and not channel.closed:
-            self.backend.remove_reader(channel.fd)  # before the fd is closed
-            channel.close()
 
     def _on_cm_readable(self) -> None:
         channel = self._channel

@@ -17,10 +17,10 @@ again, so the peer gets no credit for it - while all three hold:
 Slots of frames without payload (CREDIT, EOF) are never held: they are reposted as soon as they are seen,
 which is what keeps credits flowing in both directions while one side's application does not read.
 
-Worst case per connection: ``max(limit, max_message_size) + slot_size`` bytes buffered (a complete
-message of ``max_message_size`` is accepted even when it alone exceeds the limit; once it is complete,
-the next data slot is held), plus, only while the last fragment of a large message is joined, a second
-copy of that message.
+Worst case per connection: ``max(limit, max_message_size) + recv_depth * slot_size`` bytes buffered. A
+complete message of up to ``max_message_size`` is always accepted, even when it alone exceeds the limit;
+once holding starts, the frames the peer already holds credits for (at most ``recv_depth``) still arrive
+and are buffered. While the last fragment of a large message is joined, a second copy of it exists.
 """
 
 from __future__ import annotations

@@ -471,10 +471,13 @@ class Server(asyncio.AbstractServer):
         self._serving = False
         self._serving_forever_fut: asyncio.Future[None] | None = None
         self._gate = asyncio.Event()  # set once serving started (or the server closed)
+        self._gated = 0  # connections waiting at the gate
+        self._backlog = 0
 
     async def _listen(
         self, hosts: Sequence[str | None], port: int, backlog: int, options: Options | dict[str, Any] | None
     ) -> None:
+        self._backlog = backlog
         for host in hosts:
             listener = await serve(self._on_endpoint, host, port, backlog=backlog, options=options)
             self._all_listeners.append(listener)
@@ -484,8 +487,17 @@ class Server(asyncio.AbstractServer):
     async def _on_endpoint(self, endpoint: Endpoint) -> None:
         """Handler of the underlying StreamServer: run one connection's transport until it ends."""
         if not self._serving and self._listeners is not None:
-            # start_serving=False: rdma_cm listens at once; connections wait here (like a listen backlog).
-            await self._gate.wait()
+            # start_serving=False: rdma_cm listens at once; connections wait here, at most ``backlog`` of
+            # them (as in a listen backlog): the others are dropped rather than pinning memory unbounded.
+            if self._gated >= self._backlog:
+                log.info("rdmaio: %d connections already wait for start_serving(); dropping one", self._gated)
+                endpoint.abort()
+                return
+            self._gated += 1
+            try:
+                await self._gate.wait()
+            finally:
+                self._gated -= 1
         if self._listeners is None:
             endpoint.abort()
             return

@@ -17,7 +17,6 @@ from rdmaio.verbs import (
     CompletionQueue,
     DeviceContext,
     MemoryRegion,
-    ProtectionDomain,
     QueuePair,
 )
 
@@ -38,7 +37,8 @@ class Transport:
         self.recv_depth = options.recv_depth
         self.send_depth = options.send_depth
         self._watched_fd: int | None = None
-        self.pd = ProtectionDomain(device)
+        self.domain = reactor.domain(device)
+        self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
         comp: CompletionChannel | None = None
         try:
             self.recv_buf = bytearray(self.slot_size * self.recv_depth)
@@ -55,9 +55,12 @@ class Transport:
             self.qp.post_recv_slots(self.recv_mr, self.slot_size, list(range(self.recv_depth)))
             reactor.watch_device(device)
         except BaseException:
-            # Close what was created, QP first: the PD closes its QP and MRs, the channel its CQ. Left
-            # to the cyclic GC instead, the channel's fd and the CQ would outlive this call.
-            self.pd.close()
+            # Close what was created, QP first, then the MRs, then the channel (and its CQ). Left to
+            # the cyclic GC instead, the channel's fd and the CQ would outlive this call.
+            for name in ("qp", "recv_mr", "send_mr"):
+                resource = getattr(self, name, None)
+                if resource is not None:
+                    resource.close()
             if comp is not None:
                 comp.close()
             raise
@@ -91,7 +94,7 @@ class Transport:
         self.reactor.watch(self.comp.fd, callback)
 
     def close(self) -> None:
-        """Tear down in dependency order: fd off the loop, QP, MRs, CQ, channel, PD. Idempotent.
+        """Tear down in dependency order: fd off the loop, QP, MRs, CQ, channel. Idempotent.
 
         Destroying the QP first guarantees the NIC no longer touches the slot buffers when they are freed.
         """
@@ -103,4 +106,3 @@ class Transport:
         self.send_mr.close()
         self.cq.close()
         self.comp.close()
-        self.pd.close()

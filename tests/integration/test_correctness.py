@@ -454,20 +454,24 @@ def test_reassembly_counts_against_the_receive_limit(arun: Runner[Any], rdma_add
 
         server = await rdmaio.serve(handler, rdma_addr, 0, options=options)
         async with server:
-            ep = await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=20, options=options)
-            receiver = await asyncio.wait_for(server_ep, 20)
-            await ep.send(b"small")
-            sending = asyncio.create_task(ep.send(big))
-            await asyncio.sleep(3)  # the sender posts all it can
-            stats = receiver.statistics()
-            assert stats["recv_held_slots"] > 0, stats
-            assert stats["recv_buffered"] <= limit + 2 * options.slot_size, stats
-            assert not sending.done()
-            assert await receiver.recv() == b"small"
-            assert await asyncio.wait_for(receiver.recv(), 60) == big
-            await asyncio.wait_for(sending, 30)
-            done.set()
-            await ep.aclose()
+            try:
+                ep = await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=20, options=options)
+                receiver = await asyncio.wait_for(server_ep, 20)
+                await ep.send(b"small")
+                sending = asyncio.create_task(ep.send(big))
+                await asyncio.sleep(3)  # the sender posts all it can
+                stats = receiver.statistics()
+                assert stats["recv_held_slots"] > 0, stats
+                # Frames the sender already had credits for still arrive once holding starts: at most
+                # recv_depth of them. The message itself (2 MiB) is not taken in.
+                assert stats["recv_buffered"] <= limit + options.recv_depth * options.slot_size, stats
+                assert not sending.done()
+                assert await receiver.recv() == b"small"
+                assert await asyncio.wait_for(receiver.recv(), 60) == big
+                await asyncio.wait_for(sending, 30)
+                await ep.aclose()
+            finally:
+                done.set()
 
     arun(main())
 
@@ -504,5 +508,41 @@ def test_cancelled_waits_do_not_pile_up(arun: Runner[Any], rdma_addr: str) -> No
             server.close()
             server.abort_clients()
             await asyncio.wait_for(server.wait_closed(), 30)
+
+    arun(main())
+
+
+def test_streams_server_not_serving_bounds_waiting_connections(arun: Runner[Any], rdma_addr: str) -> None:
+    """start_server(start_serving=False, backlog=3): at most 3 established connections wait for
+    start_serving(); the others are dropped at once (their reads end) instead of queueing without bound."""
+
+    async def main() -> None:
+        served: list[bytes] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            served.append(await reader.readline())
+            writer.write(b"ok\n")
+            await writer.drain()
+            writer.close()
+
+        server = await rdmaio.start_server(handle, rdma_addr, 0, backlog=3, start_serving=False)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            clients = [await rdmaio.open_connection(rdma_addr, port, timeout=20) for _ in range(8)]
+            await asyncio.sleep(1)
+            for _reader, writer in clients:
+                writer.write(b"hi\n")
+                with contextlib.suppress(ConnectionError):  # the dropped ones are reset
+                    await writer.drain()
+            await server.start_serving()
+            answers = []
+            for reader, writer in clients:
+                try:
+                    answers.append(await asyncio.wait_for(reader.readline(), 30))
+                except ConnectionError:
+                    answers.append(b"reset")
+                writer.close()
+            assert answers.count(b"ok\n") == 3, answers
+            assert len(served) == 3
 
     arun(main())

@@ -1,0 +1,207 @@
+"""Domain: the resources one device shares among every connection of one event loop.
+
+Today a :class:`Domain` holds the protection domain (so that memory registered once can serve every
+connection on the device, which one-sided operations and zero-copy transfers need) and a
+:class:`RegistrationCache`. One exists per device per loop (``Reactor.domain(device)``); it is closed
+with the loop (at the end of the trio run, or when the asyncio loop is garbage-collected) or explicitly.
+
+The registration cache registers a user buffer once and hands out the same memory region to every
+caller until it is released; unused registrations stay cached (registration pins pages and costs a
+system call plus a page walk, as UCX's rcache notes) until the pinned total exceeds ``max_pinned``, when
+the least recently used unused ones are deregistered. A cached registration keeps its Python buffer alive,
+so the memory cannot be freed (and its address reused by another buffer) while it is registered.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rdmaio.verbs import DeviceContext, MemoryRegion, ProtectionDomain
+
+__all__ = [
+    "ACCESS_REMOTE_READ",
+    "ACCESS_REMOTE_WRITE",
+    "DEFAULT_MAX_PINNED",
+    "Domain",
+    "Registration",
+    "RegistrationCache",
+]
+
+ACCESS_REMOTE_READ = 0x1
+"""Registration access flag: the peer may RDMA READ the buffer."""
+ACCESS_REMOTE_WRITE = 0x2
+"""Registration access flag: the peer may RDMA WRITE the buffer."""
+DEFAULT_MAX_PINNED = 256 * 1024 * 1024
+"""Bytes of unused registrations a cache keeps pinned before it evicts (in-use ones always stay)."""
+
+
+class Region(Protocol):
+    """What the cache needs of a memory region: its length and close()."""
+
+    length: int
+
+    def close(self) -> None:
+        """Deregister."""
+
+
+class Registration:
+    """A cached registration handed to one user; :meth:`release` it when the NIC no longer uses it."""
+
+    __slots__ = ("_cache", "_key", "_released", "region")
+
+    def __init__(self, cache: RegistrationCache, key: tuple[int, int, int], region: Any) -> None:
+        self._cache = cache
+        self._key = key
+        self.region = region
+        self._released = False
+
+    @property
+    def lkey(self) -> int:
+        """The local key of the region (for work requests)."""
+        return int(self.region.lkey)
+
+    @property
+    def addr(self) -> int:
+        """The start address of the registered buffer."""
+        return int(self.region.addr)
+
+    def release(self) -> None:
+        """Give the registration back (idempotent); it stays cached until evicted."""
+        if not self._released:
+            self._released = True
+            self._cache._release(self._key)
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Entry:
+    __slots__ = ("region", "users")
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.users = 0
+
+
+class RegistrationCache:
+    """Registrations keyed by (address, length, access), reference counted, LRU-evicted above a bound.
+
+    ``register(buffer, access)`` is the function that really registers (``MemoryRegion`` in a
+    :class:`Domain`; a fake in the unit tests); ``address_of(buffer)`` gives the buffer's address.
+    """
+
+    def __init__(
+        self,
+        register: Callable[[Any, int], Region],
+        address_of: Callable[[Any], tuple[int, int]],
+        max_pinned: int = DEFAULT_MAX_PINNED,
+    ) -> None:
+        if max_pinned < 0:
+            raise ValueError("max_pinned must be >= 0")
+        self._register = register
+        self._address_of = address_of
+        self.max_pinned = max_pinned
+        self._entries: collections.OrderedDict[tuple[int, int, int], _Entry] = collections.OrderedDict()
+        self.pinned = 0  # bytes registered by this cache, in use or not
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def get(self, buffer: Any, access: int = 0) -> Registration:
+        """A registration of ``buffer`` with ``access`` flags (registered now or taken from the cache)."""
+        address, length = self._address_of(buffer)
+        key = (address, length, access)
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            entry = _Entry(self._register(buffer, access))
+            self._entries[key] = entry
+            self.pinned += entry.region.length
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        entry.users += 1
+        registration = Registration(self, key, entry.region)
+        self._evict()
+        return registration
+
+    def _release(self, key: tuple[int, int, int]) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.users -= 1
+            self._evict()
+
+    def _evict(self) -> None:
+        if self.pinned <= self.max_pinned:
+            return
+        for key in [k for k, e in self._entries.items() if not e.users]:  # oldest first
+            entry = self._entries.pop(key)
+            self.pinned -= entry.region.length
+            self.evictions += 1
+            entry.region.close()
+            if self.pinned <= self.max_pinned:
+                return
+
+    def statistics(self) -> dict[str, int]:
+        """Entries, pinned bytes, hits, misses and evictions."""
+        return {
+            "entries": len(self._entries),
+            "in_use": sum(1 for e in self._entries.values() if e.users),
+            "pinned": self.pinned,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }
+
+    def close(self) -> None:
+        """Deregister everything (the caller guarantees the NIC no longer uses any of it)."""
+        entries, self._entries = self._entries, collections.OrderedDict()
+        self.pinned = 0
+        for entry in entries.values():
+            entry.region.close()
+
+
+def _buffer_address(buffer: Any) -> tuple[int, int]:
+    from rdmaio._ffi import ffi
+
+    cbuf = ffi.from_buffer(buffer, require_writable=True)
+    return int(ffi.cast("uintptr_t", cbuf)), len(cbuf)
+
+
+class Domain:
+    """The protection domain of one device, shared by every connection of one loop, and its caches."""
+
+    def __init__(self, device: DeviceContext, *, max_pinned: int = DEFAULT_MAX_PINNED) -> None:
+        self.device = device
+        self.pd = ProtectionDomain(device)
+        self.registrations = RegistrationCache(self._register, _buffer_address, max_pinned)
+
+    def _register(self, buffer: Any, access: int) -> MemoryRegion:
+        # Local access unless asked: nothing is remotely accessible that was not exported on purpose.
+        return MemoryRegion(
+            self.pd,
+            buffer,
+            remote_read=bool(access & ACCESS_REMOTE_READ),
+            remote_write=bool(access & ACCESS_REMOTE_WRITE),
+        )
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self.pd.closed
+
+    def close(self) -> None:
+        """Deregister the cache and deallocate the PD (closing whatever still depends on it, QPs first)."""
+        if self.pd.closed:
+            return
+        self.registrations.close()
+        self.pd.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<rdmaio Domain {self.device.name} {state} pinned={self.registrations.pinned}>"

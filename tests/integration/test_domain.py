@@ -1,0 +1,92 @@
+"""The per-device Domain and the per-loop event channel, on a real device (issue 10, first part)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import uvloop
+from loops import Runner, arun
+from rdma_state import open_fds, rdma_resources
+
+import rdmaio
+from rdmaio.reactor import Reactor
+
+__all__ = ["arun"]
+
+
+async def echo(ep: rdmaio.Endpoint) -> None:
+    async with ep:
+        while (msg := await ep.recv()) is not None:
+            await ep.send(msg)
+
+
+def test_connections_share_the_device_pd_and_the_event_channel(arun: Runner[Any], rdma_addr: str) -> None:
+    async def main() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0)
+        async with server:
+            port = server.addresses[0][1]
+            first = await rdmaio.connect(rdma_addr, port, timeout=20)
+            second = await rdmaio.connect(rdma_addr, port, timeout=20)
+            assert first._transport.pd is second._transport.pd
+            server_side = next(iter(server._clients))
+            assert server_side._transport.pd is first._transport.pd
+            channel_fd = Reactor.current().channel.fd
+            pds = rdma_resources()["pd"]
+            await first.aclose()
+            await second.aclose()
+            server.close_clients()
+            # No cm id of ours is left but the listener's; a new connection reuses the channel and the PD.
+            async with await rdmaio.connect(rdma_addr, port, timeout=20) as third:
+                await third.send(b"x")
+                assert await third.recv() == b"x"
+                assert Reactor.current().channel.fd == channel_fd
+                assert rdma_resources()["pd"] == pds
+
+    arun(main())
+
+
+def test_loop_end_releases_the_domain_and_the_channel(rdma_addr: str) -> None:
+    """asyncio.run() cycles on asyncio and uvloop leave no fd and no PD behind once the loops are gone."""
+
+    async def cycle() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0)
+        async with server, await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=20) as ep:
+            await ep.send(b"ping")
+            assert await ep.recv() == b"ping"
+
+    asyncio.run(cycle())  # warm-up: librdmacm opens the device once per process and keeps it
+    gc.collect()
+    fds, resources = open_fds(), rdma_resources()
+    for factory in (asyncio.new_event_loop, uvloop.new_event_loop):
+        for _ in range(3):
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(cycle())
+    gc.collect()
+    assert open_fds() == fds
+    assert rdma_resources() == resources
+
+
+def test_registration_cache_registers_once_and_respects_its_bound(arun: Runner[Any], rdma_addr: str) -> None:
+    async def main() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0)
+        async with server, await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=20) as ep:
+            cache = ep._transport.domain.registrations
+            cache.max_pinned = 3 << 20
+            mrs = rdma_resources()["mr"]
+            buf = bytearray(1 << 20)
+            first = cache.get(buf)
+            second = cache.get(buf)
+            assert first.lkey == second.lkey and rdma_resources()["mr"] == mrs + 1
+            first.release()
+            second.release()
+            others = [bytearray(1 << 20) for _ in range(4)]
+            for other in others:
+                cache.get(other).release()
+            assert cache.pinned <= cache.max_pinned
+            assert rdma_resources()["mr"] == mrs + cache.statistics()["entries"] <= mrs + 3
+            cache.close()
+            assert rdma_resources()["mr"] == mrs
+
+    arun(main())

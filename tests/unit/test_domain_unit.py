@@ -1,0 +1,98 @@
+"""Unit tests of the registration cache (rdmaio.domain.RegistrationCache) with a fake registrar."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rdmaio.domain import RegistrationCache
+
+
+class FakeRegion:
+    def __init__(self, buffer: Any, access: int, log: list[str]) -> None:
+        self.buffer = buffer  # a real MemoryRegion keeps the buffer alive too
+        self.length = len(buffer)
+        self.access = access
+        self.lkey = id(self) & 0xFFFF
+        self.addr = id(buffer)
+        self._log = log
+        self.closed = False
+        log.append(f"reg {len(buffer)}")
+
+    def close(self) -> None:
+        assert not self.closed
+        self.closed = True
+        self._log.append(f"dereg {self.length}")
+
+
+def make(max_pinned: int) -> tuple[RegistrationCache, list[str]]:
+    log: list[str] = []
+    cache = RegistrationCache(
+        lambda buf, access: FakeRegion(buf, access, log), lambda buf: (id(buf), len(buf)), max_pinned
+    )
+    return cache, log
+
+
+def test_a_buffer_is_registered_once_and_shared() -> None:
+    cache, log = make(1 << 20)
+    buf = bytearray(1000)
+    first = cache.get(buf)
+    second = cache.get(buf)
+    assert first.region is second.region and log == ["reg 1000"]
+    assert cache.statistics() == {
+        "entries": 1,
+        "in_use": 1,
+        "pinned": 1000,
+        "hits": 1,
+        "misses": 1,
+        "evictions": 0,
+    }
+    first.release()
+    first.release()  # idempotent
+    second.release()
+    assert cache.statistics()["in_use"] == 0 and cache.pinned == 1000  # stays cached
+
+
+def test_access_flags_make_separate_registrations() -> None:
+    cache, log = make(1 << 20)
+    buf = bytearray(100)
+    assert cache.get(buf, 0).region is not cache.get(buf, 1).region
+    assert log == ["reg 100", "reg 100"]
+
+
+def test_unused_registrations_are_evicted_oldest_first_above_the_bound() -> None:
+    cache, log = make(2500)
+    bufs = [bytearray(1000) for _ in range(4)]
+    for buf in bufs[:2]:
+        cache.get(buf).release()
+    held = cache.get(bufs[2])  # 3000 pinned > 2500: the oldest unused (bufs[0]) goes
+    assert log[-1] == "dereg 1000" and cache.pinned == 2000
+    cache.get(bufs[1]).release()  # a hit: bufs[1] becomes the most recently used
+    with cache.get(bufs[3]):  # 3000 again: bufs[2] and bufs[3] are in use, so bufs[1] goes
+        pass
+    assert cache.pinned <= 2500 and cache.statistics()["evictions"] == 2
+    assert not held.region.closed  # in use: never evicted
+    held.release()
+
+
+def test_in_use_registrations_may_exceed_the_bound() -> None:
+    cache, _log = make(100)
+    regs = [cache.get(bytearray(80)) for _ in range(3)]
+    assert cache.pinned == 240  # nothing unused to evict
+    for reg in regs:
+        reg.release()
+    assert cache.pinned <= 100
+
+
+def test_close_deregisters_everything() -> None:
+    cache, log = make(1 << 20)
+    cache.get(bytearray(10))
+    cache.get(bytearray(20)).release()
+    cache.close()
+    assert sorted(log) == ["dereg 10", "dereg 20", "reg 10", "reg 20"] and cache.pinned == 0
+
+
+def test_negative_bound_is_refused() -> None:
+    with pytest.raises(ValueError):
+        make(-1)
