@@ -20,8 +20,8 @@ REQUIRED_HEADERS = {
 INCLUDE_DIRS = [d for d in os.environ.get("RDMAIO_INCLUDE_DIRS", "").split(os.pathsep) if d]
 # RDMAIO_SYSTEM_INCLUDE_DIRS replaces the system directories searched for the headers (for cross builds,
 # and for the test that a machine without the headers gets the one-line message below).
-SYSTEM_DIRS = os.environ.get("RDMAIO_SYSTEM_INCLUDE_DIRS", "/usr/include:/usr/local/include").split(os.pathsep)
-SEARCH_DIRS = [*INCLUDE_DIRS, *(d for d in SYSTEM_DIRS if d)]
+SYSTEM_DIRS = os.environ.get("RDMAIO_SYSTEM_INCLUDE_DIRS", "/usr/include:/usr/local/include")
+SEARCH_DIRS = [*INCLUDE_DIRS, *(d for d in SYSTEM_DIRS.split(os.pathsep) if d)]
 
 
 def check_headers(search_dirs: list[str] = SEARCH_DIRS) -> None:
