@@ -1,9 +1,10 @@
-"""A griffe extension for the docs site: turn the Sphinx roles in rdmaio's docstrings into Markdown.
+"""A griffe extension for the docs site: read rdmaio's docstrings the way Sphinx would, as Markdown.
 
 The docstrings are written for ``help()`` and IDEs, with Sphinx roles such as ``:class:`~rdmaio.Endpoint```.
 mkdocstrings renders Markdown, where those would show up raw. A role naming a public object of
 ``rdmaio`` or ``rdmaio.anyio`` becomes a link to its entry in the API reference (mkdocs-autorefs); any
-other role becomes a code span, so no link can be left dangling (strict mode fails on those).
+other role becomes a code span, so no link can be left dangling (strict mode fails on those). An
+attribute documented with ``#:`` comments (Sphinx's convention) gets them as its docstring.
 """
 
 from __future__ import annotations
@@ -55,6 +56,26 @@ class RstRoles(griffe.Extension):
         self._public = _public_names()
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
-        """Convert the roles in ``obj``'s docstring."""
+        """Convert the roles in ``obj``'s docstring (taken from ``#:`` comments for an attribute)."""
+        if obj.docstring is None and obj.is_attribute:
+            text = sphinx_comment(obj)
+            if text:
+                obj.docstring = griffe.Docstring(text, parent=obj)
         if obj.docstring is not None:
             obj.docstring.value = convert(obj.docstring.value, self._public)
+
+
+def sphinx_comment(obj: griffe.Object) -> str:
+    """The ``#:`` comment lines right above an attribute: Sphinx's form of an attribute docstring."""
+    if obj.lineno is None or obj.filepath is None or isinstance(obj.filepath, list):
+        return ""
+    try:
+        lines = obj.lines_collection[obj.filepath]
+    except KeyError:
+        return ""
+    found: list[str] = []
+    index = obj.lineno - 2  # the line above the attribute, 0-based
+    while index >= 0 and lines[index].strip().startswith("#:"):
+        found.insert(0, lines[index].strip()[2:].strip())
+        index -= 1
+    return " ".join(found)

@@ -61,3 +61,17 @@ def test_roles_extension_reads_all_without_importing() -> None:
     roles = load_tool("griffe_rst_roles")
     assert roles.module_all(REPO / "rdmaio/__init__.py") == rdmaio.__all__
     assert roles.module_all(REPO / "rdmaio/anyio.py") == rdmaio.anyio.__all__
+
+
+def test_attribute_comments_become_docstrings() -> None:
+    import griffe
+
+    roles = load_tool("griffe_rst_roles")
+    package = griffe.load(
+        "rdmaio", search_paths=[str(REPO)], extensions=griffe.load_extensions(roles.RstRoles())
+    )
+    device = package["anyio"]["RdmaAttribute"]["device"]
+    assert device.docstring is not None
+    assert device.docstring.value.startswith("name of the RDMA device carrying the connection")
+    endpoint = package["anyio"]["RdmaAttribute"]["endpoint"]  # a two-line comment with a role in it
+    assert endpoint.docstring.value.startswith("the [`rdmaio.Endpoint`][rdmaio.Endpoint] under the stream")
