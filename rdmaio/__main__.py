@@ -1,4 +1,4 @@
-"""``python -m rdmaio COMMAND``: ``bench`` (benchmarks) and ``devices`` (list the RDMA devices)."""
+"""``python -m rdmaio COMMAND`` or ``rdmaio COMMAND``: ``bench``, ``devices``, ``doctor``, ``ping``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ USAGE = """usage: python -m rdmaio COMMAND [ARGS...]
 commands:
   bench     benchmark rdmaio against perftest, rstream and TCP (python -m rdmaio bench --help)
   devices   list the RDMA devices and their ports
+  doctor    check what RDMA needs on this machine, with the fix for each problem (--json)
+  ping      round-trip times to an rdmaio ping server (python -m rdmaio ping --help)
 """
 
 
@@ -47,6 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rdmaio.bench import main as bench_main
 
         return bench_main(rest)
+    if command == "doctor":
+        from rdmaio.cli.doctor import main as doctor_main
+
+        return doctor_main(rest)
+    if command == "ping":
+        from rdmaio.cli.ping import main as ping_main
+
+        return ping_main(rest)
     if command == "devices":
         if rest:
             print("usage: python -m rdmaio devices", file=sys.stderr)

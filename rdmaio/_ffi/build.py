@@ -18,19 +18,25 @@ REQUIRED_HEADERS = {
     "rdma/rdma_cma.h": "librdmacm-dev",
 }
 INCLUDE_DIRS = [d for d in os.environ.get("RDMAIO_INCLUDE_DIRS", "").split(os.pathsep) if d]
-SEARCH_DIRS = [*INCLUDE_DIRS, "/usr/include", "/usr/local/include"]
+# RDMAIO_SYSTEM_INCLUDE_DIRS replaces the system directories searched for the headers (for cross builds,
+# and for the test that a machine without the headers gets the one-line message below).
+SYSTEM_DIRS = os.environ.get("RDMAIO_SYSTEM_INCLUDE_DIRS", "/usr/include:/usr/local/include")
+SEARCH_DIRS = [*INCLUDE_DIRS, *(d for d in SYSTEM_DIRS.split(os.pathsep) if d)]
 
 
-def check_headers() -> None:
+def check_headers(search_dirs: list[str] = SEARCH_DIRS) -> None:
     """Stop the build with one clear line when the rdma-core development headers are missing."""
     missing = [
         package
         for header, package in REQUIRED_HEADERS.items()
-        if not any((Path(d) / header).exists() for d in SEARCH_DIRS)
+        if not any((Path(d) / header).exists() for d in search_dirs)
     ]
     if missing:
         packages = " ".join(sorted(set(REQUIRED_HEADERS.values())))
-        sys.exit(f"rdmaio: rdma-core headers not found; install them with: apt-get install {packages}")
+        sys.exit(
+            f"rdmaio: rdma-core headers not found; install them with: apt-get install {packages}"
+            " (Fedora/RHEL: dnf install rdma-core-devel)"
+        )
 
 
 def make_ffi() -> FFI:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from rdmaio.bench.display import make_display
 from rdmaio.bench.external import ExternalConfig, run_external
 from rdmaio.bench.model import (
     CONTENDER_GROUPS,
@@ -47,6 +48,7 @@ from rdmaio.bench.model import (
     sizes_of,
 )
 from rdmaio.bench.peers import loop_factory, measure, server_main
+from rdmaio.bench.plot import PlotError, check_plot_target, plot_figures
 from rdmaio.bench.report import build_report, render_table, validate_report
 
 __all__ = ["Run", "build_parser", "main", "plan_runs"]
@@ -235,9 +237,13 @@ def _describe(run: Run, samples: dict[Workload, Sample]) -> str:
 class Bench:
     """Runs a plan and collects figures."""
 
-    def __init__(self, settings: Settings, progress: Progress) -> None:
+    def __init__(
+        self, settings: Settings, progress: Progress, on_start: Callable[[int, int, str], None] | None = None
+    ) -> None:
         self.s = settings
         self.progress = progress
+        self.on_start = on_start
+        """Called with (index, total, label) as each measurement starts (the live display's bar)."""
         self.figures: dict[tuple[str, Workload, int], Figure] = {}
         self.external = ExternalConfig(
             host=settings.host,
@@ -324,6 +330,8 @@ class Bench:
         width = len(str(total))
         try:
             for index, run in enumerate(runs, 1):
+                if self.on_start is not None:
+                    self.on_start(index, total, run.label())
                 started = time.monotonic()
                 if CONTENDERS[run.contender].python:
                     samples = self._run_python(run)
@@ -415,6 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="stream workload: await drain() after every N writes (default 1: after each write)",
     )
     parser.add_argument("--json", type=Path, help="write the JSON report to this file")
+    parser.add_argument(
+        "--plot", type=Path, metavar="FILE", help="draw the results to FILE.png or .svg (rdmaio[plots])"
+    )
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "live", "plain"),
+        default="auto",
+        help="live progress bar (rich) or plain lines; auto: live on a terminal",
+    )
     parser.add_argument("--profile", type=Path, help="cProfile both Python sides into this directory")
     parser.add_argument(
         "--from-json", type=Path, help="print the table of an earlier JSON report; run nothing"
@@ -504,6 +521,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.profile.mkdir(parents=True, exist_ok=True)
         return server_main(args.host, args.profile)
 
+    if args.plot is not None:
+        try:
+            check_plot_target(args.plot)  # before a long run, not after it
+        except PlotError as exc:
+            parser.error(str(exc))
     if args.from_json is not None:
         doc = json.loads(args.from_json.read_text())
         problems = validate_report(doc)
@@ -512,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         figures = [Figure.from_json(f) for f in doc["figures"]]
         print(render_table(figures, list(doc["contenders"]), int(doc["meta"].get("reps", 1))), end="")
-        return 0
+        return _plot(args.plot, figures, list(doc["contenders"]), _stderr_progress)
 
     try:
         contenders = resolve_contenders(_csv(args.contenders))
@@ -557,20 +579,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = plan_runs(contenders, workloads, sizes, budget)
     if not runs:
         parser.error("the filters leave nothing to run")
-    _stderr_progress(
+    display = make_display(live={"auto": None, "live": True, "plain": False}[args.progress])
+    display.message(
         f"{len(runs)} measurements ({budget.name} budgets, {budget.reps} repetition(s), time cap "
         f"{budget.time_cap:g} s) on {args.host}" + (f" / {args.device}" if args.device else "")
     )
     if args.profile is not None:
-        _stderr_progress("profiling is on: the Python contenders' figures are slowed down by cProfile")
-    bench = Bench(settings, _stderr_progress)
+        display.message("profiling is on: the Python contenders' figures are slowed down by cProfile")
+    bench = Bench(settings, display.message, display.started)
     started = time.monotonic()
     interrupted = False
     try:
         bench.execute(runs)
     except KeyboardInterrupt:
         interrupted = True
-        _stderr_progress("interrupted: reporting what was measured")
+        display.message("interrupted: reporting what was measured")
+    finally:
+        display.close()
     figures = list(bench.figures.values())
     provenance = _git_state()
     print(render_table(figures, contenders, budget.reps), end="", flush=True)
@@ -600,6 +625,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         _stderr_progress(f"JSON report written to {args.json}")
+    plotted = _plot(args.plot, figures, contenders, _stderr_progress)
     if interrupted:
         return 130
-    return 0 if any(f.status != "error" for f in figures) else 1
+    return plotted or (0 if any(f.status != "error" for f in figures) else 1)
+
+
+def _plot(path: Path | None, figures: list[Figure], contenders: list[str], progress: Progress) -> int:
+    """Draw the figures to ``path`` if one was given; returns an exit status (1 when it failed)."""
+    if path is None:
+        return 0
+    try:
+        plot_figures(figures, contenders, path, title="rdmaio bench")
+    except PlotError as exc:
+        progress(str(exc))
+        return 1
+    progress(f"plot written to {path}")
+    return 0

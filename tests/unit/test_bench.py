@@ -633,6 +633,8 @@ def test_bench_tcp_end_to_end(tmp_path: Path) -> None:
             "0.3",
             "--json",
             str(out),
+            "--plot",
+            str(tmp_path / "bench.svg"),
         ],
         capture_output=True,
         text=True,
@@ -641,7 +643,10 @@ def test_bench_tcp_end_to_end(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "[12/12]" in proc.stderr  # one progress line per measurement
+    assert "[12/12]" in proc.stderr  # one progress line per measurement (plain: stderr is not a terminal)
+    assert f"bench: plot written to {tmp_path / 'bench.svg'}" in proc.stderr
+    svg = (tmp_path / "bench.svg").read_text()
+    assert svg.startswith("<?xml") and "tcp-uvloop" in svg and "Echo round trip" in svg
     assert "Echo round trip" in proc.stdout and "Targets" in proc.stdout
     doc = json.loads(out.read_text())
     assert validate_report(doc) == []
