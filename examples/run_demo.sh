@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's demo, run inside the test host: echo server + client on asyncio and uvloop, the
-# asyncio-streams and anyio (trio) examples, then a short
+# The README's demo, run inside the test host: `rdmaio doctor`, echo server + client on asyncio and uvloop,
+# the asyncio-streams and anyio (trio) examples, `rdmaio ping` against `ping --server`, then a short
 # benchmark table. Exits non-zero if any step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,8 @@ run_echo() {
 }
 
 mkdir -p .testhost
+echo "== rdmaio doctor =="
+"$PY" -m rdmaio doctor
 echo "== echo on asyncio =="
 run_echo 7471
 echo "== echo on uvloop =="
@@ -33,5 +35,11 @@ echo "== asyncio streams echo over RDMA =="
 "$PY" examples/streams_echo.py --transport rdma --host "$ADDR"
 echo "== anyio echo over RDMA on trio =="
 "$PY" examples/anyio_echo.py --transport rdma --host "$ADDR" --backend trio
+echo "== rdmaio ping =="
+"$PY" -m rdmaio ping --server "$ADDR" 7479 > .testhost/ping_server.log 2>&1 &
+ping_server=$!
+sleep 3
+"$PY" -m rdmaio ping -c 5 -i 0.2 "$ADDR" 7479 || { cat .testhost/ping_server.log; kill "$ping_server"; exit 1; }
+kill -INT "$ping_server"; wait "$ping_server" || true
 echo "== benchmark (quick) =="
 "$PY" -m rdmaio bench --quick --json reports/bench-demo.json

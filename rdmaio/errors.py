@@ -53,8 +53,11 @@ class RdmaError(Exception):
                 OSError.__init__(self, message)
         else:
             Exception.__init__(self, message)
+        #: The errno of the failure (also ``OSError.errno`` for the builtin subclasses), or None.
         self.errno = errno
+        #: The C call that failed (``"ibv_reg_mr"``, ``"rdma_connect"``, ...), or "".
         self.call = call
+        #: The explanation, without the call and errno prefix.
         self.message = message
 
     def __str__(self) -> str:

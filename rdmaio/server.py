@@ -68,9 +68,13 @@ class StreamServer:
         self._accept_waiter: Waiter | None = None
         self._state_waiters: dict[Waiter, None] = {}  # wait_closed() and serve_forever(); ordered set
         self._serve_forever_running = False
+        #: The ``(host, port)`` the server listens on (the port chosen when 0 was asked).
         self.addresses: list[tuple[str, int]] = []
+        #: Connections established and handed to the handler or to accept().
         self.connections_accepted = 0
+        #: Connection requests rejected (server closed, bad handshake, no resources, backlog full).
         self.connections_rejected = 0
+        #: Of those, rejected because the backlog was full.
         self.connections_refused_backlog = 0
         self._peak_waiting = 0
 

@@ -546,3 +546,38 @@ def test_streams_server_not_serving_bounds_waiting_connections(arun: Runner[Any]
             assert len(served) == 3
 
     arun(main())
+
+
+def test_trio_cancelled_reads_and_waits_lose_nothing(rdma_addr: str) -> None:
+    """On trio: a readexactly() cancelled by a timeout consumes nothing, and drain() calls cancelled while
+    blocked leave no waiter behind (trio cancels through cancel scopes, not Task.cancel)."""
+    import trio
+
+    options = rdmaio.Options(
+        recv_depth=4, recv_buffer_limit=4 * KiB, write_high_water=8 * KiB, write_low_water=0
+    )
+
+    async def main() -> None:
+        server = await rdmaio.listen(rdma_addr, 0, options=options)
+        port = server.addresses[0][1]
+        ep = await rdmaio.connect(rdma_addr, port, timeout=20, options=options)
+        peer = await server.accept()
+        peer.write(b"abc")
+        await peer.drain()
+        with trio.move_on_after(1.0):
+            await ep.readexactly(6)
+            raise AssertionError("readexactly(6) returned with 3 bytes sent")
+        peer.write(b"def")
+        await peer.drain()
+        with trio.fail_after(30):
+            assert await ep.readexactly(6) == b"abcdef"
+        ep.write(os.urandom(1 * MiB))  # the peer reads nothing: drain() blocks
+        for _ in range(50):
+            with trio.move_on_after(0.01):
+                await ep.drain()
+        assert ep.statistics()["send_waiters"] == 0
+        ep.abort()
+        peer.abort()
+        server.close()
+
+    trio.run(main)
