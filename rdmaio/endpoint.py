@@ -4,8 +4,10 @@ Data path. Every frame travels as one SEND-with-immediate from a registered send
 receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
 (:mod:`rdmaio.protocol`). One wake-up of the completion channel drains a whole batch through the C
 helper; receive completions are copied out of their slot (one copy) and the slot is re-posted at once,
-in one chained post per batch, unless the unread data exceeds ``recv_buffer_limit``: then the slot is held
-back, the peer gets no credit for it, and the sender waits. A send never meets an empty receive queue.
+in one chained post per batch, unless the receive buffer (:mod:`rdmaio.rxbuffer`) holds it back for
+back-pressure: then the peer gets no credit for it, and the sender waits. A send never meets an empty
+receive queue. The send side's queue, coalescing, slots and posting are :mod:`rdmaio.txengine`'s; this
+class decides when to stage and post, who waits, and the connection's lifetime.
 
 Sends copy the caller's data into send slots before they are posted, so the caller's buffer is free the
 moment ``send()`` returns or is cancelled; a send slot is reused only after its completion (selective
@@ -25,7 +27,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
@@ -44,6 +45,7 @@ from rdmaio.protocol import EOF, FrameKind, Session
 from rdmaio.reactor import Reactor
 from rdmaio.rxbuffer import ReceiveBuffer
 from rdmaio.transport import Transport
+from rdmaio.txengine import SendEngine
 from rdmaio.verbs import CMEvent, CMEventType, CMId, WcStatus
 
 __all__ = ["Endpoint"]
@@ -51,15 +53,11 @@ __all__ = ["Endpoint"]
 log = logging.getLogger("rdmaio")
 
 _RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
-_WR_SEND_WITH_IMM = verbs.WR_SEND_WITH_IMM
-_SEND_SIGNALED = verbs.SEND_SIGNALED
-_SEND_INLINE = verbs.SEND_INLINE
 _FLUSH = int(WcStatus.WR_FLUSH_ERR)
 _DATA_MORE = FrameKind.DATA_MORE
 _DATA_END = FrameKind.DATA_END
 _DATA_BATCH = FrameKind.DATA_BATCH
 _EOF = FrameKind.EOF
-_RECORD_HEADER = struct.Struct("<I")  # DATA_BATCH record: u32 little-endian length, then the message
 
 
 class Endpoint:
@@ -86,18 +84,10 @@ class Endpoint:
         self._generation = verbs.fork_generation()
         qp = transport.qp
         self._qp = qp
-        self._sends = qp.send_array
         self._slot_size = transport.slot_size
-        self._max_fragment = min(session.max_fragment, transport.slot_size)
-        # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
-        # at the peer's maximum message size too (a peer may announce one below its slot size).
-        self._stream_fragment = min(self._max_fragment, session.peer.max_message_size)
         self._max_inline = min(transport.max_inline, options.max_inline)
         self._recv_view = transport.recv_view
-        self._send_view = transport.send_view
         self._recv_mr = transport.recv_mr
-        self._send_lkey = transport.send_mr.lkey
-        self._send_addr = transport.send_mr.addr
         self._records = transport.cq.records
         self._batch = transport.cq.batch
         self._extra: dict[str, Any] = {
@@ -113,37 +103,30 @@ class Endpoint:
         # receive side
         self._rxbuf = ReceiveBuffer(options.recv_buffer_limit)
         self._rx_waiter: Waiter | None = None
-        # send side
-        # Frames to post, in order: (data, kind) with kind True/1 = DATA_END, False/0 = DATA_MORE and
-        # -n = a DATA_BATCH payload of n messages.
-        self._txq: collections.deque[tuple[bytes | bytearray | memoryview, int]] = collections.deque()
-        self._txq_bytes = 0
-        self._queued_frames = 0  # frames ever queued
-        self._posted_frames = 0  # frames ever posted
-        self._wbuf = bytearray()  # stream writes being coalesced
-        self._mbuf = bytearray()  # small messages being batched ([u32 length][bytes] records)
-        self._mbuf_count = 0
-        # send() batches messages up to this size (-1: the peer cannot unpack batches)
-        self._batch_limit = (
-            min(options.batch_limit, self._max_fragment - _RECORD_HEADER.size) if session.batching else -1
+        # send side: the engine does the work; the endpoint decides when, and who waits
+        self._stats = collections.Counter[str]()
+        self._tx = SendEngine(
+            session,
+            qp,
+            transport.send_view,
+            transport.send_mr.addr,
+            transport.send_mr.lkey,
+            transport.slot_size,
+            transport.send_depth,
+            max_inline=self._max_inline,
+            signal_interval=options.signal_interval,
+            batch_limit=options.batch_limit,
+            stats=self._stats,
         )
         self._flush_handle: Handle | None = None
-        self._free_slots = list(range(transport.send_depth))
-        self._inflight: collections.deque[int] = collections.deque()
-        self._unsignaled = 0
-        self._staged = 0  # entries of the send array filled but not yet posted
         self._post_handle: Handle | None = None
         self._in_callback = False  # in _pump_and_post(): it posts right after _pump, so _pump must not
-        self._eof_completion: int | None = None  # send slot of the EOF frame, once posted
-        self._eof_done = False
         self._tx_waiters: dict[Waiter, None] = {}  # an ordered set: a cancelled wait removes its own
         # lifetime
         self._closing = False
         self._torn_down = False
         self._closed: Event = self._io.event()
         self._close_callbacks: list[Callable[[Endpoint], None]] = []
-        # statistics
-        self._stats = collections.Counter[str]()
 
         reactor.set_handler(cm_id, self._on_cm_event)
         self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)
@@ -255,7 +238,7 @@ class Endpoint:
                     if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
                         repost.append(slot)
                 else:
-                    self._on_send_completion(int(wc.wr_id))
+                    self._tx.on_send_completion(int(wc.wr_id))
             if n < self._batch:
                 break
             n = cq.drain()
@@ -267,18 +250,6 @@ class Endpoint:
             self._wake_reader()
         if self._tx_waiters:
             self._wake_writers()
-
-    def _on_send_completion(self, slot: int) -> None:
-        # RC completes in order: a signalled completion releases every slot posted before it.
-        inflight = self._inflight
-        free = self._free_slots
-        while inflight:
-            done = inflight.popleft()
-            free.append(done)
-            if done == slot:
-                break
-        if slot == self._eof_completion:
-            self._eof_done = True
 
     def _on_wc_error(self, status: int, opcode: int, vendor_err: int) -> None:
         if status == _FLUSH and (self._closing or self._session.peer_eof or self._disconnected):
@@ -302,64 +273,8 @@ class Endpoint:
         """
         if self._torn_down:
             return
-        session = self._session
-        txq = self._txq
-        free = self._free_slots
-        sends = self._sends
-        slot_size = self._slot_size
-        send_view = self._send_view
-        inflight = self._inflight
-        first = count = self._staged
-        nbytes = 0
-        messages = 0
-        while txq and free and session.can_send_data():
-            data, kind = txq[0]
-            length = len(data)
-            # The frame is accounted for first: if that raises, no slot or queued data is lost.
-            if kind >= 0:
-                imm = session.take_data_frame(bool(kind), length)
-                messages += kind
-            else:
-                imm = session.take_batch_frame(length, -kind)
-                messages -= kind
-            txq.popleft()
-            self._txq_bytes -= length
-            slot = free.pop()
-            off = slot * slot_size
-            if length:
-                send_view[off : off + length] = data
-            self._fill(sends[count], slot, off, length, imm)
-            inflight.append(slot)
-            count += 1
-            nbytes += length
-        self._stats["messages_sent"] += messages
-        self._posted_frames += count - first
-        if (
-            not txq
-            and not self._wbuf
-            and not self._mbuf
-            and session.eof_pending()
-            and free
-            and session.can_send_eof()
-        ):
-            slot = free.pop()
-            self._fill(sends[count], slot, slot * slot_size, 0, session.take_eof_frame())
-            sends[count].send_flags = _SEND_SIGNALED
-            self._unsignaled = 0
-            self._eof_completion = slot
-            inflight.append(slot)
-            count += 1
-        elif free and session.credit_frame_due():
-            slot = free.pop()
-            self._fill(sends[count], slot, slot * slot_size, 0, session.take_credit_frame())
-            inflight.append(slot)
-            count += 1
-            self._stats["credit_frames"] += 1
-        if count > first:
-            self._staged = count
-            self._stats["bytes_sent"] += nbytes
-            if self._post_handle is None and not self._in_callback:
-                self._post_handle = self._io.call_soon(self._post_staged_soon)
+        if self._tx.stage() and self._post_handle is None and not self._in_callback:
+            self._post_handle = self._io.call_soon(self._post_staged_soon)
 
     def _pump_and_post(self) -> None:
         """Stage what credits and send slots allow and post it now, in one doorbell with anything staged
@@ -384,92 +299,15 @@ class Endpoint:
     def _post_staged(self) -> None:
         """Post every staged frame with one chained ibv_post_send."""
         self._post_handle = None
-        count = self._staged
-        if not count or self._torn_down:
-            return
-        self._staged = 0
-        # Whatever runs short of send slots must get a completion to release them.
-        if len(self._free_slots) < self._options.signal_interval:
-            self._sends[count - 1].send_flags |= _SEND_SIGNALED
-            self._unsignaled = 0
-        self._qp.post_sends(count)
-        self._stats["frames_posted"] += count
-        self._stats["post_calls"] += 1
-
-    def _fill(self, wr: Any, slot: int, off: int, length: int, imm: int) -> None:
-        wr.wr_id = slot
-        wr.addr = self._send_addr + off
-        wr.length = length
-        wr.lkey = self._send_lkey
-        wr.imm_data = imm
-        wr.opcode = _WR_SEND_WITH_IMM
-        flags = _SEND_INLINE if length <= self._max_inline and length else 0
-        self._unsignaled += 1
-        if self._unsignaled >= self._options.signal_interval:
-            flags |= _SEND_SIGNALED
-            self._unsignaled = 0
-        wr.send_flags = flags
-
-    def _queue_frames(self, view: memoryview) -> None:
-        """Queue one message (fragmented); the data is referenced until _own_queued() copies it."""
-        size = view.nbytes
-        step = self._max_fragment
-        if size <= step:
-            self._txq.append((view, True))
-            self._queued_frames += 1
-        else:
-            for start in range(0, size, step):
-                end = start + step
-                self._txq.append((view[start:end], end >= size))
-                self._queued_frames += 1
-        self._txq_bytes += size
-
-    def _own_queued(self, count: int) -> None:
-        """Copy the last ``count`` queued frames so no caller buffer is referenced after we return."""
-        txq = self._txq
-        for i in range(len(txq) - min(count, len(txq)), len(txq)):
-            data, last = txq[i]
-            if isinstance(data, memoryview):
-                txq[i] = (bytes(data), last)
-
-    def _flush_wbuf(self) -> None:
-        wbuf = self._wbuf
-        if wbuf:
-            data = bytes(wbuf)
-            wbuf.clear()
-            step = self._stream_fragment
-            for start in range(0, len(data), step):
-                self._txq.append((data[start : start + step], True))
-                self._queued_frames += 1
-            self._txq_bytes += len(data)
-
-    def _flush_mbuf(self) -> None:
-        """Queue the batched messages as one frame (a lone message goes as a plain DATA_END frame)."""
-        count = self._mbuf_count
-        if not count:
-            return
-        if count == 1:
-            data: bytes | bytearray = bytes(memoryview(self._mbuf)[_RECORD_HEADER.size :])
-            self._txq.append((data, True))
-        else:
-            data = self._mbuf
-            self._txq.append((data, -count))
-        self._mbuf = bytearray()
-        self._mbuf_count = 0
-        self._queued_frames += 1
-        self._txq_bytes += len(data)
-
-    def _flush_buffers(self) -> None:
-        # At most one of the two holds data: appending to one flushes the other first (keeps order).
-        self._flush_wbuf()
-        self._flush_mbuf()
+        if not self._torn_down:
+            self._tx.post()
 
     def _flush_and_pump(self) -> None:
         """End of a loop iteration's writes (a loop callback): queue what was coalesced, stage it and
         post it at once. A failure fails the endpoint: nothing escapes into the loop's error log."""
         self._flush_handle = None
         try:
-            self._flush_buffers()
+            self._tx.flush_buffers()
             self._pump_and_post()
         except Exception as exc:
             log.exception("rdmaio: sending coalesced writes failed")
@@ -557,18 +395,17 @@ class Endpoint:
             view = view.cast("B")
         size = view.nbytes
         self._session.check_message_size(size)
-        if size <= self._batch_limit:
+        tx = self._tx
+        if size <= tx.batch_limit:
             await self._send_batched(view, size)
             return
-        self._flush_buffers()  # keep the order of earlier stream writes and batched messages
-        before = len(self._txq)
-        self._queue_frames(view)
-        target = self._queued_frames
-        added = len(self._txq) - before
+        tx.flush_buffers()  # keep the order of earlier stream writes and batched messages
+        added = tx.queue_message(view)
+        target = tx.queued_frames
         self._pump()
-        if self._txq:
-            self._own_queued(added)
-        while self._posted_frames < target:
+        if tx.txq:
+            tx.own_queued(added)
+        while tx.posted_frames < target:
             self._raise_send_error()
             await self._wait_writable()
 
@@ -579,32 +416,27 @@ class Endpoint:
         or a reply usually is): waiting for the end of the iteration would cost a round trip one more
         loop iteration on each side, and there is nothing yet to batch it with.
         """
-        if self._wbuf:
-            self._flush_wbuf()
+        tx = self._tx
+        if tx.wbuf:
+            tx.flush_wbuf()
         if (
             self._flush_handle is None
-            and not self._mbuf_count
-            and not self._txq
-            and self._free_slots
+            and not tx.mbuf_count
+            and not tx.txq
+            and tx.free_slots
             and self._session.can_send_data()
         ):
-            self._queue_frames(view)
+            tx.queue_message(view)
             self._pump_and_post()
-            if self._txq:
-                self._own_queued(1)
+            if tx.txq:
+                tx.own_queued(1)
             # Later sends of this iteration are batched, and flushed at its end.
             self._flush_handle = self._io.call_soon(self._flush_and_pump)
             return
-        mbuf = self._mbuf
-        if len(mbuf) + _RECORD_HEADER.size + size > self._max_fragment:
-            self._flush_mbuf()
-            mbuf = self._mbuf
-        mbuf += _RECORD_HEADER.pack(size)
-        mbuf += view
-        self._mbuf_count += 1
+        tx.queue_small(view, size)
         if self._flush_handle is None:
             self._flush_handle = self._io.call_soon(self._flush_and_pump)
-        if self._txq_bytes + len(mbuf) > self._options.write_high_water:
+        if tx.buffered > self._options.write_high_water:
             await self.drain()
 
     async def recv(self) -> bytes | None:
@@ -670,29 +502,11 @@ class Endpoint:
             raise EndpointClosedError("write() after write_eof()")
         if not data:
             return
-        if self._mbuf_count:
-            self._flush_mbuf()  # batched messages come first
-        step = self._stream_fragment
-        if not self._wbuf and len(data) >= step:
-            # Whole frames go straight to the queue (copied into slots by _pump, no staging copy).
-            view = memoryview(data).cast("B")
-            whole = len(view) - len(view) % step
-            before = len(self._txq)
-            for start in range(0, whole, step):
-                self._txq.append((view[start : start + step], True))
-            self._queued_frames += whole // step
-            self._txq_bytes += whole
-            added = len(self._txq) - before
+        added, coalescing = self._tx.queue_stream(data)
+        if added or not coalescing:
             self._pump()
-            self._own_queued(added)
-            data = view[whole:]
-            if not data:
-                return
-        self._wbuf += data
-        if len(self._wbuf) >= step:
-            self._flush_wbuf()
-            self._pump()
-        elif self._flush_handle is None:
+            self._tx.own_queued(added)
+        if coalescing and self._flush_handle is None:
             self._flush_handle = self._io.call_soon(self._flush_and_pump)
 
     def writelines(self, data: Any) -> None:
@@ -708,11 +522,12 @@ class Endpoint:
         writes are refused.
         """
         self._raise_flush_error()
-        if self._txq_bytes + len(self._wbuf) + len(self._mbuf) <= self._options.write_high_water:
+        tx = self._tx
+        if tx.buffered <= self._options.write_high_water:
             return
-        self._flush_buffers()
+        tx.flush_buffers()
         self._pump()
-        while self._txq_bytes > self._options.write_low_water:
+        while tx.txq_bytes > self._options.write_low_water:
             self._raise_flush_error()
             await self._wait_writable()
 
@@ -732,7 +547,7 @@ class Endpoint:
 
     def get_write_buffer_size(self) -> int:
         """Bytes queued for sending and not yet posted to the NIC."""
-        return self._txq_bytes + len(self._wbuf) + len(self._mbuf)
+        return self._tx.buffered
 
     def can_write_eof(self) -> bool:
         """Always True: half-close is supported."""
@@ -742,7 +557,7 @@ class Endpoint:
         """Close the sending direction after the queued data; the peer reads EOF, we can still read."""
         if self._torn_down:
             return
-        self._flush_buffers()
+        self._tx.flush_buffers()
         self._session.write_eof()
         self._pump()
 
@@ -859,7 +674,7 @@ class Endpoint:
             return
         self._session.close()
         try:
-            self._flush_buffers()
+            self._tx.flush_buffers()
             self._pump()
         except Exception as exc:  # never leave a close half done: release everything instead
             log.exception("rdmaio: flushing on close failed; aborting the connection")
@@ -870,10 +685,10 @@ class Endpoint:
     async def _graceful_close(self) -> None:
         try:
             async with self._io.timeout(self._options.close_timeout):
-                while not self._torn_down and (self._txq or not self._eof_done):
+                while not self._torn_down and (self._tx.txq or not self._tx.eof_done):
                     await self._wait_writable()
         except TimeoutError:
-            log.debug("rdmaio: close timed out with %d bytes unsent; aborting", self._txq_bytes)
+            log.debug("rdmaio: close timed out with %d bytes unsent; aborting", self._tx.buffered)
         finally:
             self._teardown()
 
@@ -892,11 +707,7 @@ class Endpoint:
             return
         self._closing = True
         self._session.abort()
-        self._txq.clear()
-        self._txq_bytes = 0
-        self._wbuf.clear()
-        self._mbuf.clear()
-        self._mbuf_count = 0
+        self._tx.clear()
         self._teardown()
 
     async def __aenter__(self) -> Self:

@@ -1,0 +1,326 @@
+"""SendEngine: the send side of one connection - queue, coalescing, send slots, work requests, posting.
+
+No loop and no waiting here: the endpoint decides *when* to stage and post (once per loop iteration, or at
+once for the first small send of an idle endpoint) and who waits; the engine does *what*: it turns messages
+and stream bytes into frames, copies them into registered send slots as far as credits
+(:class:`~rdmaio.protocol.Session`) and free slots allow, fills the work requests and posts them in one
+chained call. It talks to the queue pair through :class:`SendQueue` (``send_array`` + ``post_sends``), so
+the unit tests drive it with a fake one.
+
+Work requests: ``wr_id`` is the send slot's index. A send slot is reused only after its completion; with
+selective signalling one signalled completion releases every slot posted before it (an RC queue
+completes in order).
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+from typing import Any, Protocol
+
+from rdmaio import verbs
+from rdmaio.protocol import Session
+
+__all__ = ["SendEngine", "SendQueue"]
+
+_WR_SEND_WITH_IMM = verbs.WR_SEND_WITH_IMM
+_SEND_SIGNALED = verbs.SEND_SIGNALED
+_SEND_INLINE = verbs.SEND_INLINE
+_RECORD_HEADER = struct.Struct("<I")  # DATA_BATCH record: u32 little-endian length, then the message
+
+Payload = bytes | bytearray | memoryview
+
+
+class SendQueue(Protocol):
+    """What the engine needs of a queue pair."""
+
+    @property
+    def send_array(self) -> Any:
+        """``struct rdmaio_send[]`` scratch entries (``wr_id``, ``addr``, ``length``, ``lkey``, ...)."""
+
+    def post_sends(self, count: int) -> None:
+        """Post the first ``count`` entries of :attr:`send_array` as one chain."""
+
+
+class SendEngine:
+    """Frames waiting for credits and slots, the stream/message coalescing buffers, and the send slots.
+
+    ``ring`` is the registered send buffer (``depth`` slots of ``slot_size`` bytes) at address ``addr``
+    with local key ``lkey``. ``stats`` is the endpoint's counter (``messages_sent``, ``bytes_sent``,
+    ``credit_frames``, ``frames_posted``, ``post_calls``).
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        qp: SendQueue,
+        ring: memoryview,
+        addr: int,
+        lkey: int,
+        slot_size: int,
+        depth: int,
+        *,
+        max_inline: int,
+        signal_interval: int,
+        batch_limit: int,
+        stats: collections.Counter[str],
+    ) -> None:
+        self.session = session
+        self._qp = qp
+        self._sends = qp.send_array
+        self._ring = ring
+        self._addr = addr
+        self._lkey = lkey
+        self._slot_size = slot_size
+        self._max_inline = max_inline
+        self._signal_interval = signal_interval
+        self._stats = stats
+        self.max_fragment = min(session.max_fragment, slot_size)
+        # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
+        # at the peer's maximum message size too (a peer may announce one below its slot size).
+        self.stream_fragment = min(self.max_fragment, session.peer.max_message_size)
+        # send() batches messages up to this size (-1: the peer cannot unpack batches)
+        self.batch_limit = (
+            min(batch_limit, self.max_fragment - _RECORD_HEADER.size) if session.batching else -1
+        )
+        # Frames to post, in order: (data, kind) with kind True/1 = DATA_END, False/0 = DATA_MORE and
+        # -n = a DATA_BATCH payload of n messages. Data may reference a caller's buffer until own_queued().
+        self.txq: collections.deque[tuple[Payload, int]] = collections.deque()
+        self.txq_bytes = 0
+        self.queued_frames = 0  # frames ever queued
+        self.posted_frames = 0  # frames ever staged (copied to a slot)
+        self.wbuf = bytearray()  # stream writes being coalesced
+        self.mbuf = bytearray()  # small messages being batched ([u32 length][bytes] records)
+        self.mbuf_count = 0
+        self.free_slots = list(range(depth))
+        self._inflight: collections.deque[int] = collections.deque()
+        self._unsignaled = 0
+        self.staged = 0  # entries of the send array filled but not yet posted
+        self._eof_slot: int | None = None  # send slot of the EOF frame, once staged
+        self.eof_done = False  # the EOF frame completed
+
+    # --- state ----------------------------------------------------------------------------------
+
+    @property
+    def buffered(self) -> int:
+        """Bytes accepted and not yet copied into a send slot (what ``drain()`` waits on)."""
+        return self.txq_bytes + len(self.wbuf) + len(self.mbuf)
+
+    def clear(self) -> None:
+        """Drop everything not yet staged (abort)."""
+        self.txq.clear()
+        self.txq_bytes = 0
+        self.wbuf.clear()
+        self.mbuf.clear()
+        self.mbuf_count = 0
+
+    # --- queueing -------------------------------------------------------------------------------
+
+    def queue_message(self, view: memoryview) -> int:
+        """Queue one message (fragmented); return how many frames were added. The data is referenced until
+        :meth:`own_queued` copies it."""
+        size = view.nbytes
+        step = self.max_fragment
+        txq = self.txq
+        if size <= step:
+            txq.append((view, True))
+            added = 1
+        else:
+            added = 0
+            for start in range(0, size, step):
+                end = start + step
+                txq.append((view[start:end], end >= size))
+                added += 1
+        self.queued_frames += added
+        self.txq_bytes += size
+        return added
+
+    def queue_stream(self, data: Payload) -> tuple[int, bool]:
+        """Add stream bytes: whole frames go straight to the queue (copied into slots by :meth:`stage`, no
+        staging copy), the rest is coalesced. Return ``(frames queued by reference, coalescing)``: the
+        caller stages, then calls :meth:`own_queued` for those frames; ``coalescing`` means bytes wait in
+        the coalescing buffer for a later :meth:`flush_buffers`."""
+        if self.mbuf_count:
+            self.flush_mbuf()  # batched messages come first
+        step = self.stream_fragment
+        added = 0
+        if not self.wbuf and len(data) >= step:
+            view = memoryview(data).cast("B")
+            whole = len(view) - len(view) % step
+            for start in range(0, whole, step):
+                self.txq.append((view[start : start + step], True))
+            added = whole // step
+            self.queued_frames += added
+            self.txq_bytes += whole
+            data = view[whole:]
+            if not data:
+                return added, False
+        self.wbuf += data
+        if len(self.wbuf) >= step:
+            self.flush_wbuf()
+            return added, False
+        return added, True
+
+    def queue_small(self, view: memoryview, size: int) -> None:
+        """Append a small message to the batch being built (flushing the batch first if it is full)."""
+        if self.wbuf:
+            self.flush_wbuf()
+        if len(self.mbuf) + _RECORD_HEADER.size + size > self.max_fragment:
+            self.flush_mbuf()
+        self.mbuf += _RECORD_HEADER.pack(size)
+        self.mbuf += view
+        self.mbuf_count += 1
+
+    def own_queued(self, count: int) -> None:
+        """Copy the last ``count`` queued frames so no caller buffer is referenced after we return."""
+        txq = self.txq
+        for i in range(len(txq) - min(count, len(txq)), len(txq)):
+            data, last = txq[i]
+            if isinstance(data, memoryview):
+                txq[i] = (bytes(data), last)
+
+    def flush_wbuf(self) -> None:
+        """Queue the coalesced stream bytes as frames."""
+        wbuf = self.wbuf
+        if wbuf:
+            data = bytes(wbuf)
+            wbuf.clear()
+            step = self.stream_fragment
+            for start in range(0, len(data), step):
+                self.txq.append((data[start : start + step], True))
+                self.queued_frames += 1
+            self.txq_bytes += len(data)
+
+    def flush_mbuf(self) -> None:
+        """Queue the batched messages as one frame (a lone message goes as a plain DATA_END frame)."""
+        count = self.mbuf_count
+        if not count:
+            return
+        if count == 1:
+            data: bytes | bytearray = bytes(memoryview(self.mbuf)[_RECORD_HEADER.size :])
+            self.txq.append((data, True))
+        else:
+            data = self.mbuf
+            self.txq.append((data, -count))
+        self.mbuf = bytearray()
+        self.mbuf_count = 0
+        self.queued_frames += 1
+        self.txq_bytes += len(data)
+
+    def flush_buffers(self) -> None:
+        """Queue whatever is coalescing. At most one of the two buffers holds data: appending to one
+        flushes the other first, which keeps the order."""
+        self.flush_wbuf()
+        self.flush_mbuf()
+
+    # --- staging and posting --------------------------------------------------------------------
+
+    def stage(self) -> bool:
+        """Copy queued frames (and a due EOF or CREDIT frame) into send slots and fill their work requests
+        as far as credits and free slots allow; True if anything was staged (then :meth:`post` it)."""
+        session = self.session
+        txq = self.txq
+        free = self.free_slots
+        sends = self._sends
+        slot_size = self._slot_size
+        ring = self._ring
+        inflight = self._inflight
+        first = count = self.staged
+        nbytes = 0
+        messages = 0
+        while txq and free and session.can_send_data():
+            data, kind = txq[0]
+            length = len(data)
+            # The frame is accounted for first: if that raises, no slot or queued data is lost.
+            if kind >= 0:
+                imm = session.take_data_frame(bool(kind), length)
+                messages += kind
+            else:
+                imm = session.take_batch_frame(length, -kind)
+                messages -= kind
+            txq.popleft()
+            self.txq_bytes -= length
+            slot = free.pop()
+            off = slot * slot_size
+            if length:
+                ring[off : off + length] = data
+            self._fill(sends[count], slot, off, length, imm)
+            inflight.append(slot)
+            count += 1
+            nbytes += length
+        self._stats["messages_sent"] += messages
+        self.posted_frames += count - first
+        count = self._stage_control(count)
+        if count > first:
+            self.staged = count
+            self._stats["bytes_sent"] += nbytes
+            return True
+        return False
+
+    def _stage_control(self, count: int) -> int:
+        """Stage the EOF frame once all data is out, or a CREDIT frame when one is due."""
+        session = self.session
+        free = self.free_slots
+        if not free:
+            return count
+        wr = self._sends[count]
+        if (
+            not self.txq
+            and not self.wbuf
+            and not self.mbuf
+            and session.eof_pending()
+            and session.can_send_eof()
+        ):
+            slot = free.pop()
+            self._fill(wr, slot, slot * self._slot_size, 0, session.take_eof_frame())
+            wr.send_flags = _SEND_SIGNALED
+            self._unsignaled = 0
+            self._eof_slot = slot
+        elif session.credit_frame_due():
+            slot = free.pop()
+            self._fill(wr, slot, slot * self._slot_size, 0, session.take_credit_frame())
+            self._stats["credit_frames"] += 1
+        else:
+            return count
+        self._inflight.append(slot)
+        return count + 1
+
+    def post(self) -> None:
+        """Post every staged work request with one chained ``ibv_post_send``."""
+        count = self.staged
+        if not count:
+            return
+        self.staged = 0
+        # Whatever runs short of send slots must get a completion to release them.
+        if len(self.free_slots) < self._signal_interval:
+            self._sends[count - 1].send_flags |= _SEND_SIGNALED
+            self._unsignaled = 0
+        self._qp.post_sends(count)
+        self._stats["frames_posted"] += count
+        self._stats["post_calls"] += 1
+
+    def _fill(self, wr: Any, slot: int, off: int, length: int, imm: int) -> None:
+        wr.wr_id = slot
+        wr.addr = self._addr + off
+        wr.length = length
+        wr.lkey = self._lkey
+        wr.imm_data = imm
+        wr.opcode = _WR_SEND_WITH_IMM
+        flags = _SEND_INLINE if length <= self._max_inline and length else 0
+        self._unsignaled += 1
+        if self._unsignaled >= self._signal_interval:
+            flags |= _SEND_SIGNALED
+            self._unsignaled = 0
+        wr.send_flags = flags
+
+    def on_send_completion(self, slot: int) -> None:
+        """A signalled send completed: RC completes in order, so every slot posted before it is free."""
+        inflight = self._inflight
+        free = self.free_slots
+        while inflight:
+            done = inflight.popleft()
+            free.append(done)
+            if done == slot:
+                break
+        if slot == self._eof_slot:
+            self.eof_done = True

@@ -1,0 +1,184 @@
+"""Unit tests of rdmaio.txengine.SendEngine against a fake queue pair and a peer Session (no device)."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+from typing import Any
+
+from rdmaio import verbs
+from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
+from rdmaio.txengine import SendEngine
+
+SLOT = 64
+
+
+class FakeQP:
+    """Records every posted chain as (wr_id, bytes in the ring, imm, flags) tuples."""
+
+    def __init__(self, depth: int, ring: bytearray) -> None:
+        self.send_array = [SimpleNamespace() for _ in range(depth)]
+        self.ring = ring
+        self.posts: list[list[tuple[int, bytes, int, int]]] = []
+
+    def post_sends(self, count: int) -> None:
+        chain = []
+        for wr in self.send_array[:count]:
+            off = wr.addr - 0x1000
+            chain.append((wr.wr_id, bytes(self.ring[off : off + wr.length]), wr.imm_data, wr.send_flags))
+        self.posts.append(chain)
+
+
+def make(
+    depth: int = 8,
+    peer_depth: int = 8,
+    peer_max: int = 1 << 20,
+    batch_limit: int = 0,
+    signal_interval: int = 4,
+) -> tuple[SendEngine, FakeQP, Session]:
+    features = FEATURE_BATCH if batch_limit else 0
+    local = Handshake(8, SLOT, 1 << 20, features=features)
+    peer = Handshake(peer_depth, SLOT, peer_max, features=features)
+    ring = bytearray(SLOT * depth)
+    qp = FakeQP(depth, ring)
+    engine = SendEngine(
+        Session(local, peer),
+        qp,
+        memoryview(ring),
+        0x1000,
+        7,
+        SLOT,
+        depth,
+        max_inline=16,
+        signal_interval=signal_interval,
+        batch_limit=batch_limit,
+        stats=collections.Counter(),
+    )
+    return engine, qp, Session(peer, local)
+
+
+def deliver(peer: Session, chain: list[tuple[int, bytes, int, int]]) -> list[bytes]:
+    """What the peer's session makes of a posted chain: the messages completed (fragments joined)."""
+    messages: list[bytes] = []
+    parts: list[bytes] = []
+    for _slot, data, imm, _flags in chain:
+        kind = peer.on_frame(imm, len(data))
+        if kind is FrameKind.DATA_MORE:
+            parts.append(data)
+        elif kind is FrameKind.DATA_END:
+            messages.append(b"".join([*parts, data]))
+            parts.clear()
+        elif kind is FrameKind.DATA_BATCH:
+            messages += peer.on_batch(data)
+    return messages
+
+
+def test_a_message_is_fragmented_copied_and_posted_in_one_chain() -> None:
+    engine, qp, peer = make()
+    message = bytes(range(150))
+    assert engine.queue_message(memoryview(message)) == 3
+    assert engine.stage() and engine.staged == 3
+    engine.post()
+    assert len(qp.posts) == 1 and deliver(peer, qp.posts[0]) == [message]
+    assert engine.buffered == 0 and engine.posted_frames == 3
+
+
+def test_credits_limit_staging_and_keep_one_in_reserve() -> None:
+    engine, qp, peer = make(peer_depth=4)
+    for i in range(5):
+        engine.queue_message(memoryview(bytes([i]) * 10))
+    engine.stage()
+    engine.post()
+    assert len(qp.posts[0]) == 3 and len(engine.txq) == 2  # 4 credits, one kept for control frames
+    got = deliver(peer, qp.posts[0])
+    peer.on_recv_reposted(3)
+    # The peer grants its 3 reposted slots back on its next frame (a CREDIT frame here).
+    engine.session.on_frame(peer.take_credit_frame(), 0)
+    engine.stage()
+    engine.post()
+    assert deliver(peer, qp.posts[1]) == [bytes([3]) * 10, bytes([4]) * 10]
+    assert got == [bytes([i]) * 10 for i in range(3)]
+
+
+def test_send_slots_are_reused_only_after_their_completion() -> None:
+    engine, qp, _peer = make(depth=2, signal_interval=1)
+    for i in range(4):
+        engine.queue_message(memoryview(bytes([i])))
+    engine.stage()
+    engine.post()
+    assert len(qp.posts[0]) == 2 and not engine.free_slots
+    assert engine.stage() is False  # no free slot
+    first_slot = qp.posts[0][0][0]
+    engine.on_send_completion(first_slot)
+    assert engine.free_slots == [first_slot]
+    engine.stage()
+    engine.post()
+    assert qp.posts[1][0][0] == first_slot
+
+
+def test_selective_signalling_and_a_signal_when_short_of_slots() -> None:
+    engine, qp, _peer = make(depth=8, signal_interval=4)
+    for i in range(5):
+        engine.queue_message(memoryview(bytes([i])))
+    engine.stage()
+    engine.post()
+    signalled = [bool(flags & verbs.SEND_SIGNALED) for *_rest, flags in qp.posts[0]]
+    assert signalled[3]  # every 4th request
+    assert signalled[4]  # fewer free slots than the interval: the last one asks for a completion too
+
+
+def test_stream_frames_respect_the_peers_max_message_size() -> None:
+    # The peer accepts at most 20-byte messages although its slots hold 64: stream frames are cut at 20.
+    engine, qp, peer = make(peer_max=20)
+    added, coalescing = engine.queue_stream(bytes(range(50)))
+    assert (added, coalescing) == (2, True)
+    engine.flush_buffers()
+    engine.stage()
+    engine.post()
+    frames = deliver(peer, qp.posts[0])
+    assert [len(f) for f in frames] == [20, 20, 10] and b"".join(frames) == bytes(range(50))
+
+
+def test_small_messages_share_one_batch_frame() -> None:
+    engine, qp, peer = make(batch_limit=32)
+    messages = [b"a", b"", b"bcd", b"e" * 20]
+    for m in messages:
+        engine.queue_small(memoryview(m), len(m))
+    engine.flush_buffers()
+    engine.stage()
+    engine.post()
+    assert len(qp.posts[0]) == 1 and deliver(peer, qp.posts[0]) == messages
+
+
+def test_eof_follows_the_data_and_completes() -> None:
+    engine, qp, peer = make()
+    engine.queue_message(memoryview(b"last"))
+    engine.session.write_eof()
+    engine.stage()
+    engine.post()
+    chain = qp.posts[0]
+    assert len(chain) == 2 and chain[1][1] == b"" and chain[1][3] & verbs.SEND_SIGNALED
+    deliver(peer, chain)
+    assert peer.peer_eof and not engine.eof_done
+    engine.on_send_completion(chain[1][0])
+    assert engine.eof_done
+
+
+def test_queued_frames_stop_referencing_the_callers_buffer() -> None:
+    engine, _qp, _peer = make(depth=1, signal_interval=1)
+    engine.queue_message(memoryview(b"x"))
+    engine.stage()  # takes the only slot
+    caller: Any = bytearray(b"hello")
+    added = engine.queue_message(memoryview(caller))
+    engine.own_queued(added)
+    caller[:] = b"HELLO"
+    assert bytes(engine.txq[0][0]) == b"hello"
+
+
+def test_clear_drops_everything_not_staged() -> None:
+    engine, _qp, _peer = make(depth=1)
+    engine.queue_message(memoryview(b"x" * 10))
+    engine.queue_stream(b"y" * 5)
+    engine.stage()
+    engine.clear()
+    assert engine.buffered == 0 and not engine.txq
