@@ -76,6 +76,8 @@ class MessageEndpoint(Protocol):
 
 def _as_bytes_view(frame: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(frame)
+    if view.nbytes == 0:  # an empty N-d view (a zero in its shape) cannot be cast
+        return memoryview(b"")
     if view.ndim != 1 or view.itemsize != 1 or not view.c_contiguous:
         view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
     return view

@@ -179,8 +179,10 @@ def test_large_frames_are_chunked_and_reassembled_exactly() -> None:
 
 def test_non_byte_and_multidimensional_buffers() -> None:
     array = np.arange(60_000, dtype="f8").reshape(300, 200)
-    frames: list[bytes | memoryview] = [memoryview(array), memoryview(array.T.copy())[::2]]
+    empty = np.empty((0, 3))
+    frames: list[bytes | memoryview] = [memoryview(array), memoryview(array.T.copy())[::2], memoryview(empty)]
     got, _ = _roundtrip(frames, 1 << 16)
+    assert got[2] == b""
     assert got[0] == array.tobytes()
     assert got[1] == memoryview(array.T.copy())[::2].tobytes()
 
