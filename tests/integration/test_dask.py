@@ -7,7 +7,8 @@ asyncio and uvloop (``arun``).
 
 The cluster tests run ``LocalCluster(protocol="rdma", processes=True)`` with every process on uvloop (one
 cluster, shared by the tests that use it) and a scheduler and two workers started as separate ``dask``
-CLI processes, the scheduler and one worker on asyncio and the other worker on uvloop. distributed picks its event loop from the config ``distributed.admin.event-loop``, which its
+CLI processes, the scheduler and one worker on asyncio and the other worker on uvloop. distributed picks
+its event loop from the config ``distributed.admin.event-loop``, which its
 worker processes inherit from the nanny and the CLI reads from ``DASK_DISTRIBUTED__ADMIN__EVENT_LOOP``.
 Importing distributed, numpy and pandas is slow in the test host's VM, so the data are small and the
 processes few.
@@ -25,14 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Client, LocalCluster, get_worker
+from dask_tasks import loop_module, square_unless_victim
+from distributed import Client, LocalCluster
 from distributed.comm import connect, listen
 from distributed.comm.core import Comm, CommClosedError
 from distributed.protocol import to_serialize
@@ -219,22 +220,6 @@ def test_wildcard_and_loopback_listeners_advertise_the_rdma_address(
 
 # --- clusters ---------------------------------------------------------------------------------------
 
-# The functions below run in the workers, which cannot import this test module: ship them by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-async def loop_module() -> str:
-    """Which event loop implementation runs this process's distributed loop."""
-    return type(asyncio.get_running_loop()).__module__.split(".")[0]
-
-
-def square_unless_victim(x: int, marker_dir: str) -> int:
-    """On the worker named ``victim``: say so with a file, then hang until killed. Elsewhere: x * x."""
-    if get_worker().name == "victim":
-        (Path(marker_dir) / f"started-{x}").touch()
-        time.sleep(3600)
-    return x * x
-
 
 @pytest.fixture(scope="module")
 def local_cluster() -> Iterator[tuple[str, Client]]:
@@ -300,7 +285,8 @@ def test_local_cluster_dataframe_shuffle(local_cluster: tuple[str, Client]) -> N
 
 
 def _start(args: list[str], loop_kind: str, log: Any) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__EVENT_LOOP": loop_kind}
+    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__EVENT_LOOP": loop_kind, "PYTHONPATH": path}
     return subprocess.Popen([sys.executable, "-m", "dask", *args], env=env, stdout=log, stderr=log)
 
 
@@ -339,7 +325,9 @@ def test_cli_cluster_detects_a_killed_worker(tmp_path: Path) -> None:
                 square_unless_victim, range(8), marker_dir=str(tmp_path), workers=[victim],
                 allow_other_workers=True, pure=False,
             )  # fmt: skip
-            _wait_for(lambda: any(tmp_path.glob("started-*")), 300, "a task running on the victim")
+            started = lambda: any(tmp_path.glob("started-*")) or any(f.status == "error" for f in futures)  # noqa: E731
+            _wait_for(started, 300, "a task running on the victim")
+            assert not [f.exception() for f in futures if f.status == "error"]
             os.kill(victim_pid, signal.SIGKILL)
             assert client.gather(futures) == [i * i for i in range(8)]
             _wait_for(lambda: victim not in client.scheduler_info()["workers"], 120, "the victim's removal")
