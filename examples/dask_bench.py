@@ -20,6 +20,7 @@ each measurement, never the absolute numbers.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -93,7 +94,7 @@ def run_protocol(protocol: str, args: argparse.Namespace) -> dict[str, float]:
     with (
         LocalCluster(
             protocol=protocol, host=args.host, n_workers=2, threads_per_worker=1, processes=True,
-            dashboard_address=None,
+            dashboard_address=None, silence_logs=logging.ERROR,
         ) as cluster,
         Client(cluster) as client,
     ):  # fmt: skip
