@@ -1,0 +1,16 @@
+"""``rdma://``: a comm backend for Dask ``distributed`` over rdmaio (install ``rdmaio[dask]``).
+
+The backend is registered through the entry point group ``distributed.comm.backends`` under the name
+``rdma``, so ``distributed`` finds it without any import by the user::
+
+    LocalCluster(protocol="rdma")            # or: dask scheduler --protocol rdma
+    Client("rdma://198.18.0.1:8786")         #     dask worker rdma://198.18.0.1:8786
+
+See docs/dask.md for configuration (``distributed.comm.rdma.*``) and limits.
+"""
+
+from __future__ import annotations
+
+from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAConnector, RDMAListener
+
+__all__ = ["RDMABackend", "RDMAComm", "RDMAConnector", "RDMAListener"]

@@ -1,0 +1,94 @@
+"""Addresses of the ``rdma://`` scheme: which local IP address an RDMA listener should use.
+
+rdma_cm cannot use the loopback interface, yet ``distributed`` defaults to ``127.0.0.1`` (``LocalCluster``)
+and to wildcard addresses (``dask scheduler``). So on this scheme a loopback host means "this machine's
+RDMA address", and a wildcard listener advertises that address. It is the dask config value
+``distributed.comm.rdma.host`` when set (``DASK_DISTRIBUTED__COMM__RDMA__HOST``), else the first IPv4
+address of an RDMA device port, read from the port's GID table in sysfs (RoCE GIDs embed the interface's
+IPv4 addresses as ``::ffff:a.b.c.d``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import dask.config
+
+__all__ = ["is_loopback", "is_wildcard", "rdma_host", "sysfs_ipv4_addresses"]
+
+SYSFS_INFINIBAND = Path("/sys/class/infiniband")
+
+
+def _natural(path: Path) -> tuple[int, str]:
+    return (int(path.name), path.name) if path.name.isdigit() else (-1, path.name)
+
+
+def sysfs_ipv4_addresses(root: Path | None = None) -> list[str]:
+    """IPv4 addresses of every RDMA device port, in device, port and GID index order, without repeats.
+
+    ``root`` defaults to :data:`SYSFS_INFINIBAND`.
+    """
+    found: list[str] = []
+    try:
+        devices = sorted((root or SYSFS_INFINIBAND).iterdir())
+    except OSError:
+        return found
+    for device in devices:
+        try:
+            ports = sorted((device / "ports").iterdir(), key=_natural)
+        except OSError:
+            continue
+        for port in ports:
+            try:
+                gids = sorted((port / "gids").iterdir(), key=_natural)
+            except OSError:
+                continue
+            for gid_file in gids:
+                address = _ipv4_of_gid(gid_file)
+                if address is not None and address not in found:
+                    found.append(address)
+    return found
+
+
+def _ipv4_of_gid(gid_file: Path) -> str | None:
+    try:
+        text = gid_file.read_text().strip()
+        mapped = ipaddress.IPv6Address(text).ipv4_mapped
+    except (OSError, ValueError):  # unreadable entries (EINVAL for empty slots on some kernels)
+        return None
+    if mapped is None or mapped.is_unspecified:
+        return None
+    return str(mapped)
+
+
+def rdma_host() -> str:
+    """The address this machine's RDMA listeners advertise (see the module docstring).
+
+    Raises ``OSError`` when no address is configured and no RDMA port has an IPv4 address.
+    """
+    configured = dask.config.get("distributed.comm.rdma.host", None)
+    if configured:
+        return str(configured)
+    addresses = sysfs_ipv4_addresses()
+    if not addresses:
+        raise OSError(
+            "no RDMA device port with an IPv4 address found in /sys/class/infiniband; pass an explicit "
+            "RDMA address (rdma://ADDRESS:PORT) or set the dask config distributed.comm.rdma.host"
+        )
+    return addresses[0]
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """True for an empty host, ``0.0.0.0`` and ``::`` (listen on every interface)."""
+    return host in ("", "0.0.0.0", "::")

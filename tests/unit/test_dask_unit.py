@@ -1,0 +1,399 @@
+"""Unit tests of rdmaio.dask without RDMA: framing, the comm and addressing over an in-memory endpoint.
+
+``FakeEndpoint`` mimics the message half of :class:`rdmaio.Endpoint` with its documented semantics:
+``send`` copies the data; ``recv`` returns the next message or ``None`` at EOF; ``recv_into`` copies what
+fits of the next message and keeps the rest for the next read call; ``close`` sends EOF; ``abort`` makes
+pending and later calls of both sides fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import struct
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import dask.config
+import numpy as np
+import pytest
+import uvloop
+from distributed.comm.core import CommClosedError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rdmaio
+from rdmaio.dask import addressing
+from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAListener
+from rdmaio.dask.framing import (
+    INLINE_FRAME_LIMIT,
+    FramingError,
+    decode_header,
+    encode_header,
+    read_frames,
+    write_frames,
+)
+
+T = TypeVar("T")
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def arun(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, T]], T]:
+    factory = asyncio.new_event_loop if request.param == "asyncio" else uvloop.new_event_loop
+
+    def run(coro: Coroutine[Any, Any, T]) -> T:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(asyncio.wait_for(coro, 30))
+
+    return run
+
+
+class FakeEndpoint:
+    """The message API of rdmaio.Endpoint, in memory (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.peer: FakeEndpoint | None = None
+        self.rx: collections.deque[bytes] = collections.deque()
+        self.offset = 0
+        self.eof = False
+        self.error: BaseException | None = None
+        self.closing = False
+        self.sent_sizes: list[int] = []
+        self.changed = asyncio.Event()
+
+    @classmethod
+    def pair(cls) -> tuple[FakeEndpoint, FakeEndpoint]:
+        a, b = cls(), cls()
+        a.peer, b.peer = b, a
+        return a, b
+
+    def _deliver(self, data: bytes) -> None:
+        self.rx.append(data)
+        self.changed.set()
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.closing:
+            raise rdmaio.EndpointClosedError("endpoint is closing")
+        await asyncio.sleep(0)
+        assert self.peer is not None
+        self.sent_sizes.append(memoryview(data).nbytes)
+        self.peer._deliver(bytes(data))
+
+    async def _wait(self) -> bool:
+        while not self.rx:
+            if self.error is not None:
+                raise self.error
+            if self.eof:
+                return False
+            self.changed.clear()
+            await self.changed.wait()
+        return True
+
+    async def recv(self) -> bytes | None:
+        if not await self._wait():
+            return None
+        data = self.rx.popleft()[self.offset :]
+        self.offset = 0
+        return data
+
+    async def recv_into(self, buffer: bytearray | memoryview) -> int:
+        if not await self._wait():
+            return 0
+        target = memoryview(buffer).cast("B")
+        data = self.rx[0]
+        n = min(len(data) - self.offset, target.nbytes)
+        target[:n] = data[self.offset : self.offset + n]
+        self.offset += n
+        if self.offset == len(data):
+            self.rx.popleft()
+            self.offset = 0
+        return n
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.closing = True
+        self.changed.set()
+
+    def close(self) -> None:
+        self.closing = True
+        if self.peer is not None:
+            self.peer.eof = True
+            self.peer.closing = True
+            self.peer.changed.set()
+        self._fail(rdmaio.EndpointClosedError("endpoint is closed"))
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        self._fail(rdmaio.ConnectionAbortedError("aborted"))
+        if self.peer is not None:
+            self.peer._fail(rdmaio.ConnectionResetError("peer aborted"))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def at_eof(self) -> bool:
+        return not self.rx and (self.eof or self.error is not None)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"device": "fake0", "qp_num": 7}.get(name, default)
+
+
+# --- framing -----------------------------------------------------------------------------------------
+
+
+def _roundtrip(frames: list[bytes | memoryview], chunk: int) -> tuple[list[bytes], list[int]]:
+    async def main() -> tuple[list[bytes], list[int]]:
+        a, b = FakeEndpoint.pair()
+        sent = await write_frames(a, frames, chunk)
+        assert sent == sum(a.sent_sizes)
+        got = await read_frames(b)
+        assert got is not None
+        assert not b.rx, "every message of the Dask message was consumed"
+        return [bytes(f) for f in got], a.sent_sizes
+
+    return asyncio.run(main())
+
+
+def test_small_frames_ride_in_one_message() -> None:
+    frames: list[bytes | memoryview] = [b"", b"header", b"x" * 1000]
+    got, sizes = _roundtrip(frames, 1 << 20)
+    assert got == [bytes(f) for f in frames]
+    assert len(sizes) == 1
+
+
+def test_large_frames_are_chunked_and_reassembled_exactly() -> None:
+    big = bytes(range(256)) * 5000  # 1.28 MB
+    frames: list[bytes | memoryview] = [b"meta", big, b"tail", memoryview(big)[7:300007]]
+    got, sizes = _roundtrip(frames, 100_000)
+    assert got == [bytes(f) for f in frames]
+    # header (with the two small frames inline), then 13 + 3 chunks
+    assert sizes[0] < INLINE_FRAME_LIMIT and len(sizes) == 1 + 13 + 3
+    assert max(sizes[1:]) == 100_000
+
+
+def test_non_byte_and_multidimensional_buffers() -> None:
+    array = np.arange(60_000, dtype="f8").reshape(300, 200)
+    empty = np.empty((0, 3))
+    frames: list[bytes | memoryview] = [memoryview(array), memoryview(array.T.copy())[::2], memoryview(empty)]
+    got, _ = _roundtrip(frames, 1 << 16)
+    assert got[2] == b""
+    assert got[0] == array.tobytes()
+    assert got[1] == memoryview(array.T.copy())[::2].tobytes()
+
+
+def test_inline_total_is_bounded() -> None:
+    frames: list[bytes | memoryview] = [bytes([i]) * 60_000 for i in range(10)]
+    header, separate = encode_header([memoryview(f) for f in frames])
+    assert len(header) < 300_000
+    assert len(separate) == 10 - 4  # 4 * 60 kB fit under the 256 KiB inline total
+
+
+def test_receiver_does_not_depend_on_the_senders_chunking() -> None:
+    async def main() -> None:
+        a, b = FakeEndpoint.pair()
+        big = np.random.default_rng(1).bytes(700_000)
+        header, _ = encode_header([memoryview(b"m"), memoryview(big)])
+        await a.send(header)
+        # a peer that cuts the frame into unequal messages, across frame boundaries of recv_into
+        for start, stop in ((0, 1), (1, 400_000), (400_000, 700_000)):
+            await a.send(big[start:stop])
+        got = await read_frames(b)
+        assert got is not None and bytes(got[1]) == big
+
+    asyncio.run(main())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.binary(max_size=3000) | st.integers(0, 300_000), max_size=8),
+    st.integers(997, 200_000),
+)
+def test_roundtrip_property(spec: list[bytes | int], chunk: int) -> None:
+    frames: list[bytes | memoryview] = [bytes([s % 251]) * s if isinstance(s, int) else s for s in spec]
+    got, _ = _roundtrip(frames, chunk)
+    assert got == [bytes(f) for f in frames]
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        (b"\x01\x00", "too short"),
+        (struct.pack("<B3xI", 2, 0), "version 2"),
+        (struct.pack("<B3xI", 1, 1 << 21), "over the limit"),
+        (struct.pack("<B3xI", 1, 2) + struct.pack("<Q", 5), "too short for 2 frames"),
+        (struct.pack("<B3xIQ", 1, 1, (1 << 63) | 10) + b"abc", "past the end"),
+        (struct.pack("<B3xIQ", 1, 1, 3) + b"abc", "stray bytes"),
+        (struct.pack("<B3xIQ", 1, 1, 1 << 50), "frame size"),
+    ],
+)
+def test_malformed_headers_are_rejected(message: bytes, match: str) -> None:
+    with pytest.raises(FramingError, match=match):
+        decode_header(message)
+
+
+def test_end_of_stream_before_and_inside_a_message() -> None:
+    async def main() -> None:
+        a, b = FakeEndpoint.pair()
+        header, _ = encode_header([memoryview(b"x" * 100_000)])
+        await a.send(header)
+        await a.send(b"x" * 1000)
+        a.close()
+        with pytest.raises(EOFError, match="1000 of 100000"):
+            await read_frames(b)
+        assert await read_frames(b) is None
+
+    asyncio.run(main())
+
+
+# --- the comm over the fake endpoint ----------------------------------------------------------------
+
+
+async def _comm_pair() -> tuple[RDMAComm, RDMAComm, FakeEndpoint, FakeEndpoint]:
+    a, b = FakeEndpoint.pair()
+    ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]
+    cb = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
+    return ca, cb, a, b
+
+
+def test_comm_roundtrip_with_serialisation(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    async def main() -> None:
+        ca, cb, _, _ = await _comm_pair()
+        array = np.arange(600_000, dtype="i8")
+        msg = {"op": "data", "x": array, "items": list(range(10))}
+        from distributed.protocol import to_serialize
+
+        written = await ca.write({**msg, "x": to_serialize(array)})
+        assert written > array.nbytes
+        got = await cb.read()
+        assert got["op"] == "data" and list(got["items"]) == list(range(10))
+        np.testing.assert_array_equal(got["x"], array)
+        assert got["x"].flags.writeable
+        assert ca.extra_info["device"] == "fake0"
+        assert repr(ca) == "<RDMAComm  local=rdma://10.0.0.1:1 remote=rdma://10.0.0.2:2>"
+
+    arun(main())
+
+
+def test_comm_close_and_abort_fail_reads(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    async def main() -> None:
+        ca, cb, _, _ = await _comm_pair()
+        pending = asyncio.ensure_future(cb.read())
+        await asyncio.sleep(0.01)
+        await ca.close()
+        with pytest.raises(CommClosedError, match="peer closed"):
+            await pending
+        assert ca.closed() and cb.closed()
+        with pytest.raises(CommClosedError):
+            await ca.write("x")
+        ca2, cb2, _, _ = await _comm_pair()
+        pending = asyncio.ensure_future(ca2.read())
+        await asyncio.sleep(0.01)
+        ca2.abort()
+        with pytest.raises(CommClosedError, match="ConnectionAbortedError"):
+            await pending
+        with pytest.raises(CommClosedError, match="ConnectionResetError"):
+            await cb2.read()
+
+    arun(main())
+
+
+def test_comm_cancelled_read_aborts(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    async def main() -> None:
+        ca, cb, a, _ = await _comm_pair()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ca.read(), 0.05)
+        assert ca.closed() and a.error is not None
+        with pytest.raises(CommClosedError, match="ConnectionResetError"):
+            await cb.read()
+
+
+def test_dropped_comm_aborts_its_endpoint(
+    arun: Callable[[Coroutine[Any, Any, None]], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        ca, cb, a, _ = await _comm_pair()
+        del ca
+        await asyncio.sleep(0)  # the finalizer schedules the abort on the loop
+        assert a.error is not None
+        assert "never closed" in caplog.text
+        with pytest.raises(CommClosedError, match="ConnectionResetError"):
+            await cb.read()
+
+    arun(main())
+
+
+def test_concurrent_writes_do_not_interleave(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    async def main() -> None:
+        ca, cb, _, _ = await _comm_pair()
+        from distributed.protocol import to_serialize
+
+        payloads = [bytes([i]) * 300_000 for i in range(4)]
+        await asyncio.gather(*(ca.write({"i": i, "b": to_serialize(p)}) for i, p in enumerate(payloads)))
+        for _ in payloads:
+            got = await cb.read()
+            assert bytes(got["b"]) == payloads[got["i"]]
+
+    arun(main())
+
+
+def test_encryption_required_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="not encrypted"):
+        RDMAListener("10.0.0.1:0", lambda comm: asyncio.sleep(0), require_encryption=True)  # type: ignore[arg-type,return-value]
+
+
+# --- addressing -------------------------------------------------------------------------------------
+
+
+def _fake_sysfs(root: Path, gids: dict[str, list[str]]) -> None:
+    for device, entries in gids.items():
+        gid_dir = root / device / "ports" / "1" / "gids"
+        gid_dir.mkdir(parents=True)
+        for index, gid in enumerate(entries):
+            (gid_dir / str(index)).write_text(gid + "\n")
+
+
+def test_sysfs_addresses_and_rdma_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    zero = "0000:0000:0000:0000:0000:0000:0000:0000"
+    _fake_sysfs(
+        tmp_path,
+        {
+            "rxe0": [
+                "fe80:0000:0000:0000:5054:00ff:fe12:3456",
+                "fe80:0000:0000:0000:5054:00ff:fe12:3456",
+                "0000:0000:0000:0000:0000:ffff:c612:0001",
+                "0000:0000:0000:0000:0000:ffff:c612:0001",
+                "0000:0000:0000:0000:0000:ffff:c612:0002",
+                zero,
+            ]
+            + [zero] * 6,  # index 10 and 11 sort after 2, not before
+            "rxe1": ["0000:0000:0000:0000:0000:ffff:0a00:0005"],
+        },
+    )
+    assert addressing.sysfs_ipv4_addresses(tmp_path) == ["198.18.0.1", "198.18.0.2", "10.0.0.5"]
+    assert addressing.sysfs_ipv4_addresses(tmp_path / "missing") == []
+    monkeypatch.setattr(addressing, "SYSFS_INFINIBAND", tmp_path)
+    with dask.config.set({"distributed.comm.rdma.host": None}):
+        assert addressing.rdma_host() == "198.18.0.1"
+    with dask.config.set({"distributed.comm.rdma.host": "10.0.0.5"}):
+        assert addressing.rdma_host() == "10.0.0.5"
+    monkeypatch.setattr(addressing, "SYSFS_INFINIBAND", tmp_path / "missing")
+    with pytest.raises(OSError, match=r"distributed\.comm\.rdma\.host"):
+        addressing.rdma_host()
+
+
+def test_backend_address_handling() -> None:
+    backend = RDMABackend()
+    assert backend.get_address_host("198.18.0.1:8786") == "198.18.0.1"
+    assert backend.get_address_host_port("198.18.0.1:8786") == ("198.18.0.1", 8786)
+    assert backend.resolve_address("localhost:80") == "127.0.0.1:80"
+    assert addressing.is_loopback("127.0.0.2") and addressing.is_loopback("::1")
+    assert not addressing.is_loopback("198.18.0.1")
+    assert addressing.is_wildcard("") and addressing.is_wildcard("0.0.0.0")
+    with dask.config.set({"distributed.comm.rdma.host": "198.18.0.1"}):
+        assert backend.get_local_address_for("127.0.0.1:8786") == "198.18.0.1"
