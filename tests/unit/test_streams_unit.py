@@ -29,17 +29,6 @@ from rdmaio.options import Options
 T = TypeVar("T")
 
 
-@pytest.fixture(params=["asyncio", "uvloop"])
-def arun(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, T]], T]:
-    factory = asyncio.new_event_loop if request.param == "asyncio" else uvloop.new_event_loop
-
-    def run(coro: Coroutine[Any, Any, T]) -> T:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(asyncio.wait_for(coro, 30))
-
-    return run
-
-
 class FakeEndpoint:
     """The stream half of rdmaio.Endpoint, in memory (see the module docstring)."""
 
