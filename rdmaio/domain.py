@@ -1,8 +1,10 @@
 """Domain: the resources one device shares among every connection of one event loop.
 
-Today a :class:`Domain` holds the protection domain (so that memory registered once can serve every
-connection on the device, which one-sided operations and zero-copy transfers need) and a
-:class:`RegistrationCache`. One exists per device per loop (``Reactor.domain(device)``); it is closed
+A :class:`Domain` holds the protection domain (so that memory registered once can serve every connection on
+the device, which one-sided operations and zero-copy transfers need), a :class:`RegistrationCache`, and the
+completion dispatcher (:mod:`rdmaio.completions`): one completion channel on the loop and a pool of shared
+CQs whose completions are dispatched to the connections by QP number and connection tag, so that one
+wake-up serves every connection. One exists per device per loop (``Reactor.domain(device)``); it is closed
 with the loop (at the end of the trio run, or when the asyncio loop is garbage-collected) or explicitly.
 
 The registration cache registers a user buffer once and hands out the same memory region to every
@@ -18,7 +20,15 @@ import collections
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rdmaio.verbs import DeviceContext, MemoryRegion, ProtectionDomain
+from rdmaio.completions import DEFAULT_BATCH, DEFAULT_CQ_CAPACITY, CompletionDispatcher
+from rdmaio.verbs import (
+    CompletionBatch,
+    CompletionChannel,
+    CompletionQueue,
+    DeviceContext,
+    MemoryRegion,
+    ProtectionDomain,
+)
 
 __all__ = [
     "ACCESS_REMOTE_READ",
@@ -173,13 +183,53 @@ def _buffer_address(buffer: Any) -> tuple[int, int]:
     return int(ffi.cast("uintptr_t", cbuf)), len(cbuf)
 
 
-class Domain:
-    """The protection domain of one device, shared by every connection of one loop, and its caches."""
+def _unwatched(fd: int, callback: Callable[[], None]) -> None:
+    raise RuntimeError("this Domain was created without an event loop: it has no completion dispatcher")
 
-    def __init__(self, device: DeviceContext, *, max_pinned: int = DEFAULT_MAX_PINNED) -> None:
+
+class Domain:
+    """The protection domain of one device, shared by every connection of one loop, its registration
+    cache and its completion dispatcher.
+
+    ``watch(fd, callback)`` and ``unwatch(fd)`` put the completion channel's fd on the loop and take it off
+    (``Reactor.watch``/``Reactor.unwatch``); ``cq_capacity`` is the size of a pooled CQ.
+    """
+
+    def __init__(
+        self,
+        device: DeviceContext,
+        *,
+        max_pinned: int = DEFAULT_MAX_PINNED,
+        watch: Callable[[int, Callable[[], None]], None] = _unwatched,
+        unwatch: Callable[[int], None] | None = None,
+        cq_capacity: int = DEFAULT_CQ_CAPACITY,
+    ) -> None:
         self.device = device
         self.pd = ProtectionDomain(device)
         self.registrations = RegistrationCache(self._register, _buffer_address, max_pinned)
+        self._watch = watch
+        self._unwatch = unwatch if unwatch is not None else (lambda fd: None)
+        self._cq_capacity = cq_capacity
+        self._completions: CompletionDispatcher | None = None
+
+    @property
+    def completions(self) -> CompletionDispatcher:
+        """The completion dispatcher: shared CQs on one completion channel (created on first use)."""
+        if self._completions is None:
+            if self.closed:
+                raise RuntimeError(f"{self!r} is closed")
+            device = self.device
+            self._completions = CompletionDispatcher(
+                create_channel=lambda: CompletionChannel(device),
+                # batch=1: a pooled CQ is polled through the dispatcher's batch, not its own records.
+                create_cq=lambda channel, cqe: CompletionQueue(device, channel, cqe, batch=1),  # type: ignore[arg-type]
+                watch=self._watch,
+                unwatch=self._unwatch,
+                batch=CompletionBatch(DEFAULT_BATCH),
+                max_cqe=device.query().max_cqe,
+                cq_capacity=self._cq_capacity,
+            )
+        return self._completions
 
     def _register(self, buffer: Any, access: int) -> MemoryRegion:
         # Local access unless asked: nothing is remotely accessible that was not exported on purpose.
@@ -190,17 +240,30 @@ class Domain:
             remote_write=bool(access & ACCESS_REMOTE_WRITE),
         )
 
+    def cq_failed(self, handle: int) -> None:
+        """The device reported an error on CQ ``handle``: no new connection is placed on it."""
+        if self._completions is not None:
+            self._completions.cq_failed(handle)
+
     @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
         return self.pd.closed
 
-    def close(self) -> None:
-        """Deregister the cache and deallocate the PD (closing whatever still depends on it, QPs first)."""
+    def close(self, *, unwatch: bool = True) -> None:
+        """Take the completion channel off the loop (``unwatch=False``: the loop is gone), deregister the
+        cache, deallocate the PD (closing whatever still depends on it, QPs first), then destroy the CQs
+        and the completion channel. Idempotent."""
         if self.pd.closed:
             return
-        self.registrations.close()
-        self.pd.close()
+        completions = self._completions
+        try:
+            self.registrations.close()
+            self.pd.close()
+        finally:
+            # After the PD: its QPs are destroyed before the CQs they use (a CQ closes any left anyway).
+            if completions is not None:
+                completions.close(unwatch=unwatch)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -2,8 +2,9 @@
 
 Data path. Every frame travels as one SEND-with-immediate from a registered send slot into a registered
 receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
-(:mod:`rdmaio.protocol`). One wake-up of the completion channel drains a whole batch through the C
-helper; receive completions are copied out of their slot (one copy) and the slot is re-posted at once,
+(:mod:`rdmaio.protocol`). Completions come from the domain's shared CQs (:mod:`rdmaio.completions`): one
+wake-up of its completion channel polls a whole batch through the C helper, grouped by connection, and
+this endpoint's handler gets its own group of it; receive completions are copied out of their slot (one copy) and the slot is re-posted at once,
 in one chained post per batch, unless the receive buffer (:mod:`rdmaio.rxbuffer`) holds it back for
 back-pressure: then the peer gets no credit for it, and the sender waits. A send never meets an empty
 receive queue. The send side's queue, coalescing, slots and posting are :mod:`rdmaio.txengine`'s; this
@@ -46,7 +47,7 @@ from rdmaio.reactor import Reactor
 from rdmaio.rxbuffer import ReceiveBuffer
 from rdmaio.transport import Transport
 from rdmaio.txengine import SendEngine
-from rdmaio.verbs import CMEvent, CMEventType, CMId, WcStatus
+from rdmaio.verbs import WR_INDEX_MASK, CMEvent, CMEventType, CMId, WcStatus
 
 __all__ = ["Endpoint"]
 
@@ -88,8 +89,7 @@ class Endpoint:
         self._max_inline = min(transport.max_inline, options.max_inline)
         self._recv_view = transport.recv_view
         self._recv_mr = transport.recv_mr
-        self._records = transport.cq.records
-        self._batch = transport.cq.batch
+        self._recv_wr_base = transport.recv_wr_base  # sharedcq: kind RECV + tag; slot in the low bits
         self._extra: dict[str, Any] = {
             "peername": cm_id.peer_address,
             "sockname": cm_id.local_address,
@@ -117,6 +117,7 @@ class Endpoint:
             signal_interval=options.signal_interval,
             batch_limit=options.batch_limit,
             stats=self._stats,
+            tag=transport.tag or 0,  # sharedcq: the connection tag of the send wr_ids
         )
         self._flush_handle: Handle | None = None
         self._post_handle: Handle | None = None
@@ -131,9 +132,10 @@ class Endpoint:
         reactor.set_handler(cm_id, self._on_cm_event)
         self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)
         reactor.watch_qp(*self._async_key, self._on_async_event)
-        transport.watch(self._on_completions)
-        # Completions may already be waiting (the peer can send as soon as it is established).
-        self._io.call_soon(self._on_completions)
+        # sharedcq: completions come from the domain's dispatcher (those kept since the QP was registered
+        # go first). Completions may already be waiting (the peer can send as soon as it is established).
+        transport.set_completion_handler(self._on_completions)
+        self._io.call_soon(self._poll_completions)
 
     # --- information -------------------------------------------------------------------------------
 
@@ -177,11 +179,17 @@ class Endpoint:
 
     # --- completion processing (reactor callback) ---------------------------------------------------
 
-    def _on_completions(self) -> None:
+    def _poll_completions(self) -> None:
+        """Poll the shared CQs now (sharedcq: replaces calling ``_on_completions`` directly)."""
+        if not self._torn_down:
+            self._transport.poll_completions()
+
+    def _on_completions(self, records: Any, start: int, count: int) -> None:
+        """The dispatcher's handler: ``records[start:start + count]`` are this connection's, in CQ order."""
         if self._torn_down:
             return
         try:
-            self._process_completions()
+            self._process_completions(records, start, count)
         except ProtocolError as exc:
             log.warning("rdmaio: protocol violation by %s: %s", self._extra["peername"], exc)
             self._fail(exc)
@@ -189,10 +197,8 @@ class Endpoint:
             log.exception("rdmaio: completion processing failed")
             self._fail(exc)
 
-    def _process_completions(self) -> None:
-        cq = self._transport.cq
+    def _process_completions(self, records: Any, start: int, count: int) -> None:
         session = self._session
-        records = self._records
         recv_view = self._recv_view
         slot_size = self._slot_size
         rxbuf = self._rxbuf
@@ -200,50 +206,46 @@ class Endpoint:
         got_data = False
         stats = self._stats
         stats["wakeups"] += 1
-        n = cq.drain()
-        while True:
-            stats["completions"] += n
-            for i in range(n):
-                wc = records[i]
-                if wc.status:
-                    self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
-                    if self._torn_down:
-                        return
-                    continue
-                if wc.opcode & _RECV_FLAG:
-                    slot = wc.wr_id
-                    length = wc.byte_len
-                    kind = session.on_frame(wc.imm_data, length)
-                    off = slot * slot_size
-                    if kind == _DATA_END:
-                        data = rxbuf.add_message(bytes(recv_view[off : off + length]))
-                        stats["messages_received"] += 1
-                        stats["bytes_received"] += len(data)
-                        got_data = True
-                    elif kind == _DATA_BATCH:
-                        messages = session.on_batch(recv_view[off : off + length])
-                        size = rxbuf.add_messages(messages)
-                        stats["messages_received"] += len(messages)
-                        stats["bytes_received"] += size
-                        got_data = True
-                    elif kind == _DATA_MORE:
-                        rxbuf.add_fragment(bytes(recv_view[off : off + length]))
-                    else:
-                        # CREDIT and EOF carry no payload and never hold their slot: holding it would
-                        # withhold the credit the peer needs to keep granting ours (two-way liveness).
-                        if kind == _EOF:
-                            got_data = True
-                        repost.append(slot)
-                        continue
-                    if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
-                        repost.append(slot)
+        # sharedcq: the dispatcher calls once per group and re-polls while batches come back full.
+        stats["completions"] += count
+        for i in range(start, start + count):
+            wc = records[i]
+            if wc.status:
+                self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
+                if self._torn_down:
+                    return
+                continue
+            if wc.opcode & _RECV_FLAG:
+                slot = wc.wr_id & WR_INDEX_MASK
+                length = wc.byte_len
+                kind = session.on_frame(wc.imm_data, length)
+                off = slot * slot_size
+                if kind == _DATA_END:
+                    data = rxbuf.add_message(bytes(recv_view[off : off + length]))
+                    stats["messages_received"] += 1
+                    stats["bytes_received"] += len(data)
+                    got_data = True
+                elif kind == _DATA_BATCH:
+                    messages = session.on_batch(recv_view[off : off + length])
+                    size = rxbuf.add_messages(messages)
+                    stats["messages_received"] += len(messages)
+                    stats["bytes_received"] += size
+                    got_data = True
+                elif kind == _DATA_MORE:
+                    rxbuf.add_fragment(bytes(recv_view[off : off + length]))
                 else:
-                    self._tx.on_send_completion(int(wc.wr_id))
-            if n < self._batch:
-                break
-            n = cq.drain()
+                    # CREDIT and EOF carry no payload and never hold their slot: holding it would
+                    # withhold the credit the peer needs to keep granting ours (two-way liveness).
+                    if kind == _EOF:
+                        got_data = True
+                    repost.append(slot)
+                    continue
+                if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
+                    repost.append(slot)
+            else:
+                self._tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
         if repost:
-            self._qp.post_recv_slots(self._recv_mr, slot_size, repost)
+            self._qp.post_recv_slots(self._recv_mr, slot_size, repost, self._recv_wr_base)
             session.on_recv_reposted(len(repost))
         self._pump_and_post()
         if got_data:
@@ -489,7 +491,7 @@ class Endpoint:
     def _repost_released(self) -> None:
         slots = self._rxbuf.releasable()
         if slots and not self._torn_down:
-            self._qp.post_recv_slots(self._recv_mr, self._slot_size, slots)
+            self._qp.post_recv_slots(self._recv_mr, self._slot_size, slots, self._recv_wr_base)
             self._session.on_recv_reposted(len(slots))
             self._pump()
 
@@ -769,7 +771,7 @@ class Endpoint:
             # Completions that raced the disconnect (the peer's last frames, its EOF) come first; the
             # flag makes the flush completions that follow a disconnect count as cancellations.
             self._disconnected = True
-            self._on_completions()
+            self._poll_completions()
             self._session.on_disconnected()
             self._teardown()
         elif event.event == CMEventType.DEVICE_REMOVAL:

@@ -82,7 +82,7 @@ class Reactor:
         """The :class:`~rdmaio.domain.Domain` of ``device`` on this loop (created on first use)."""
         domain = self._domains.get(device.handle)
         if domain is None or domain.closed:
-            domain = self._domains[device.handle] = Domain(device)
+            domain = self._domains[device.handle] = Domain(device, watch=self.watch, unwatch=self.unwatch)
         return domain
 
     def _close_at_loop_end(self, loop_alive: bool) -> None:
@@ -91,7 +91,7 @@ class Reactor:
         domains, self._domains = self._domains, {}
         for domain in domains.values():
             try:
-                domain.close()
+                domain.close(unwatch=loop_alive)
             except Exception:
                 log.exception("rdmaio: closing %r failed", domain)
         channel, self._channel = self._channel, None
@@ -214,7 +214,11 @@ class Reactor:
         if etype in _FATAL_QP_EVENTS:
             handlers = [self._qp_handlers.get((device.handle, event.element))]
         elif etype == verbs.EVENT_CQ_ERR:
+            # A shared CQ: every connection on it fails, and its domain reserves nothing more on it.
             handlers = list(self._cq_handlers.get(event.obj, {}).values())
+            domain = self._domains.get(device.handle)
+            if domain is not None:
+                domain.cq_failed(event.obj)
         elif etype == verbs.EVENT_DEVICE_FATAL:
             handlers = [h for (dev, _qp), h in self._qp_handlers.items() if dev == device.handle]
         else:

@@ -1,30 +1,37 @@
 """The verbs resources of one connection and their teardown order.
 
-A :class:`Transport` owns, for one connected cm id: a protection domain, one registered buffer of receive
-slots and one of send slots, a completion channel with one CQ shared by sends and receives (sized for
-both queues, so it cannot overflow), and the RC queue pair. It knows nothing about framing or credits.
+A :class:`Transport` owns, for one connected cm id: one registered buffer of receive slots and one of send
+slots, the RC queue pair, and a reservation of CQ entries (send depth + receive depth + a margin, so the CQ
+cannot overflow) on one of its domain's shared CQs (:mod:`rdmaio.completions`). The protection domain and
+the CQs are the domain's. The transport registers its QP with the domain's completion dispatcher, which
+gives it the connection tag of its wr_ids, and unregisters before the QP is destroyed. It knows nothing
+about framing or credits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from rdmaio.completions import CompletionHandler, CQReservation
 from rdmaio.options import Options
 from rdmaio.reactor import Reactor
 from rdmaio.verbs import (
+    WR_KIND_RECV,
     CMId,
-    CompletionChannel,
     CompletionQueue,
     DeviceContext,
     MemoryRegion,
     QueuePair,
+    make_wr_id,
 )
 
 __all__ = ["Transport"]
 
 
+CQ_MARGIN = 8
+"""CQ entries reserved beyond the send and receive depths: control and one-sided work requests."""
+
+
 class Transport:
-    """PD, slot buffers and MRs, completion channel, CQ and QP of one connection."""
+    """Slot buffers and MRs, shared-CQ reservation and QP of one connection (the PD is the domain's)."""
 
     def __init__(self, reactor: Reactor, cm_id: CMId, options: Options) -> None:
         device = cm_id.device()
@@ -36,10 +43,12 @@ class Transport:
         self.slot_size = options.slot_size
         self.recv_depth = options.recv_depth
         self.send_depth = options.send_depth
-        self._watched_fd: int | None = None
         self.domain = reactor.domain(device)
         self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
-        comp: CompletionChannel | None = None
+        # --- shared CQ (sharedcq): the CQ is the domain's; this connection reserves its entries on it.
+        self.completions = self.domain.completions
+        self.tag: int | None = None  # connection tag (wr_id bits 32..55), set once the QP is registered
+        self.cq_reservation: CQReservation | None = None
         try:
             self.recv_buf = bytearray(self.slot_size * self.recv_depth)
             self.send_buf = bytearray(self.slot_size * self.send_depth)
@@ -47,23 +56,26 @@ class Transport:
             self.send_view = memoryview(self.send_buf)
             self.recv_mr = MemoryRegion(self.pd, self.recv_buf)
             self.send_mr = MemoryRegion(self.pd, self.send_buf)
-            self.comp = comp = CompletionChannel(device)
-            # Every posted WR completes at most once: send + recv depth bounds the CQ occupancy.
-            cqe = self.send_depth + self.recv_depth + 8
-            self.cq = CompletionQueue(device, self.comp, cqe, batch=min(cqe, 512))
+            # Every posted WR completes at most once: the reservation bounds this QP's CQ occupancy.
+            self.cq_reservation = self.completions.reserve(self.cq_entries)
+            self.cq: CompletionQueue = self.cq_reservation.cq
             self.qp = self._create_qp(options)
-            self.qp.post_recv_slots(self.recv_mr, self.slot_size, list(range(self.recv_depth)))
+            # Registered before anything is posted: completions that come before the endpoint's handler
+            # is set are kept for it, not dropped.
+            self.tag = self.completions.register(self.qp.qp_num)
+            self.recv_wr_base = make_wr_id(WR_KIND_RECV, self.tag, 0)
+            self.qp.post_recv_slots(self.recv_mr, self.slot_size, list(range(self.recv_depth)), self.recv_wr_base)
             reactor.watch_device(device)
         except BaseException:
-            # Close what was created, QP first, then the MRs, then the channel (and its CQ). Left to
-            # the cyclic GC instead, the channel's fd and the CQ would outlive this call.
-            for name in ("qp", "recv_mr", "send_mr"):
-                resource = getattr(self, name, None)
-                if resource is not None:
-                    resource.close()
-            if comp is not None:
-                comp.close()
+            # Close what was created: unregister, QP, MRs, then give the CQ entries back. Left to the
+            # cyclic GC instead, the QP and the MRs would outlive this call.
+            self._release()
             raise
+
+    @property
+    def cq_entries(self) -> int:
+        """CQ entries this connection reserves: every WR it can have outstanding completes at most once."""
+        return self.send_depth + self.recv_depth + CQ_MARGIN
 
     def _create_qp(self, options: Options) -> QueuePair:
         inline = options.max_inline
@@ -88,21 +100,35 @@ class Transport:
         """Inline capacity the device granted."""
         return self.qp.max_inline_data
 
-    def watch(self, callback: Callable[[], None]) -> None:
-        """Put the completion channel fd on the loop."""
-        self._watched_fd = self.comp.fd
-        self.reactor.watch(self.comp.fd, callback)
+    # --- shared CQ (sharedcq): completions come through the domain's dispatcher -----------------------
+
+    def set_completion_handler(self, handler: CompletionHandler) -> None:
+        """Send this connection's completions to ``handler(records, start, count)`` (those that came
+        before go first)."""
+        assert self.tag is not None
+        self.completions.set_handler(self.qp.qp_num, self.tag, handler)
+
+    def poll_completions(self) -> None:
+        """Poll the domain's CQs now and dispatch what is there (deferred when called from a handler)."""
+        self.completions.poll_now()
 
     def close(self) -> None:
-        """Tear down in dependency order: fd off the loop, QP, MRs, CQ, channel. Idempotent.
+        """Tear down in dependency order: unregister from the dispatcher, QP, MRs, CQ reservation.
+        Idempotent.
 
-        Destroying the QP first guarantees the NIC no longer touches the slot buffers when they are freed.
+        Destroying the QP first guarantees the NIC no longer touches the slot buffers when they are freed;
+        unregistering before it makes the destroyed QP's late completions count as dropped, never reach a
+        new connection that gets the same QP number.
         """
-        if self._watched_fd is not None:
-            self.reactor.unwatch(self._watched_fd)
-            self._watched_fd = None
-        self.qp.close()
-        self.recv_mr.close()
-        self.send_mr.close()
-        self.cq.close()
-        self.comp.close()
+        self._release()
+
+    def _release(self) -> None:
+        qp = getattr(self, "qp", None)
+        if self.tag is not None and qp is not None:
+            self.completions.unregister(qp.qp_num, self.tag)
+        for name in ("qp", "recv_mr", "send_mr"):
+            resource = getattr(self, name, None)
+            if resource is not None:
+                resource.close()
+        if self.cq_reservation is not None:
+            self.cq_reservation.release()  # after the QP: a CQ is destroyed only once its QPs are

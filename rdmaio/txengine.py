@@ -7,7 +7,9 @@ and stream bytes into frames, copies them into registered send slots as far as c
 chained call. It talks to the queue pair through :class:`SendQueue` (``send_array`` + ``post_sends``), so
 the unit tests drive it with a fake one.
 
-Work requests: ``wr_id`` is the send slot's index. A send slot is reused only after its completion; with
+Work requests: ``wr_id`` is ``make_wr_id(WR_KIND_SEND, tag, slot)`` (layout in :mod:`rdmaio.verbs`; the
+tag routes the completion to this connection through the domain's shared CQ), and
+:meth:`SendEngine.on_send_completion` takes the slot index (``wr_id & WR_INDEX_MASK``). A send slot is reused only after its completion; with
 selective signalling one signalled completion releases every slot posted before it (an RC queue
 completes in order).
 """
@@ -47,7 +49,8 @@ class SendEngine:
 
     ``ring`` is the registered send buffer (``depth`` slots of ``slot_size`` bytes) at address ``addr``
     with local key ``lkey``. ``stats`` is the endpoint's counter (``messages_sent``, ``bytes_sent``,
-    ``credit_frames``, ``frames_posted``, ``post_calls``).
+    ``credit_frames``, ``frames_posted``, ``post_calls``). ``tag`` is the connection tag the domain assigned
+    (bits 32..55 of every wr_id).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class SendEngine:
         signal_interval: int,
         batch_limit: int,
         stats: collections.Counter[str],
+        tag: int = 0,
     ) -> None:
         self.session = session
         self._qp = qp
@@ -75,6 +79,7 @@ class SendEngine:
         self._max_inline = max_inline
         self._signal_interval = signal_interval
         self._stats = stats
+        self._wr_id_base = verbs.make_wr_id(verbs.WR_KIND_SEND, tag, 0)  # | slot
         self.max_fragment = min(session.max_fragment, slot_size)
         # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
         # at the peer's maximum message size too (a peer may announce one below its slot size).
@@ -300,7 +305,7 @@ class SendEngine:
         self._stats["post_calls"] += 1
 
     def _fill(self, wr: Any, slot: int, off: int, length: int, imm: int) -> None:
-        wr.wr_id = slot
+        wr.wr_id = self._wr_id_base | slot
         wr.addr = self._addr + off
         wr.length = length
         wr.lkey = self._lkey
@@ -314,7 +319,8 @@ class SendEngine:
         wr.send_flags = flags
 
     def on_send_completion(self, slot: int) -> None:
-        """A signalled send completed: RC completes in order, so every slot posted before it is free."""
+        """A signalled send completed (``slot``: the index part of its wr_id): RC completes in order, so
+        every slot posted before it is free."""
         inflight = self._inflight
         free = self.free_slots
         while inflight:

@@ -32,14 +32,22 @@ __all__ = [
     "EVENT_QP_ACCESS_ERR",
     "EVENT_QP_FATAL",
     "EVENT_QP_REQ_ERR",
+    "MAX_POLL",
     "SEND_INLINE",
     "SEND_SIGNALED",
+    "WR_INDEX_MASK",
+    "WR_KIND_CONTROL",
+    "WR_KIND_ONESIDED",
+    "WR_KIND_RECV",
+    "WR_KIND_SEND",
     "WR_RDMA_WRITE_WITH_IMM",
     "WR_SEND_WITH_IMM",
+    "WR_TAG_MASK",
     "AsyncEvent",
     "CMEvent",
     "CMEventType",
     "CMId",
+    "CompletionBatch",
     "CompletionChannel",
     "CompletionQueue",
     "DeviceContext",
@@ -51,9 +59,14 @@ __all__ = [
     "QueuePair",
     "WcOpcode",
     "WcStatus",
+    "dispatch_key",
     "fork_generation",
     "list_devices",
+    "make_wr_id",
     "wc_status_str",
+    "wr_index",
+    "wr_kind",
+    "wr_tag",
 ]
 
 # --- fork detection --------------------------------------------------------------------------------
@@ -136,6 +149,59 @@ EVENT_QP_FATAL: int = lib.IBV_EVENT_QP_FATAL
 EVENT_QP_REQ_ERR: int = lib.IBV_EVENT_QP_REQ_ERR
 EVENT_QP_ACCESS_ERR: int = lib.IBV_EVENT_QP_ACCESS_ERR
 EVENT_COMM_EST: int = lib.IBV_EVENT_COMM_EST
+
+
+# --- wr_id layout ------------------------------------------------------------------------------------
+# Every work request rdmaio posts carries, in its 64-bit wr_id: bits 56..63 the operation kind, bits 32..55
+# the 24-bit connection tag its Domain assigned, bits 0..31 the index (slot number, op number). A
+# completion is dispatched to its connection by dispatch_key(wc.qp_num, tag): QP numbers are reused once a
+# QP is destroyed, and the tag keeps a destroyed QP's late completions (rxe may leave some in a shared CQ)
+# away from a new connection that got the same QP number. The C helper (helper.h) uses the same layout.
+
+WR_KIND_SEND = 0
+"""wr_id kind: a send slot (index = send slot number)."""
+WR_KIND_RECV = 1
+"""wr_id kind: a receive slot (index = receive slot number)."""
+WR_KIND_ONESIDED = 2
+"""wr_id kind: a one-sided operation (index = operation number)."""
+WR_KIND_CONTROL = 3
+"""wr_id kind: a control or keepalive work request."""
+WR_KIND_SHIFT = 56
+WR_TAG_SHIFT = 32
+WR_TAG_BITS = 24
+WR_TAG_MASK = (1 << WR_TAG_BITS) - 1
+"""Largest connection tag (tags are 24 bits)."""
+WR_INDEX_MASK = 0xFFFFFFFF
+"""``wr_id & WR_INDEX_MASK`` is the index (slot or operation number)."""
+MAX_POLL: int = lib.RDMAIO_MAX_POLL
+"""The largest batch :meth:`CompletionQueue.poll_grouped` takes in one call."""
+
+
+def make_wr_id(kind: int, tag: int, index: int) -> int:
+    """The wr_id of a work request of ``kind`` (``WR_KIND_*``) on the connection ``tag`` at ``index``."""
+    if not 0 <= kind <= 0xFF or not 0 <= tag <= WR_TAG_MASK or not 0 <= index <= WR_INDEX_MASK:
+        raise ValueError(f"wr_id field out of range: kind={kind} tag={tag} index={index}")
+    return (kind << WR_KIND_SHIFT) | (tag << WR_TAG_SHIFT) | index
+
+
+def wr_kind(wr_id: int) -> int:
+    """The operation kind (``WR_KIND_*``) of a wr_id."""
+    return wr_id >> WR_KIND_SHIFT
+
+
+def wr_tag(wr_id: int) -> int:
+    """The connection tag of a wr_id."""
+    return (wr_id >> WR_TAG_SHIFT) & WR_TAG_MASK
+
+
+def wr_index(wr_id: int) -> int:
+    """The index (slot or operation number) of a wr_id."""
+    return wr_id & WR_INDEX_MASK
+
+
+def dispatch_key(qp_num: int, tag: int) -> int:
+    """The key completions are dispatched by: ``(qp_num << 24) | tag`` (what ``poll_grouped`` groups)."""
+    return (qp_num << WR_TAG_BITS) | tag
 
 
 def wc_status_str(status: int) -> str:
@@ -751,16 +817,62 @@ class CompletionChannel(_Resource):
         self._ptr = _check_ptr(lib.ibv_create_comp_channel(context._ptr), "ibv_create_comp_channel")
         self.fd: int = int(self._ptr.fd)
         os.set_blocking(self.fd, False)
+        self._fired = ffi.new("struct ibv_cq *[]", 64)
+        self._fired_max = 64
+        self._events = ffi.new("unsigned int *")
+        self._err = ffi.new("int *")
+
+    def drain_events(self) -> tuple[list[int], bool, int]:
+        """Read every pending event, ack them per CQ and re-arm each CQ that fired (one C call, GIL
+        released). Return ``(handles, overflow, events)``: the :attr:`CompletionQueue.handle` of each CQ
+        that fired (in the order of their first event), whether more CQs fired than could be listed (then
+        poll every CQ), and how many events were read. A failed read or re-arm raises
+        :class:`~rdmaio.errors.VerbsError` after everything read was acked (so poll every CQ then too)."""
+        self._check_usable()
+        n = lib.rdmaio_drain_channel(self._ptr, self._fired, self._fired_max, self._events, self._err)
+        listed = min(n, self._fired_max)
+        fired = self._fired
+        handles = [int(ffi.cast("uintptr_t", fired[i])) for i in range(listed)]
+        if self._err[0]:
+            raise VerbsError.from_errno("ibv_get_cq_event/ibv_req_notify_cq", self._err[0])
+        return handles, n > self._fired_max, int(self._events[0])
 
     def _destroy(self) -> None:
         lib.ibv_destroy_comp_channel(self._ptr)
 
 
+class CompletionBatch:
+    """Preallocated buffers of :meth:`CompletionQueue.poll_grouped`: ``records`` (the completions, grouped
+    by dispatch key) and ``groups`` (``key``, ``start``, ``count`` of each run), ``size`` entries each."""
+
+    def __init__(self, size: int) -> None:
+        if not 1 <= size <= MAX_POLL:
+            raise ValueError(f"a completion batch holds 1 to {MAX_POLL} records, not {size}")
+        self.size = size
+        self.records: Any = ffi.new("struct rdmaio_wc[]", size)
+        self.groups: Any = ffi.new("struct rdmaio_wc_group[]", size)
+        self._scratch = ffi.new("struct rdmaio_wc[]", size)
+        self._ngroups = ffi.new("int *")
+        self.ngroups = 0
+
+    def copy_records(self, start: int, count: int) -> Any:
+        """A copy of ``records[start:start + count]`` (a new ``struct rdmaio_wc[count]``)."""
+        if not (0 <= start and 0 <= count and start + count <= self.size):
+            raise IndexError(f"records {start}..{start + count} of a batch of {self.size}")
+        if not count:
+            return []
+        copy = ffi.new("struct rdmaio_wc[]", count)  # len(copy) == count
+        ffi.memmove(copy, self.records + start, count * ffi.sizeof("struct rdmaio_wc"))
+        return copy
+
+
 class CompletionQueue(_Resource):
     """A CQ attached to a :class:`CompletionChannel`, armed at creation.
 
-    :meth:`drain` is the one call the reactor makes per wake-up: the C helper reads and acks every
-    pending channel event, re-arms, and polls until empty into a preallocated record array.
+    Two ways to consume it. A channel serving this CQ alone: :meth:`drain` reads and acks the channel's
+    events, re-arms and polls into a preallocated record array in one C call. A channel serving a pool of
+    CQs (:mod:`rdmaio.completions`): :meth:`CompletionChannel.drain_events` acks and re-arms every CQ that
+    fired, then :meth:`poll_grouped` polls each of them, grouping the completions by dispatch key.
     """
 
     _call_destroy = "ibv_destroy_cq"
@@ -795,6 +907,21 @@ class CompletionQueue(_Resource):
             raise VerbsError.from_errno("ibv_get_cq_event/ibv_poll_cq", -n)
         self.drain_calls += 1
         self.events_total += self._events[0]
+        self.completions_total += n
+        return int(n)
+
+    def poll_grouped(self, batch: CompletionBatch) -> int:
+        """Poll up to ``batch.size`` completions into ``batch.records`` grouped by dispatch key (stable:
+        CQ order kept within a key), the runs in ``batch.groups[0:batch.ngroups]``. Return the number of
+        records; ``batch.size`` means more may be waiting. Does not read channel events (see
+        :meth:`CompletionChannel.drain_events`)."""
+        self._check_usable()
+        n = lib.rdmaio_poll_grouped(
+            self._ptr, batch._scratch, batch.records, batch.size, batch.groups, batch._ngroups
+        )
+        if n < 0:
+            raise VerbsError.from_errno("ibv_poll_cq", -n)
+        batch.ngroups = int(batch._ngroups[0])
         self.completions_total += n
         return int(n)
 
@@ -835,14 +962,15 @@ class QueuePair(_Resource):
         self._sends = ffi.new("struct rdmaio_send[]", max(self.max_send_wr, 1))
         self._bad = ffi.new("int *")
 
-    def post_recv_slots(self, mr: MemoryRegion, slot_size: int, slots: list[int]) -> None:
-        """Post one receive per slot index (chained, one call); ``wr_id`` is the slot index."""
+    def post_recv_slots(self, mr: MemoryRegion, slot_size: int, slots: list[int], wr_id_base: int = 0) -> None:
+        """Post one receive per slot index (chained, one call) at ``mr.addr + slot * slot_size``; its
+        ``wr_id`` is ``wr_id_base | slot`` (``wr_id_base``: ``make_wr_id(WR_KIND_RECV, tag, 0)``)."""
         self._check_usable()
         n = len(slots)
         if n > len(self._slots):
             raise ValueError(f"cannot post {n} receives on a queue of {len(self._slots)}")
         self._slots[0:n] = slots
-        rc = lib.rdmaio_post_recv_slots(self._ptr, mr.lkey, mr.addr, slot_size, self._slots, n)
+        rc = lib.rdmaio_post_recv_slots(self._ptr, mr.lkey, mr.addr, slot_size, wr_id_base, self._slots, n)
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_recv", -rc, f"{n} receives")
 

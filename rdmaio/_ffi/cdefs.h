@@ -151,7 +151,9 @@ const char *rdma_event_str(enum rdma_cm_event_type event);
 
 /* ---- rdmaio helper (helper.c) --------------------------------------------------------------- */
 struct rdmaio_wc { uint64_t wr_id; uint32_t status; uint32_t opcode; uint32_t byte_len;
-                   uint32_t imm_data; uint32_t flags; uint32_t vendor_err; };
+                   uint32_t imm_data; uint32_t flags; uint32_t vendor_err; uint32_t qp_num; };
+struct rdmaio_wc_group { uint64_t key; uint32_t start; uint32_t count; };
+#define RDMAIO_MAX_POLL ...
 struct rdmaio_send { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; uint32_t imm_data;
                      uint32_t opcode; uint32_t send_flags; uint32_t rkey; uint64_t remote_addr; };
 #define RDMAIO_MAX_PRIVATE_DATA ...
@@ -163,9 +165,13 @@ struct rdmaio_cm_event { int event; int status; struct rdma_cm_id *id; struct rd
 int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq, struct rdmaio_wc *out,
                     int max_wc, unsigned int *events_out);
 int rdmaio_poll_cq(struct ibv_cq *cq, struct rdmaio_wc *out, int max_wc);
+int rdmaio_drain_channel(struct ibv_comp_channel *channel, struct ibv_cq **fired, int max_fired,
+                         unsigned int *events_out, int *err_out);
+int rdmaio_poll_grouped(struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdmaio_wc *out, int max_wc,
+                        struct rdmaio_wc_group *groups, int *ngroups_out);
 int rdmaio_req_notify(struct ibv_cq *cq);
 int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
-                           const uint32_t *slots, int count);
+                           uint64_t wr_id_base, const uint32_t *slots, int count);
 int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index);
 int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out);
 int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element,

@@ -18,6 +18,7 @@ static void copy_wc(struct rdmaio_wc *dst, const struct ibv_wc *src)
     dst->imm_data = (src->wc_flags & IBV_WC_WITH_IMM) ? ntohl(src->imm_data) : 0;
     dst->flags = src->wc_flags;
     dst->vendor_err = src->vendor_err;
+    dst->qp_num = src->qp_num;
 }
 
 int rdmaio_poll_cq(struct ibv_cq *cq, struct rdmaio_wc *out, int max_wc)
@@ -88,16 +89,147 @@ int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
     return rdmaio_poll_cq(cq, out, max_wc);
 }
 
+/*
+ * One wake-up of a completion channel that serves many CQs (a Domain's pool):
+ *   1. read every pending channel event, counting them per CQ,
+ *   2. ack each CQ's events in one call (ibv_destroy_cq() waits until every event read is acked, so an
+ *      event is acked even when a later read fails),
+ *   3. re-arm each CQ that fired, before the caller polls it: a completion that lands after the poll then
+ *      raises a new event instead of being lost.
+ * fired[] receives each CQ that fired, once, in the order of its first event. Returns how many distinct
+ * CQs fired; a value above max_fired means that the ones beyond it were acked and re-armed but not
+ * listed (the caller must then poll every CQ). *events_out: events read. *err_out: 0, or the errno of a
+ * failed read (other than EAGAIN) or re-arm; what was read before it is acked and listed all the same.
+ */
+int rdmaio_drain_channel(struct ibv_comp_channel *channel, struct ibv_cq **fired, int max_fired,
+                         unsigned int *events_out, int *err_out)
+{
+    unsigned int counts[64];
+    unsigned int events = 0;
+    int distinct = 0, err = 0;
+    struct ibv_cq *ev_cq;
+    void *ev_ctx;
+
+    /* The per-CQ counters live on the stack: at most 64 CQs are counted, the rest are acked one by one. */
+    if (max_fired > 64)
+        max_fired = 64;
+    if (max_fired < 0)
+        max_fired = 0;
+    errno = 0;
+    while (ibv_get_cq_event(channel, &ev_cq, &ev_ctx) == 0) {
+        events++;
+        int i;
+        for (i = 0; i < distinct && i < max_fired; i++)
+            if (fired[i] == ev_cq)
+                break;
+        if (i < distinct && i < max_fired) {
+            counts[i]++;
+            continue;
+        }
+        if (distinct < max_fired) {
+            fired[distinct] = ev_cq;
+            counts[distinct] = 1;
+            distinct++;
+            continue;
+        }
+        /* Not listed (no room): ack and re-arm at once; the caller learns it must poll everything. */
+        ibv_ack_cq_events(ev_cq, 1);
+        int rc = ibv_req_notify_cq(ev_cq, 0);
+        if (rc && !err)
+            err = rc > 0 ? rc : EIO;
+        if (distinct == max_fired)
+            distinct++; /* report "more than max_fired" once */
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != 0 && !err)
+        err = errno;
+    int listed = distinct < max_fired ? distinct : max_fired;
+    for (int i = 0; i < listed; i++)
+        ibv_ack_cq_events(fired[i], counts[i]);
+    for (int i = 0; i < listed; i++) {
+        int rc = ibv_req_notify_cq(fired[i], 0);
+        if (rc && !err)
+            err = rc > 0 ? rc : EIO;
+    }
+    if (events_out)
+        *events_out = events;
+    if (err_out)
+        *err_out = err;
+    return distinct;
+}
+
+static inline uint64_t wc_key(const struct rdmaio_wc *wc)
+{
+    return ((uint64_t)wc->qp_num << RDMAIO_KEY_TAG_BITS) |
+           ((wc->wr_id >> RDMAIO_WR_TAG_SHIFT) & RDMAIO_WR_TAG_MASK);
+}
+
+/*
+ * Poll up to max_wc completions (into scratch[]) and write them to out[] grouped by dispatch key
+ * ((qp_num << 24) | tag of the wr_id): groups[g] names a run out[start .. start + count) of one key.
+ * The grouping is stable: within a key the records keep their CQ order (an RC queue completes in
+ * order, and the send engine frees its slots relying on it); groups come in the order of their first
+ * record. Returns the number of records (max_wc means the CQ may hold more: call again), or -errno
+ * (-EINVAL when max_wc exceeds RDMAIO_MAX_POLL). *ngroups_out receives the number of groups.
+ */
+int rdmaio_poll_grouped(struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdmaio_wc *out, int max_wc,
+                        struct rdmaio_wc_group *groups, int *ngroups_out)
+{
+    /* Open addressing, load <= 1/2: slot -> group index + 1 (0 = empty). */
+    uint16_t table[2 * RDMAIO_MAX_POLL];
+    const unsigned int mask = 2 * RDMAIO_MAX_POLL - 1;
+    int ngroups = 0;
+
+    *ngroups_out = 0;
+    if (max_wc < 0 || max_wc > RDMAIO_MAX_POLL)
+        return -EINVAL;
+    int n = rdmaio_poll_cq(cq, scratch, max_wc);
+    if (n <= 0)
+        return n;
+    memset(table, 0, sizeof(table));
+    /* pass 1: find each record's group, count the members */
+    for (int i = 0; i < n; i++) {
+        uint64_t key = wc_key(&scratch[i]);
+        unsigned int h = (unsigned int)((key * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+        while (table[h] && groups[table[h] - 1].key != key)
+            h = (h + 1) & mask;
+        if (!table[h]) {
+            groups[ngroups].key = key;
+            groups[ngroups].count = 0;
+            table[h] = (uint16_t)(++ngroups);
+        }
+        groups[table[h] - 1].count++;
+    }
+    /* starts in order of first appearance; count is reset and refilled by pass 2 */
+    uint32_t start = 0;
+    for (int g = 0; g < ngroups; g++) {
+        groups[g].start = start;
+        start += groups[g].count;
+        groups[g].count = 0;
+    }
+    /* pass 2: scatter, keeping CQ order within a group */
+    for (int i = 0; i < n; i++) {
+        uint64_t key = wc_key(&scratch[i]);
+        unsigned int h = (unsigned int)((key * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+        while (groups[table[h] - 1].key != key)
+            h = (h + 1) & mask;
+        struct rdmaio_wc_group *grp = &groups[table[h] - 1];
+        out[grp->start + grp->count++] = scratch[i];
+    }
+    *ngroups_out = ngroups;
+    return n;
+}
+
 int rdmaio_req_notify(struct ibv_cq *cq)
 {
     int rc = ibv_req_notify_cq(cq, 0);
     return rc ? -(rc > 0 ? rc : EIO) : 0;
 }
 
-/* Post `count` receives in one chained ibv_post_recv: slot i covers base + slots[i] * slot_size,
- * and its wr_id is the slot index, so a completion names the slot it filled. */
+/* Post `count` receives in one chained ibv_post_recv: slot i covers base + slots[i] * slot_size, and
+ * its wr_id is wr_id_base | slots[i] (wr_id_base carries the kind and the connection tag, see
+ * helper.h), so a completion names the connection and the slot it filled. */
 int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
-                           const uint32_t *slots, int count)
+                           uint64_t wr_id_base, const uint32_t *slots, int count)
 {
     struct ibv_recv_wr wr[64];
     struct ibv_sge sge[64];
@@ -113,7 +245,7 @@ int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint
             sge[i].addr = base + (uint64_t)slot * slot_size;
             sge[i].length = slot_size;
             sge[i].lkey = lkey;
-            wr[i].wr_id = slot;
+            wr[i].wr_id = wr_id_base | slot;
             wr[i].sg_list = &sge[i];
             wr[i].num_sge = 1;
             wr[i].next = (i + 1 < n) ? &wr[i + 1] : NULL;

@@ -16,7 +16,25 @@ struct rdmaio_wc {
     uint32_t imm_data;   /* host order; valid when flags & IBV_WC_WITH_IMM */
     uint32_t flags;      /* wc_flags */
     uint32_t vendor_err;
+    uint32_t qp_num;     /* the QP the work request was posted on (valid for every status) */
 };
+
+/* wr_id layout shared by every work request rdmaio posts (rdmaio.verbs has the Python side):
+ * bits 56..63 operation kind, bits 32..55 the connection tag the Domain assigned, bits 0..31 the index
+ * (slot number, op number). A completion is dispatched by the key (qp_num << 24) | tag. */
+#define RDMAIO_WR_TAG_SHIFT 32
+#define RDMAIO_WR_TAG_MASK 0xffffffu
+#define RDMAIO_KEY_TAG_BITS 24
+
+/* One run of completions with the same dispatch key in rdmaio_poll_grouped()'s output. */
+struct rdmaio_wc_group {
+    uint64_t key;        /* (qp_num << 24) | tag */
+    uint32_t start;      /* index of the first record of the group */
+    uint32_t count;      /* records in the group, consecutive, in CQ order */
+};
+
+/* The most records one rdmaio_poll_grouped() call takes (its key table lives on the stack). */
+#define RDMAIO_MAX_POLL 1024
 
 /* One send work request for rdmaio_post_sends(). */
 struct rdmaio_send {
@@ -51,8 +69,12 @@ struct rdmaio_cm_event {
 int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
                     struct rdmaio_wc *out, int max_wc, unsigned int *events_out);
 int rdmaio_poll_cq(struct ibv_cq *cq, struct rdmaio_wc *out, int max_wc);
+int rdmaio_drain_channel(struct ibv_comp_channel *channel, struct ibv_cq **fired, int max_fired,
+                         unsigned int *events_out, int *err_out);
+int rdmaio_poll_grouped(struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdmaio_wc *out, int max_wc,
+                        struct rdmaio_wc_group *groups, int *ngroups_out);
 int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
-                           const uint32_t *slots, int count);
+                           uint64_t wr_id_base, const uint32_t *slots, int count);
 int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index);
 int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out);
 int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element,

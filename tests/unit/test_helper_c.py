@@ -102,6 +102,221 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> str:
     return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
 
 
+# A channel serving several CQs (a Domain's pool) and a CQ returning scripted completions: the channel drain
+# must ack each CQ's events in one call per CQ and re-arm each fired CQ once; the grouped poll must group
+# by (qp_num << 24) | tag and keep the CQ order within a key.
+MULTI_HARNESS = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include "helper.h"
+
+static struct ibv_cq *script[16];
+static int nscript, pos, fail_errno;
+static struct ibv_cq cqs[3];
+static int acks[3], ack_calls[3], armed[3];
+static struct ibv_wc pending[2048];
+static int npending, polled;
+
+static int idx(struct ibv_cq *cq) { return (int)(cq - cqs); }
+
+int ibv_get_cq_event(struct ibv_comp_channel *channel, struct ibv_cq **cq, void **ctx)
+{
+    (void)channel;
+    if (pos < nscript) {
+        *cq = script[pos++];
+        *ctx = NULL;
+        return 0;
+    }
+    errno = fail_errno;
+    return -1;
+}
+void ibv_ack_cq_events(struct ibv_cq *cq, unsigned int n) { acks[idx(cq)] += (int)n; ack_calls[idx(cq)]++; }
+int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event *e)
+{
+    (void)c; (void)e; errno = EAGAIN; return -1;
+}
+void ibv_ack_async_event(struct ibv_async_event *e) { (void)e; }
+int rdma_get_cm_event(struct rdma_event_channel *c, struct rdma_cm_event **e)
+{
+    (void)c; (void)e; errno = EAGAIN; return -1;
+}
+int rdma_ack_cm_event(struct rdma_cm_event *e) { (void)e; return 0; }
+static int fake_poll(struct ibv_cq *cq, int n, struct ibv_wc *wc)
+{
+    (void)cq;
+    int k = npending - polled < n ? npending - polled : n;
+    memcpy(wc, &pending[polled], sizeof(*wc) * (size_t)k);
+    polled += k;
+    return k;
+}
+static int fake_notify(struct ibv_cq *cq, int solicited) { (void)solicited; armed[idx(cq)]++; return 0; }
+
+static void add_wc(uint32_t qp, uint32_t tag, uint32_t index)
+{
+    struct ibv_wc *wc = &pending[npending++];
+    memset(wc, 0, sizeof(*wc));
+    wc->qp_num = qp;
+    wc->wr_id = ((uint64_t)1 << 56) | ((uint64_t)tag << 32) | index;
+    wc->byte_len = index;
+}
+
+static void reset(void)
+{
+    pos = nscript = 0;
+    memset(acks, 0, sizeof acks);
+    memset(ack_calls, 0, sizeof ack_calls);
+    memset(armed, 0, sizeof armed);
+}
+
+int main(void)
+{
+    struct ibv_context ctx;
+    struct ibv_cq *fired[4];
+    unsigned int events;
+    int err;
+    memset(&ctx, 0, sizeof ctx);
+    ctx.ops.poll_cq = fake_poll;
+    ctx.ops.req_notify_cq = fake_notify;
+    for (int i = 0; i < 3; i++) {
+        memset(&cqs[i], 0, sizeof cqs[i]);
+        cqs[i].context = &ctx;
+    }
+
+    /* 1: events for CQ 2, 0, 2, 2, 0 then EAGAIN */
+    reset();
+    struct ibv_cq *s1[] = {&cqs[2], &cqs[0], &cqs[2], &cqs[2], &cqs[0]};
+    memcpy(script, s1, sizeof s1); nscript = 5; fail_errno = EAGAIN;
+    int n = rdmaio_drain_channel(NULL, fired, 4, &events, &err);
+    printf("drain n=%d events=%u err=%d fired=%d,%d acks=%d/%d,%d/%d,%d/%d armed=%d,%d,%d\n", n, events, err,
+           idx(fired[0]), idx(fired[1]), acks[0], ack_calls[0], acks[1], ack_calls[1], acks[2], ack_calls[2],
+           armed[0], armed[1], armed[2]);
+
+    /* 2: a read fails with EIO after two events: both acked and re-armed, the error reported */
+    reset();
+    struct ibv_cq *s2[] = {&cqs[1], &cqs[1]};
+    memcpy(script, s2, sizeof s2); nscript = 2; fail_errno = EIO;
+    n = rdmaio_drain_channel(NULL, fired, 4, &events, &err);
+    printf("error n=%d events=%u err=%d acks=%d armed=%d\n", n, events, err, acks[1], armed[1]);
+
+    /* 3: more CQs than fired[] holds: the extra one is acked and re-armed, n says so */
+    reset();
+    struct ibv_cq *s3[] = {&cqs[0], &cqs[1], &cqs[2], &cqs[2]};
+    memcpy(script, s3, sizeof s3); nscript = 4; fail_errno = EAGAIN;
+    n = rdmaio_drain_channel(NULL, fired, 2, &events, &err);
+    printf("overflow n=%d events=%u acks=%d,%d,%d armed=%d,%d,%d\n", n, events, acks[0], acks[1], acks[2],
+           armed[0], armed[1], armed[2]);
+
+    /* 4: grouped poll of interleaved completions of three keys */
+    struct rdmaio_wc scratch[8], out[8];
+    struct rdmaio_wc_group groups[8];
+    int ngroups;
+    npending = polled = 0;
+    add_wc(7, 1, 0); add_wc(9, 2, 0); add_wc(7, 1, 1); add_wc(7, 3, 0); add_wc(9, 2, 1); add_wc(7, 1, 2);
+    n = rdmaio_poll_grouped(&cqs[0], scratch, out, 8, groups, &ngroups);
+    printf("grouped n=%d groups=%d", n, ngroups);
+    for (int g = 0; g < ngroups; g++) {
+        printf(" [%llu:%u+%u:", (unsigned long long)groups[g].key, groups[g].start, groups[g].count);
+        for (uint32_t k = 0; k < groups[g].count; k++)
+            printf("%s%u.%u", k ? "," : "", out[groups[g].start + k].qp_num,
+                   (unsigned)(out[groups[g].start + k].wr_id & 0xffffffffu));
+        printf("]");
+    }
+    printf("\n");
+
+    /* 5: a full batch (1024 records, 300 keys, each key's indexes ascending): stable and complete */
+    npending = polled = 0;
+    for (int i = 0; i < 1024; i++)
+        add_wc((uint32_t)(i % 300) + 100, (uint32_t)(i % 300) * 7 + 1, (uint32_t)i);
+    static struct rdmaio_wc bs[1024], bo[1024];
+    static struct rdmaio_wc_group bg[1024];
+    n = rdmaio_poll_grouped(&cqs[0], bs, bo, 1024, bg, &ngroups);
+    int ok = n == 1024 && ngroups == 300, total = 0;
+    for (int g = 0; g < ngroups && ok; g++) {
+        ok = ok && bg[g].start == (uint32_t)total;
+        for (uint32_t k = 0; k < bg[g].count; k++) {
+            const struct rdmaio_wc *wc = &bo[bg[g].start + k];
+            uint64_t key = ((uint64_t)wc->qp_num << 24) | ((wc->wr_id >> 32) & 0xffffff);
+            ok = ok && key == bg[g].key;
+            if (k)
+                ok = ok && (wc->wr_id & 0xffffffffu) > (bo[bg[g].start + k - 1].wr_id & 0xffffffffu);
+        }
+        total += (int)bg[g].count;
+    }
+    printf("big n=%d groups=%d stable=%d total=%d\n", n, ngroups, ok, total);
+
+    /* 6: an empty CQ and a batch above the limit */
+    npending = polled = 0;
+    n = rdmaio_poll_grouped(&cqs[0], scratch, out, 8, groups, &ngroups);
+    int too_big = rdmaio_poll_grouped(&cqs[0], scratch, out, RDMAIO_MAX_POLL + 1, groups, &ngroups);
+    printf("empty n=%d groups=%d too_big=%d\n", n, ngroups, too_big);
+    return 0;
+}
+"""
+
+
+def _build_and_run(work: Path, name: str, source: str) -> str:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
+    (work / f"{name}.c").write_text(source)
+    binary = work / name
+    subprocess.run(
+        [
+            gcc,
+            "-std=gnu11",
+            "-Wall",
+            "-Werror",
+            "-I",
+            str(FFI_DIR),
+            str(work / f"{name}.c"),
+            str(FFI_DIR / "helper.c"),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return _build_and_run(tmp_path_factory.mktemp("multi"), "multi", MULTI_HARNESS).splitlines()
+
+
+def test_channel_drain_acks_per_cq_and_rearms_each_fired_cq_once(multi: list[str]) -> None:
+    # CQ 2 fired first (3 events), CQ 0 second (2 events); one ack call and one re-arm per fired CQ.
+    assert multi[0] == "drain n=2 events=5 err=0 fired=2,0 acks=2/1,0/0,3/1 armed=1,0,1", multi[0]
+
+
+def test_channel_drain_acks_and_reports_events_read_before_a_failing_read(multi: list[str]) -> None:
+    assert multi[1] == "error n=1 events=2 err=5 acks=2 armed=1", multi[1]
+
+
+def test_channel_drain_acks_and_rearms_cqs_it_cannot_list(multi: list[str]) -> None:
+    # n > max_fired tells the caller to poll every CQ; the unlisted CQ 2 is still acked and re-armed.
+    assert multi[2].startswith("overflow n=3 events=4 acks=1,1,2 "), multi[2]
+    armed = [int(x) for x in multi[2].split("armed=")[1].split(",")]
+    assert armed[0] == armed[1] == 1 and armed[2] >= 1
+
+
+def test_grouped_poll_groups_by_key_in_first_seen_order_keeping_cq_order(multi: list[str]) -> None:
+    key = lambda qp, tag: (qp << 24) | tag  # noqa: E731
+    assert multi[3] == (
+        f"grouped n=6 groups=3 [{key(7, 1)}:0+3:7.0,7.1,7.2] [{key(9, 2)}:3+2:9.0,9.1] [{key(7, 3)}:5+1:7.0]"
+    ), multi[3]
+
+
+def test_grouped_poll_of_a_full_batch_is_stable_and_complete(multi: list[str]) -> None:
+    assert multi[4] == "big n=1024 groups=300 stable=1 total=1024", multi[4]
+
+
+def test_grouped_poll_of_an_empty_cq_and_an_oversized_batch(multi: list[str]) -> None:
+    assert multi[5] == "empty n=0 groups=0 too_big=-22", multi[5]
+
+
 def test_events_read_before_a_failing_read_are_acked(harness: str) -> None:
     first = harness.splitlines()[0]
     assert first == "rc=-5 acked=3 events=3 notified=0", first
