@@ -51,9 +51,9 @@ from rdmaio.verbs import WR_TAG_MASK, dispatch_key
 __all__ = [
     "DEFAULT_BATCH",
     "DEFAULT_CQ_CAPACITY",
+    "CQReservation",
     "CompletionDispatcher",
     "CompletionHandler",
-    "CQReservation",
 ]
 
 log = logging.getLogger("rdmaio")

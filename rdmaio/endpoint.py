@@ -4,9 +4,10 @@ Data path. Every frame travels as one SEND-with-immediate from a registered send
 receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
 (:mod:`rdmaio.protocol`). Completions come from the domain's shared CQs (:mod:`rdmaio.completions`): one
 wake-up of its completion channel polls a whole batch through the C helper, grouped by connection, and
-this endpoint's handler gets its own group of it; receive completions are copied out of their slot (one copy) and the slot is re-posted at once,
-in one chained post per batch, unless the receive buffer (:mod:`rdmaio.rxbuffer`) holds it back for
-back-pressure: then the peer gets no credit for it, and the sender waits. A send never meets an empty
+this endpoint's handler gets its own group of it; receive completions are copied out of their slot (one
+copy) and the slot is re-posted at once, in one chained post per batch, unless the receive buffer
+(:mod:`rdmaio.rxbuffer`) holds it back for back-pressure: then the peer gets no credit for it, and the
+sender waits. A send never meets an empty
 receive queue. The send side's queue, coalescing, slots and posting are :mod:`rdmaio.txengine`'s; this
 class decides when to stage and post, who waits, and the connection's lifetime.
 

@@ -64,7 +64,9 @@ class Transport:
             # is set are kept for it, not dropped.
             self.tag = self.completions.register(self.qp.qp_num)
             self.recv_wr_base = make_wr_id(WR_KIND_RECV, self.tag, 0)
-            self.qp.post_recv_slots(self.recv_mr, self.slot_size, list(range(self.recv_depth)), self.recv_wr_base)
+            self.qp.post_recv_slots(
+                self.recv_mr, self.slot_size, list(range(self.recv_depth)), self.recv_wr_base
+            )
             reactor.watch_device(device)
         except BaseException:
             # Close what was created: unregister, QP, MRs, then give the CQ entries back. Left to the

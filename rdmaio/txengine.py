@@ -9,9 +9,9 @@ the unit tests drive it with a fake one.
 
 Work requests: ``wr_id`` is ``make_wr_id(WR_KIND_SEND, tag, slot)`` (layout in :mod:`rdmaio.verbs`; the
 tag routes the completion to this connection through the domain's shared CQ), and
-:meth:`SendEngine.on_send_completion` takes the slot index (``wr_id & WR_INDEX_MASK``). A send slot is reused only after its completion; with
-selective signalling one signalled completion releases every slot posted before it (an RC queue
-completes in order).
+:meth:`SendEngine.on_send_completion` takes the slot index (``wr_id & WR_INDEX_MASK``). A send slot is
+reused only after its completion; with selective signalling one signalled completion releases every slot
+posted before it (an RC queue completes in order).
 """
 
 from __future__ import annotations

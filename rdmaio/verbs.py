@@ -857,7 +857,7 @@ class CompletionBatch:
 
     def copy_records(self, start: int, count: int) -> Any:
         """A copy of ``records[start:start + count]`` (a new ``struct rdmaio_wc[count]``)."""
-        if not (0 <= start and 0 <= count and start + count <= self.size):
+        if not (start >= 0 and count >= 0 and start + count <= self.size):
             raise IndexError(f"records {start}..{start + count} of a batch of {self.size}")
         if not count:
             return []
@@ -962,7 +962,9 @@ class QueuePair(_Resource):
         self._sends = ffi.new("struct rdmaio_send[]", max(self.max_send_wr, 1))
         self._bad = ffi.new("int *")
 
-    def post_recv_slots(self, mr: MemoryRegion, slot_size: int, slots: list[int], wr_id_base: int = 0) -> None:
+    def post_recv_slots(
+        self, mr: MemoryRegion, slot_size: int, slots: list[int], wr_id_base: int = 0
+    ) -> None:
         """Post one receive per slot index (chained, one call) at ``mr.addr + slot * slot_size``; its
         ``wr_id`` is ``wr_id_base | slot`` (``wr_id_base``: ``make_wr_id(WR_KIND_RECV, tag, 0)``)."""
         self._check_usable()
