@@ -274,9 +274,10 @@ def test_cancellation_200_times_no_corruption_no_leak(arun: Runner[Any], rdma_ad
             assert got.hexdigest() == want.hexdigest()
             await ep.aclose()
         await asyncio.sleep(0.2)
-        # The loop's Domain (the device's protection domain, shared by its connections) lives as long as
-        # the loop: one PD more than before the first connection, nothing else.
-        assert rdma_resources() == dict(resources, pd=resources["pd"] + 1)
+        # The loop's Domain (the device's protection domain and the first CQ of its shared pool, both shared
+        # by its connections) lives as long as the loop: one PD and one CQ more than before the first
+        # connection, nothing else.
+        assert rdma_resources() == dict(resources, pd=resources["pd"] + 1, cq=resources["cq"] + 1)
 
     arun(main())
 

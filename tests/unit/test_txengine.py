@@ -6,6 +6,8 @@ import collections
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from rdmaio import verbs
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
 from rdmaio.txengine import SendEngine
@@ -182,3 +184,48 @@ def test_clear_drops_everything_not_staged() -> None:
     engine.stage()
     engine.clear()
     assert engine.buffered == 0 and not engine.txq
+
+
+def test_send_wr_ids_carry_kind_send_and_the_connection_tag() -> None:
+    """wr_id = make_wr_id(WR_KIND_SEND, tag, slot); a completion is handed back by its index part."""
+    session_local = Handshake(8, SLOT, 1 << 20)
+    session_peer = Handshake(8, SLOT, 1 << 20)
+    ring = bytearray(SLOT * 2)
+    qp = FakeQP(2, ring)
+    tag = 0xABCDEF
+    engine = SendEngine(
+        Session(session_local, session_peer),
+        qp,
+        memoryview(ring),
+        0x1000,
+        7,
+        SLOT,
+        2,
+        max_inline=16,
+        signal_interval=1,
+        batch_limit=0,
+        stats=collections.Counter(),
+        tag=tag,
+    )
+    for i in range(3):
+        engine.queue_message(memoryview(bytes([i])))
+    engine.stage()
+    engine.post()
+    wr_ids = [wr_id for wr_id, *_ in qp.posts[0]]
+    assert len(wr_ids) == 2 and not engine.free_slots
+    for wr_id in wr_ids:
+        assert verbs.wr_kind(wr_id) == verbs.WR_KIND_SEND and verbs.wr_tag(wr_id) == tag
+        assert wr_id == verbs.make_wr_id(verbs.WR_KIND_SEND, tag, verbs.wr_index(wr_id))
+    engine.on_send_completion(verbs.wr_index(wr_ids[0]))
+    assert engine.free_slots == [verbs.wr_index(wr_ids[0])]
+
+
+def test_wr_id_helpers_round_trip_and_check_their_ranges() -> None:
+    wr_id = verbs.make_wr_id(verbs.WR_KIND_CONTROL, verbs.WR_TAG_MASK, 0xFFFFFFFF)
+    assert wr_id == 0x03FF_FFFF_FFFF_FFFF
+    assert (verbs.wr_kind(wr_id), verbs.wr_tag(wr_id), verbs.wr_index(wr_id)) == (3, 0xFFFFFF, 0xFFFFFFFF)
+    assert verbs.make_wr_id(verbs.WR_KIND_RECV, 5, 9) == (1 << 56) | (5 << 32) | 9
+    assert verbs.dispatch_key(0x12, 5) == (0x12 << 24) | 5
+    for bad in ((256, 0, 0), (0, 1 << 24, 0), (0, 0, 1 << 32), (0, -1, 0)):
+        with pytest.raises(ValueError):
+            verbs.make_wr_id(*bad)
