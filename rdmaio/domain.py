@@ -240,6 +240,12 @@ class Domain:
             remote_write=bool(access & ACCESS_REMOTE_WRITE),
         )
 
+    def statistics(self) -> dict[str, dict[str, int]]:
+        """``{"registrations": ..., "completions": ...}``: the registration cache's and the completion
+        dispatcher's counters (the latter empty before the first connection)."""
+        completions = self._completions.statistics() if self._completions is not None else {}
+        return {"registrations": self.registrations.statistics(), "completions": completions}
+
     def cq_failed(self, handle: int) -> None:
         """The device reported an error on CQ ``handle``: no new connection is placed on it."""
         if self._completions is not None:

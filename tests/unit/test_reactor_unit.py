@@ -109,3 +109,23 @@ def test_trio_runs_leave_no_reactor_behind() -> None:
         trio.run(touch)
     gc.collect()
     assert len(Reactor._by_loop) == 0
+
+
+def test_a_cq_error_on_a_shared_cq_reaches_every_connection_on_it_and_marks_it_failed() -> None:
+    """Connections of one domain share CQs: a CQ error fails all of them, and the domain places no new
+    connection on that CQ."""
+    reactor = Reactor(FakeBackend())  # type: ignore[arg-type]
+    marked: list[int] = []
+
+    class FakeDomain:
+        def cq_failed(self, handle: int) -> None:
+            marked.append(handle)
+
+    reactor._domains[1] = FakeDomain()  # type: ignore[assignment]
+    seen: list[str] = []
+    for name, qp in (("a", 7), ("b", 8), ("c", 9)):
+        reactor.watch_qp(1, qp, 100, lambda event, name=name: seen.append(name))  # type: ignore[misc]
+    reactor.watch_qp(1, 10, 200, lambda event: seen.append("other CQ"))
+    cq_err = verbs.AsyncEvent(verbs.EVENT_CQ_ERR, "CQ error", "device", 0, 100)
+    reactor._on_async_readable(FakeDevice(1, cq_err))  # type: ignore[arg-type]
+    assert seen == ["a", "b", "c"] and marked == [100]
