@@ -8,7 +8,8 @@ readiness callback drains everything that is pending (the fds are edge-safe: cal
 Fds are always removed from the loop before they are closed.
 
 The event channel and the per-device :class:`~rdmaio.domain.Domain` (protection domain, registration
-cache) live as long as the loop: opening a channel costs a few hundred milliseconds under emulation, so
+cache, and the completion dispatcher whose one completion channel fd serves every connection on the device)
+live as long as the loop: opening a channel costs a few hundred milliseconds under emulation, so
 connection setup reuses it. They are closed when the loop ends: at the end of the trio run, or when the
 asyncio loop is garbage-collected (``asyncio.run`` leaves nothing else referring to it).
 """
@@ -162,7 +163,7 @@ class Reactor:
     # --- completion channels -------------------------------------------------------------------------
 
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
-        """Call ``callback`` on the loop whenever ``fd`` is readable."""
+        """Call ``callback`` on the loop whenever ``fd`` is readable (a domain's completion channel)."""
         self.backend.add_reader(fd, callback)
 
     def unwatch(self, fd: int) -> None:
