@@ -1720,7 +1720,16 @@ def test_simulation_growing_windows(
     depths = (max(initial[0], 4) + extra[0], max(initial[1], 4) + extra[1])
     apps = (("write_first", "random"), ("random", "write_first"), ("random", "random"))[writer]
     run_simulation(
-        rnd, depths, (64, 100), (None, None), policies, sizes, weights, limits=limits, apps=apps, initial=initial
+        rnd,
+        depths,
+        (64, 100),
+        (None, None),
+        policies,
+        sizes,
+        weights,
+        limits=limits,
+        apps=apps,
+        initial=initial,
     )
 
 
