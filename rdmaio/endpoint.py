@@ -247,7 +247,7 @@ class Endpoint:
         if repost:
             self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))
-        if data_frames >= session.credit_threshold and session.can_grow and not rxbuf.held:
+        if data_frames > session.credit_threshold and session.can_grow and not rxbuf.held:
             self._grow_receives()
         self._pump_and_post()
         if got_data:
@@ -256,7 +256,7 @@ class Endpoint:
             self._wake_writers()
 
     def _grow_receives(self) -> None:
-        """One wake-up brought at least half a window of data frames: the peer is sending as fast as our
+        """One wake-up brought more than half a window of data frames: the peer is sending as fast as our
         credits let it, so double the receive window (the next frame or a CREDIT frame grants the new
         slots). Not while slots are held: then the application, not the window, is the limit."""
         added = self._transport.grow_receives(max(self._session.recv_depth, 1))
