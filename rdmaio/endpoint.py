@@ -7,9 +7,9 @@ wake-up of its completion channel polls a whole batch through the C helper, grou
 this endpoint's handler gets its own group of it; receive completions are copied out of their slot (one
 copy) and the slot is re-posted at once, in one chained post per batch, unless the receive buffer
 (:mod:`rdmaio.rxbuffer`) holds it back for back-pressure: then the peer gets no credit for it, and the
-sender waits. A send never meets an empty
-receive queue. The send side's queue, coalescing, slots and posting are :mod:`rdmaio.txengine`'s; this
-class decides when to stage and post, who waits, and the connection's lifetime.
+sender waits. A send never meets an empty receive queue. The send side's queue, coalescing, slots and
+posting are :mod:`rdmaio.txengine`'s; this class decides when to stage and post, who waits, and the
+connection's lifetime.
 
 Sends copy the caller's data into send slots before they are posted, so the caller's buffer is free the
 moment ``send()`` returns or is cancelled; a send slot is reused only after its completion (selective
@@ -88,9 +88,7 @@ class Endpoint:
         self._qp = qp
         self._slot_size = transport.slot_size
         self._max_inline = min(transport.max_inline, options.max_inline)
-        self._recv_view = transport.recv_view
-        self._recv_mr = transport.recv_mr
-        self._recv_wr_base = transport.recv_wr_base  # sharedcq: kind RECV + tag; slot in the low bits
+        self._recv_view = transport.recv_ring.view
         self._extra: dict[str, Any] = {
             "peername": cm_id.peer_address,
             "sockname": cm_id.local_address,
@@ -109,11 +107,9 @@ class Endpoint:
         self._tx = SendEngine(
             session,
             qp,
-            transport.send_view,
-            transport.send_mr.addr,
-            transport.send_mr.lkey,
+            transport.send_ring,
             transport.slot_size,
-            transport.send_depth,
+            initial=options.initial_depth,
             max_inline=self._max_inline,
             signal_interval=options.signal_interval,
             batch_limit=options.batch_limit,
@@ -134,8 +130,9 @@ class Endpoint:
         self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)
         reactor.watch_qp(*self._async_key, self._on_async_event)
         # sharedcq: completions come from the domain's dispatcher (those kept since the QP was registered
-        # go first). Completions may already be waiting (the peer can send as soon as it is established).
+        # go first).
         transport.set_completion_handler(self._on_completions)
+        # Completions may already be waiting (the peer can send as soon as it is established).
         self._io.call_soon(self._poll_completions)
 
     # --- information -------------------------------------------------------------------------------
@@ -156,8 +153,11 @@ class Endpoint:
             "completions",
             "frames_posted",
             "post_calls",
+            "recv_ring_grown",
+            "send_ring_grown",
         ):
             stats.setdefault(key, 0)
+        stats["registered_bytes"] = self._transport.registered_bytes if not self._torn_down else 0
         stats["mean_batch"] = stats["completions"] / stats["wakeups"] if stats["wakeups"] else 0.0
         stats["send_credits"] = self._session.send_credits
         stats["credits_ungranted"] = self._session.ungranted
@@ -205,6 +205,7 @@ class Endpoint:
         rxbuf = self._rxbuf
         repost: list[int] = []
         got_data = False
+        data_frames = 0
         stats = self._stats
         stats["wakeups"] += 1
         # sharedcq: the dispatcher calls once per group and re-polls while batches come back full.
@@ -241,18 +242,30 @@ class Endpoint:
                         got_data = True
                     repost.append(slot)
                     continue
+                data_frames += 1
                 if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
                     repost.append(slot)
             else:
                 self._tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
         if repost:
-            self._qp.post_recv_slots(self._recv_mr, slot_size, repost, self._recv_wr_base)
+            self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))
+        if data_frames > session.credit_threshold and session.can_grow and not rxbuf.held:
+            self._grow_receives()
         self._pump_and_post()
         if got_data:
             self._wake_reader()
         if self._tx_waiters:
             self._wake_writers()
+
+    def _grow_receives(self) -> None:
+        """One wake-up brought more than half a window of data frames: the peer is sending as fast as our
+        credits let it, so double the receive window (the next frame or a CREDIT frame grants the new
+        slots). Not while slots are held: then the application, not the window, is the limit."""
+        added = self._transport.grow_receives(max(self._session.recv_depth, 1))
+        if added:
+            self._session.grow_receives(added)
+            self._stats["recv_ring_grown"] += 1
 
     def _on_wc_error(self, status: int, opcode: int, vendor_err: int) -> None:
         if status == _FLUSH and (self._closing or self._session.peer_eof or self._disconnected):
@@ -492,7 +505,7 @@ class Endpoint:
     def _repost_released(self) -> None:
         slots = self._rxbuf.releasable()
         if slots and not self._torn_down:
-            self._qp.post_recv_slots(self._recv_mr, self._slot_size, slots, self._recv_wr_base)
+            self._transport.post_receives(slots)
             self._session.on_recv_reposted(len(slots))
             self._pump()
 

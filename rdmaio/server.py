@@ -13,7 +13,7 @@ from rdmaio.client import local_handshake, resolve_host
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
 from rdmaio.options import Options
-from rdmaio.protocol import Handshake, Session
+from rdmaio.protocol import FEATURE_GROW, Handshake, Session
 from rdmaio.reactor import Reactor
 from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType, CMId
@@ -152,8 +152,8 @@ class StreamServer:
             return
         transport = None
         try:
-            transport = Transport(self._reactor, cm_id, self._options)
-            handshake = local_handshake(self._options)
+            handshake = local_handshake(self._options, grow=bool(peer.features & FEATURE_GROW))
+            transport = Transport(self._reactor, cm_id, self._options, handshake.initial_depth)
             cm_id.accept(handshake.encode(), rnr_retry_count=self._options.rnr_retry_count)
         except Exception as exc:
             log.warning("rdmaio: cannot accept a connection: %s", exc)

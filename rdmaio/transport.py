@@ -1,11 +1,12 @@
 """The verbs resources of one connection and their teardown order.
 
-A :class:`Transport` owns, for one connected cm id: one registered buffer of receive slots and one of send
-slots, the RC queue pair, and a reservation of CQ entries (send depth + receive depth + a margin, so the CQ
-cannot overflow) on one of its domain's shared CQs (:mod:`rdmaio.completions`). The protection domain and
-the CQs are the domain's. The transport registers its QP with the domain's completion dispatcher, which
-gives it the connection tag of its wr_ids, and unregisters before the QP is destroyed. It knows nothing
-about framing or credits.
+A :class:`Transport` owns, for one connected cm id: a ring of receive slots and a ring of send slots
+(:class:`~rdmaio.rings.SlotRing`, registered in the device's shared protection domain chunk by chunk as
+load needs them), the RC queue pair, and a reservation of CQ entries (send depth + receive depth at their
+largest + a margin, so the CQ cannot overflow) on one of its domain's shared CQs (:mod:`rdmaio.completions`).
+The protection domain and the CQs are the domain's. The transport registers its QP with the domain's
+completion dispatcher, which gives it the connection tag of its wr_ids, and unregisters before the QP is
+destroyed. It knows nothing about framing or credits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from rdmaio.completions import CompletionHandler, CQReservation
 from rdmaio.options import Options
 from rdmaio.reactor import Reactor
+from rdmaio.rings import SlotRing
 from rdmaio.verbs import (
     WR_KIND_RECV,
     CMId,
@@ -25,15 +27,20 @@ from rdmaio.verbs import (
 
 __all__ = ["Transport"]
 
-
 CQ_MARGIN = 8
 """CQ entries reserved beyond the send and receive depths: control and one-sided work requests."""
 
 
 class Transport:
-    """Slot buffers and MRs, shared-CQ reservation and QP of one connection (the PD is the domain's)."""
+    """Slot rings, shared-CQ reservation and QP of one connection (the PD and the CQ are the domain's).
 
-    def __init__(self, reactor: Reactor, cm_id: CMId, options: Options) -> None:
+    ``initial_recv`` receives are registered and posted at first (the handshake's ``initial_depth``; all
+    of ``recv_depth`` when the peer cannot grow windows); the send ring starts empty and grows on demand.
+    """
+
+    def __init__(
+        self, reactor: Reactor, cm_id: CMId, options: Options, initial_recv: int | None = None
+    ) -> None:
         device = cm_id.device()
         if device is None:
             raise RuntimeError("cm id has no device yet (address not resolved)")
@@ -48,15 +55,15 @@ class Transport:
         # --- shared CQ (sharedcq): the CQ is the domain's; this connection reserves its entries on it.
         self.completions = self.domain.completions
         self.tag: int | None = None  # connection tag (wr_id bits 32..55), set once the QP is registered
+        self.recv_wr_base = 0
         self.cq_reservation: CQReservation | None = None
+        initial = self.recv_depth if initial_recv is None else initial_recv
+        self.recv_ring = SlotRing(self.slot_size, self.recv_depth, self._register)
+        self.send_ring = SlotRing(self.slot_size, self.send_depth, self._register)
         try:
-            self.recv_buf = bytearray(self.slot_size * self.recv_depth)
-            self.send_buf = bytearray(self.slot_size * self.send_depth)
-            self.recv_view = memoryview(self.recv_buf)
-            self.send_view = memoryview(self.send_buf)
-            self.recv_mr = MemoryRegion(self.pd, self.recv_buf)
-            self.send_mr = MemoryRegion(self.pd, self.send_buf)
-            # Every posted WR completes at most once: the reservation bounds this QP's CQ occupancy.
+            self.recv_ring.grow(initial)
+            # Every posted WR completes at most once: the reservation (for both rings at their largest)
+            # bounds this QP's CQ occupancy.
             self.cq_reservation = self.completions.reserve(self.cq_entries)
             self.cq: CompletionQueue = self.cq_reservation.cq
             self.qp = self._create_qp(options)
@@ -64,9 +71,7 @@ class Transport:
             # is set are kept for it, not dropped.
             self.tag = self.completions.register(self.qp.qp_num)
             self.recv_wr_base = make_wr_id(WR_KIND_RECV, self.tag, 0)
-            self.qp.post_recv_slots(
-                self.recv_mr, self.slot_size, list(range(self.recv_depth)), self.recv_wr_base
-            )
+            self.post_receives(list(range(initial)))
             reactor.watch_device(device)
         except BaseException:
             # Close what was created: unregister, QP, MRs, then give the CQ entries back. Left to the
@@ -78,6 +83,27 @@ class Transport:
     def cq_entries(self) -> int:
         """CQ entries this connection reserves: every WR it can have outstanding completes at most once."""
         return self.send_depth + self.recv_depth + CQ_MARGIN
+
+    def _register(self, view: memoryview) -> MemoryRegion:
+        # Local access only: the slot rings are never remotely accessible.
+        return MemoryRegion(self.pd, view)
+
+    def post_receives(self, slots: list[int]) -> None:
+        """Post one receive per slot of the receive ring (chained, one call)."""
+        ring = self.recv_ring
+        self.qp.post_ring_slots(ring.lkeys, ring.addr, ring.slot_size, slots, self.recv_wr_base)
+
+    def grow_receives(self, n: int) -> int:
+        """Register up to ``n`` more receive slots and post them; return how many were added."""
+        slots = self.recv_ring.grow(n)
+        if slots:
+            self.post_receives(list(slots))
+        return len(slots)
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of slot memory this connection pins now (both rings)."""
+        return self.recv_ring.registered_bytes + self.send_ring.registered_bytes
 
     def _create_qp(self, options: Options) -> QueuePair:
         inline = options.max_inline
@@ -115,8 +141,8 @@ class Transport:
         self.completions.poll_now()
 
     def close(self) -> None:
-        """Tear down in dependency order: unregister from the dispatcher, QP, MRs, CQ reservation.
-        Idempotent.
+        """Tear down in dependency order: unregister from the dispatcher, QP, slot rings (MRs), CQ
+        reservation. Idempotent.
 
         Destroying the QP first guarantees the NIC no longer touches the slot buffers when they are freed;
         unregistering before it makes the destroyed QP's late completions count as dropped, never reach a
@@ -128,9 +154,9 @@ class Transport:
         qp = getattr(self, "qp", None)
         if self.tag is not None and qp is not None:
             self.completions.unregister(qp.qp_num, self.tag)
-        for name in ("qp", "recv_mr", "send_mr"):
-            resource = getattr(self, name, None)
-            if resource is not None:
-                resource.close()
+        if qp is not None:
+            qp.close()
+        self.recv_ring.close()
+        self.send_ring.close()
         if self.cq_reservation is not None:
             self.cq_reservation.release()  # after the QP: a CQ is destroyed only once its QPs are
