@@ -43,7 +43,7 @@ from rdmaio.bench.model import (
     Figure,
     Sample,
     Workload,
-    format_size,
+    format_what,
     parse_size,
     resolve_contenders,
     sizes_of,
@@ -72,7 +72,7 @@ class Run:
     def label(self) -> str:
         """Short text for the progress line."""
         kinds = "+".join(str(w) for w in self.workloads)
-        return f"{self.contender} {kinds} {format_size(self.size)}"
+        return f"{self.contender} {kinds} {format_what(self.workloads[0], self.size)}"
 
 
 def plan_runs(
@@ -449,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, help="repetitions per figure (overrides the mode's)")
     parser.add_argument("--time-cap", type=float, help="seconds after which a Python client stops early")
     parser.add_argument(
+        "--setup-seconds",
+        type=float,
+        help="setup workload: seconds of connecting per measurement, every contender (default 10; quick 5)",
+    )
+    parser.add_argument(
         "--only",
         default="stream,message,echo",
         help=(
@@ -629,10 +634,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         time_cap=args.time_cap if args.time_cap is not None else base.time_cap,
         reps=args.reps if args.reps is not None else base.reps,
         setup_conns=base.setup_conns,
-        setup_seconds=base.setup_seconds,
+        setup_seconds=args.setup_seconds if args.setup_seconds is not None else base.setup_seconds,
     )
     if budget.reps < 1:
         parser.error("--reps must be at least 1")
+    if budget.setup_seconds <= 0:
+        parser.error("--setup-seconds must be positive")
     if args.drain_every < 1:
         parser.error("--drain-every must be at least 1")
     if args.profile is not None:

@@ -352,7 +352,9 @@ def run_external(
             client_cmd = [*base, "-s", config.host]
             marker = _RSTREAM_READY
         elif binary is not None:
-            server_cmd, client_cmd = cm_setup_commands(binary, config.host, port, amount, config.setup_seconds)
+            server_cmd, client_cmd = cm_setup_commands(
+                binary, config.host, port, amount, config.setup_seconds
+            )
             marker = _CM_SETUP_READY
         else:
             base = perftest_command(tool, size, amount, port, config.device)
@@ -441,15 +443,18 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
                 raw=raw,
             )
     elif contender == "cm_setup":
-        result = parse_cm_setup(out)
-        if not result.echo:
+        setup = parse_cm_setup(out)
+        if not setup.echo:
             raise ParseError("cm_setup ran without the 16 B echo the setup workload compares")
         samples[Workload.SETUP] = Sample(
             ok=True,
-            conns_per_s=result.rate,
-            seconds=result.seconds,
-            ops=result.connections,
-            note="C rdma_cm loop: connect + 16 B echo + disconnect, PD/CQ/MR reused, first connection not counted",
+            conns_per_s=setup.rate,
+            seconds=setup.seconds,
+            ops=setup.connections,
+            note=(
+                "C rdma_cm loop: connect + 16 B echo + disconnect, PD/CQ/MR reused, "
+                "first connection not counted"
+            ),
             raw=raw,
         )
     else:

@@ -22,6 +22,7 @@ process of the benchmark.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -38,12 +39,12 @@ __all__ = [
     "MemoryProbe",
     "Snapshot",
     "mem_available",
+    "parse_vmrss",
     "per_connection",
     "raise_fd_limit",
     "registered_bytes",
     "rss_bytes",
     "sum_mrlen",
-    "parse_vmrss",
 ]
 
 MEMORY_RESERVE = 192 * 1024 * 1024
@@ -154,7 +155,9 @@ class Snapshot:
     rss_client: int
 
 
-def per_connection(before: Snapshot, during: Snapshot, after: Snapshot | None, opened: int) -> dict[str, float]:
+def per_connection(
+    before: Snapshot, during: Snapshot, after: Snapshot | None, opened: int
+) -> dict[str, float]:
     """Growth per connection from ``before`` to ``during`` (``opened`` connections), per side, and what
     was still held ``after`` they were all closed (absolute bytes over the baseline, not per connection).
     """
@@ -194,11 +197,10 @@ ServerClients = Callable[[], Awaitable[Mapping[str, Any]]]
 """Asks the benchmark server for its statistics (``{"clients": N, ...}``)."""
 
 
-async def wait_for_clients(server_stats: ServerClients, want: int, timeout: float) -> int:
-    """Poll the server until it holds ``want`` established clients; return the last count seen."""
-    import asyncio
-
-    deadline = time.monotonic() + timeout
+async def wait_for_clients(server_stats: ServerClients, want: int, patience: float) -> int:
+    """Poll the server until it holds ``want`` established clients, for ``patience`` seconds at most;
+    return the last count seen (the caller compares it: a mismatch is reported, not raised)."""
+    deadline = time.monotonic() + patience
     clients = -1
     while True:
         stats = await server_stats()

@@ -14,8 +14,8 @@ __all__ = [
     "ECHO_SIZES",
     "FULL",
     "MEMORY_COUNTS",
-    "SETUP_SIZE",
     "QUICK",
+    "SETUP_SIZE",
     "SIZES",
     "Budget",
     "Contender",
@@ -23,6 +23,7 @@ __all__ = [
     "Sample",
     "Workload",
     "format_size",
+    "format_what",
     "parse_size",
     "resolve_contenders",
 ]
@@ -210,6 +211,13 @@ def format_size(size: int) -> str:
     if size >= KiB and size % KiB == 0:
         return f"{size // KiB} KiB"
     return f"{size} B"
+
+
+def format_what(workload: Workload, size: int) -> str:
+    """``64 B`` for a message size; ``100 connections`` for the memory workload's connection count."""
+    if workload is Workload.MEMORY:
+        return f"{size} connection{'s' if size != 1 else ''}"
+    return format_size(size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,7 +228,8 @@ class CmSetupResult:
 
 
 _CM_SETUP_LINE = re.compile(
-    rf"^cm_setup connections (?P<n>\d+) seconds (?P<sec>{_NUMBER}) rate (?P<rate>{_NUMBER}) echo (?P<echo>[01])\s*$"
+    rf"^cm_setup connections (?P<n>\d+) seconds (?P<sec>{_NUMBER}) rate (?P<rate>{_NUMBER})"
+    r" echo (?P<echo>[01])\s*$"
 )
 
 

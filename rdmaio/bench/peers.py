@@ -43,7 +43,6 @@ import rdmaio
 from rdmaio.bench.memory import (
     MEMORY_RESERVE,
     MemoryProbe,
-    MemoryProbeError,
     Snapshot,
     mem_available,
     per_connection,

@@ -19,6 +19,7 @@ from rdmaio.bench.model import (
     Figure,
     Workload,
     format_size,
+    format_what,
     sizes_of,
 )
 
@@ -65,7 +66,7 @@ def _value(figures: Figures, contender: str, workload: Workload, size: int) -> f
 
 def _describe_missing(figures: Figures, contender: str, workload: Workload, size: int) -> str:
     figure = figures.get((contender, workload, size))
-    where = f"{contender} {workload} {format_size(size)}"
+    where = f"{contender} {workload} {format_what(workload, size)}"
     if figure is None:
         return f"{where} not measured"
     if figure.errors:
@@ -583,12 +584,17 @@ def _kib(value: float | None) -> str:
     return "-" if value is None else _fmt(value / KiB)
 
 
+_MEMORY_KEYS = tuple(
+    f"{metric}_{side}"
+    for metric in ("registered_per_conn", "rss_per_conn", "registered_left", "rss_left")
+    for side in ("server", "client")
+)
+
+
 def _memory_table(figures: Sequence[Figure], summary: str) -> list[str]:
     """One row per rdmaio contender and connection count: growth per connection on each side, and
     what was still held after every connection was closed (bytes over the baseline, in KiB)."""
-    own = sorted(
-        (f for f in figures if f.workload is Workload.MEMORY), key=lambda f: (f.contender, f.size)
-    )
+    own = sorted((f for f in figures if f.workload is Workload.MEMORY), key=lambda f: (f.contender, f.size))
     if not own:
         return []
     lines = [f"{WORKLOAD_TITLES[Workload.MEMORY]} - {_UNITS_TEXT[Workload.MEMORY]} ({summary})"]
@@ -608,19 +614,18 @@ def _memory_table(figures: Sequence[Figure], summary: str) -> list[str]:
         if not samples:
             rows.append([f.contender, str(f.size), "ERR", "ERR", "-", "-"])
             continue
-        memory = samples[-1].memory or {}
         if f.ok_samples:
-
-            def get(key: str, fig: Figure = f) -> float | None:
-                return fig.memory_median(key)
-
+            # Medians over the successful repetitions.
+            values = {key: f.memory_median(key) for key in _MEMORY_KEYS}
             count = str(f.size) + ("*" if f.status == "partial" else "")
         else:
-
-            def get(key: str, mem: dict[str, float] = memory) -> float | None:
-                return mem.get(key)
-
+            memory = samples[-1].memory or {}
+            values = {key: memory.get(key) for key in _MEMORY_KEYS}
             count = f"{f.size} (ERR: {int(memory.get('connections', 0))} opened)"
+
+        def get(key: str, values: dict[str, float | None] = values) -> float | None:
+            return values[key]
+
         rows.append(
             [
                 f.contender,
@@ -762,9 +767,11 @@ def render_table(
     failures: list[str] = []
     for figure in figures:
         for error in figure.errors:
-            failures.append(f"  {figure.contender} {figure.workload} {format_size(figure.size)}: {error}")
+            failures.append(
+                f"  {figure.contender} {figure.workload} {format_what(figure.workload, figure.size)}: {error}"
+            )
     capped = [
-        f"{f.contender} {f.workload} {format_size(f.size)}"
+        f"{f.contender} {f.workload} {format_what(f.workload, f.size)}"
         for f in figures
         if any(s.capped for s in f.ok_samples)
     ]
