@@ -114,8 +114,8 @@ async def _echo(ep: rdmaio.Endpoint) -> None:
             await ep.send(msg)
 
 
-async def _serve(host: str, out: Path) -> None:
-    server = await rdmaio.serve(_echo, host, 0)
+async def _serve(host: str, out: Path, options: dict[str, Any]) -> None:
+    server = await rdmaio.serve(_echo, host, 0, options=options)
     print(json.dumps({"port": server.addresses[0][1]}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     server.close()
@@ -126,7 +126,7 @@ async def _serve(host: str, out: Path) -> None:
         file.write(json.dumps({"accepted": accepted, "sync": dict(_sync)}))
 
 
-def server_main(host: str, out: Path, cprofile: Path | None) -> None:
+def server_main(host: str, out: Path, cprofile: Path | None, options: dict[str, Any]) -> None:
     """The echo server: print the port, serve until a line arrives on stdin, write the timings."""
     _instrument()
     original = server_mod.StreamServer._on_connect_request
@@ -136,7 +136,7 @@ def server_main(host: str, out: Path, cprofile: Path | None) -> None:
     profiler = cProfile.Profile() if cprofile else None
     if profiler is not None:
         profiler.enable()
-    asyncio.run(_serve(host, out))
+    asyncio.run(_serve(host, out, options))
     if profiler is not None and cprofile is not None:
         profiler.disable()
         profiler.dump_stats(cprofile / "server.prof")
@@ -145,9 +145,9 @@ def server_main(host: str, out: Path, cprofile: Path | None) -> None:
 # --- client ---------------------------------------------------------------------------------------------
 
 
-async def _one(host: str, port: int, payload: bytes) -> None:
+async def _one(host: str, port: int, payload: bytes, options: dict[str, Any]) -> None:
     _mark("start")
-    ep = await rdmaio.connect(host, port, timeout=60)
+    ep = await rdmaio.connect(host, port, timeout=60, options=options)
     _mark("connect() returned")
     await ep.send(payload)
     reply = await ep.recv()
@@ -158,14 +158,14 @@ async def _one(host: str, port: int, payload: bytes) -> None:
     _mark("aclose() returned")
 
 
-async def _client(host: str, port: int, conns: int) -> float:
+async def _client(host: str, port: int, conns: int, options: dict[str, Any]) -> float:
     payload = b"x" * 16
-    await _one(host, port, payload)  # warm-up: the loop's event channel, the device's PD
+    await _one(host, port, payload, options)  # warm-up: the loop's event channel, the device's PD
     _timeline.clear()
     _sync.clear()
     t0 = time.perf_counter()
     for _ in range(conns):
-        await _one(host, port, payload)
+        await _one(host, port, payload, options)
     return time.perf_counter() - t0
 
 
@@ -198,17 +198,25 @@ def main() -> int:
     parser.add_argument("--host", default=os.environ.get("RDMAIO_TEST_ADDR", "198.18.0.1"))
     parser.add_argument("--conns", type=int, default=40, help="connections to time (after one warm-up)")
     parser.add_argument("--cprofile", type=Path, help="also cProfile both sides into this directory")
+    parser.add_argument(
+        "--options",
+        default="{}",
+        help="rdmaio Options overrides for both sides, as JSON, e.g. '{\"slot_size\": 8192}'",
+    )
     parser.add_argument("--role", default="client", choices=("client", "server"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cprofile is not None:
         args.cprofile.mkdir(parents=True, exist_ok=True)
+    options = json.loads(args.options)
+    rdmaio.Options.coerce(options)  # refuse a bad override here rather than in the server
     if args.role == "server":
-        server_main(args.host, args.out, args.cprofile)
+        server_main(args.host, args.out, args.cprofile, options)
         return 0
 
     out = Path(f"/tmp/profile_setup_server_{os.getpid()}.json")
     cmd = [sys.executable, __file__, "--role", "server", "--host", args.host, "--out", str(out)]
+    cmd += ["--options", args.options]
     if args.cprofile is not None:
         cmd += ["--cprofile", str(args.cprofile)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -219,7 +227,7 @@ def main() -> int:
     if profiler is not None:
         profiler.enable()
     try:
-        elapsed = asyncio.run(_client(args.host, port, args.conns))
+        elapsed = asyncio.run(_client(args.host, port, args.conns, options))
     finally:
         if profiler is not None and args.cprofile is not None:
             profiler.disable()
@@ -230,6 +238,7 @@ def main() -> int:
     server = json.loads(out.read_text())
     out.unlink()
     steps = _steps()
+    print(f"options: {options or 'defaults'}")
     print(
         f"{args.conns} connections in {elapsed:.2f} s: {args.conns / elapsed:.2f} conn/s, "
         f"{elapsed / args.conns * 1e3:.1f} ms per connection"

@@ -17,7 +17,7 @@ import pytest
 
 from rdmaio.bench import external
 from rdmaio.bench.driver import _describe, plan_runs
-from rdmaio.bench.external import NativeBuildError, build_cm_setup, cm_setup_commands
+from rdmaio.bench.external import CM_SETUP_SOURCE, NativeBuildError, build_cm_setup, cm_setup_commands
 from rdmaio.bench.memory import (
     MemoryProbeError,
     Snapshot,
@@ -297,20 +297,20 @@ def test_cm_setup_commands_echo() -> None:
 
 def test_build_cm_setup_without_gcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RDMAIO_BENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(external.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    # A source of its own (another hash): a binary cached by an earlier run must not answer for it.
+    source = tmp_path / "cm_setup.c"
+    source.write_text(CM_SETUP_SOURCE.read_text() + "\n/* test_build_cm_setup_without_gcc */\n")
     with pytest.raises(NativeBuildError, match="no-such-cc not found on PATH"):
-        build_cm_setup(compiler="no-such-cc")
+        build_cm_setup(source, compiler="no-such-cc")
     broken = tmp_path / "broken.c"
     broken.write_text("int main(void) { return syntax error; }\n")
     if shutil.which("gcc") is not None:
         with pytest.raises(NativeBuildError, match=r"compiling broken\.c failed"):
             build_cm_setup(broken)
     # run_external turns it into a failed sample, not an exception
-    monkeypatch.setattr(external, "build_cm_setup", lambda: build_cm_setup(compiler="no-such-cc"))
-    sample = external.run_external("cm_setup", [SETUP], 16, 10, external.ExternalConfig(host="127.0.0.1"))[
-        SETUP
-    ]
+    monkeypatch.setattr(external, "build_cm_setup", lambda: build_cm_setup(source, compiler="no-such-cc"))
+    config = external.ExternalConfig(host="127.0.0.1")
+    sample = external.run_external("cm_setup", [SETUP], 16, 10, config)[SETUP]
     assert not sample.ok and "native setup contender unavailable" in (sample.error or "")
 
 
@@ -323,10 +323,12 @@ def _have_rdma_headers() -> bool:
 )
 def test_build_cm_setup_compiles_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RDMAIO_BENCH_CACHE", str(tmp_path / "cache"))
-    first = build_cm_setup()
+    source = tmp_path / "cm_setup.c"  # a copy with its own hash: built here, not found in a cache
+    source.write_text(CM_SETUP_SOURCE.read_text() + "\n/* test_build_cm_setup_compiles_once */\n")
+    first = build_cm_setup(source)
     assert first.parent == tmp_path / "cache" and os.access(first, os.X_OK)
     mtime = first.stat().st_mtime_ns
-    assert build_cm_setup() == first and first.stat().st_mtime_ns == mtime  # cached, not rebuilt
+    assert build_cm_setup(source) == first and first.stat().st_mtime_ns == mtime  # cached, not rebuilt
     usage = subprocess.run([str(first)], capture_output=True, text=True, timeout=30, check=False)
     assert usage.returncode == 2 and "usage: cm_setup" in usage.stderr
 
