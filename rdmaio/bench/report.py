@@ -580,6 +580,24 @@ _UNITS_TEXT = {
 }
 
 
+_RATIO_PREFIXES: tuple[tuple[str, Workload], ...] = (
+    ("oneway_", Workload.STREAM),
+    ("stream_", Workload.STREAM),
+    ("message_", Workload.MESSAGE),
+    ("echo_", Workload.ECHO),
+    ("setup_", Workload.SETUP),
+    ("memory_", Workload.MEMORY),
+)
+
+
+def _ratio_workloads(key: str) -> set[Workload]:
+    """The workloads a headline ratio is computed from (by its key)."""
+    for prefix, workload in _RATIO_PREFIXES:
+        if key.startswith(prefix):
+            return {workload}
+    return set(THROUGHPUT_WORKLOADS)  # uvloop_vs_asyncio: the data-path figures
+
+
 def _kib(value: float | None) -> str:
     return "-" if value is None else _fmt(value / KiB)
 
@@ -730,7 +748,8 @@ def render_table(
         lines.extend(_grid(rows, left=3))
         lines.append("")
 
-    ratios = key_ratios(indexed)
+    # Only the targets of the workloads shown: a setup-only run has no use for rows of n/a.
+    ratios = [r for r in key_ratios(indexed) if not chosen or _ratio_workloads(r.key) & set(chosen)]
     lines.append("Targets")
     rows = [["ratio", "asyncio", "uvloop", "target"]]
     by_key: dict[str, dict[str | None, Ratio]] = {}

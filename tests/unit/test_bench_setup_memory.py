@@ -238,6 +238,8 @@ def test_render_setup_and_memory_tables() -> None:
     assert "0.120 (cm_setup)" in setup_row and "0.0300" in setup_row
     assert not any(line.startswith("memory ") for line in lines)
     assert "setup: connect + 16 B echo + close, conn/s vs the native rdma_cm loop" in text
+    # only the targets of the workloads shown (no rows of n/a for the data path)
+    assert "one-way 64 KiB" not in text and "uvloop vs on asyncio" not in text
     # the failure is listed
     assert "rdmaio-asyncio memory 1000 connections: stopped at 230 of 1000 connections" in text
 
