@@ -8,13 +8,15 @@ the smaller per-connection footprint first. The test refuses (fails, never skips
 cannot fit in the machine's available memory, naming the figures.
 
 What is checked, in both processes: the kernel's RDMA objects (QPs, CQs, MRs, PDs, cm ids: ``rdma resource
-show``, the same after as before), open fds (``/proc/PID/fd``: the same after as before) and ``VmRSS``
-(after closing, at most :data:`RSS_TOLERANCE` above the baseline: allocators keep some freed memory).
+show``, the same after as before), open fds (``/proc/PID/fd``: the same after as before), the Endpoint and
+Transport objects alive in the heap (none may outlive its close) and ``VmRSS`` (after closing, at most
+:data:`RSS_TOLERANCE` above the baseline: allocators keep some freed memory).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import resource
@@ -28,6 +30,7 @@ from rdma_state import rdma_resources
 
 import rdmaio
 from rdmaio.bench.memory import mem_available, rss_bytes
+from rdmaio.transport import Transport
 
 CONNS = int(os.environ.get("RDMAIO_SCALE_CONNS", "100"))
 """Connections held open at once."""
@@ -44,9 +47,10 @@ after eight connections, so it still catches leaks per connection."""
 
 SERVER = textwrap.dedent(
     """
-    import asyncio, json, os, resource, sys
+    import asyncio, gc, json, os, resource, sys
     import uvloop
     import rdmaio
+    from rdmaio.transport import Transport
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -63,7 +67,9 @@ SERVER = textwrap.dedent(
         while True:
             line = await loop.run_in_executor(None, sys.stdin.readline)
             if line.strip() == "stats":
-                print(json.dumps({"clients": server.statistics()["clients"]}), flush=True)
+                gc.collect()
+                alive = sum(isinstance(o, (rdmaio.Endpoint, Transport)) for o in gc.get_objects())
+                print(json.dumps({"clients": server.statistics()["clients"], "alive": alive}), flush=True)
             else:
                 break
         async with server:
@@ -88,12 +94,18 @@ class Server:
         self.port: int = info["port"]
         self.pid: int = info["pid"]
 
-    def clients(self) -> int:
-        """Established connections the server holds now."""
+    def stats(self) -> dict[str, int]:
+        """``clients``: established connections the server holds; ``alive``: Endpoint and Transport
+        objects in its heap (after a collection), held by anyone."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write("stats\n")
         self.proc.stdin.flush()
-        return int(json.loads(self.proc.stdout.readline())["clients"])
+        reply: dict[str, int] = json.loads(self.proc.stdout.readline())
+        return reply
+
+    def clients(self) -> int:
+        """Established connections the server holds now."""
+        return self.stats()["clients"]
 
     def wait_clients(self, want: int, patience: float = 300.0) -> int:
         """Poll until the server holds ``want`` clients (or ``patience`` s passed); the last count."""
@@ -119,9 +131,16 @@ class Server:
             raise
 
 
+def _alive_here() -> int:
+    gc.collect()
+    return sum(isinstance(o, (rdmaio.Endpoint, Transport)) for o in gc.get_objects())
+
+
 def _state(server: Server) -> dict[str, Any]:
     return {
         "rdma": rdma_resources(),
+        "client_alive": _alive_here(),
+        "server_alive": server.stats()["alive"],
         "client_fds": len(os.listdir("/proc/self/fd")),
         "server_fds": server.fds(),
         "client_rss": rss_bytes(os.getpid()),
@@ -140,7 +159,9 @@ async def _open(host: str, port: int, count: int) -> list[rdmaio.Endpoint]:
             errors = [r for r in results if isinstance(r, BaseException)]
             endpoints.extend(r for r in results if isinstance(r, rdmaio.Endpoint))
             if errors:
-                raise AssertionError(f"{len(errors)} connects failed after {len(endpoints)} opened: {errors[0]!r}")
+                raise AssertionError(
+                    f"{len(errors)} connects failed after {len(endpoints)} opened: {errors[0]!r}"
+                )
     except BaseException:
         for ep in endpoints:
             ep.abort()
@@ -149,7 +170,7 @@ async def _open(host: str, port: int, count: int) -> list[rdmaio.Endpoint]:
 
 
 async def _traffic(endpoints: list[rdmaio.Endpoint]) -> int:
-    """A few echoes of various sizes on every SAMPLE_EVERY-th connection, all at once; returns bytes echoed."""
+    """A few echoes on every SAMPLE_EVERY-th connection, all at once; returns the bytes echoed."""
 
     async def one(index: int, ep: rdmaio.Endpoint) -> int:
         total = 0
@@ -207,11 +228,16 @@ def _run(host: str) -> None:
         assert after["rdma"] == before["rdma"], (before["rdma"], during["rdma"], after["rdma"])
         assert after["client_fds"] == before["client_fds"]
         assert after["server_fds"] == before["server_fds"]
+        # No connection object survives its close (a survivor keeps its slot buffers, MiBs each).
+        assert during["server_alive"] >= 2 * CONNS and during["client_alive"] >= 2 * CONNS
+        assert after["server_alive"] == before["server_alive"]
+        assert after["client_alive"] == before["client_alive"]
         for side in ("client", "server"):
             grown = after[f"{side}_rss"] - before[f"{side}_rss"]
+            peak = during[f"{side}_rss"] - before[f"{side}_rss"]
             assert grown <= RSS_TOLERANCE, (
                 f"{side} RSS is {grown >> 10} KiB above its baseline after closing {CONNS} connections "
-                f"(it grew by {(during[f'{side}_rss'] - before[f'{side}_rss']) >> 10} KiB while they were open)"
+                f"(it grew by {peak >> 10} KiB while they were open)"
             )
     finally:
         status = server.stop()
