@@ -185,6 +185,10 @@ class PeerServer:
         reply: dict[str, Any] = self._command("stats", "stats", 60.0)["stats"]
         return reply
 
+    def trim(self) -> bool:
+        """Have the server return its free heap memory to the kernel (glibc); False without glibc."""
+        return bool(self._command("trim", "trimmed", 60.0)["trimmed"])
+
     def stop(self) -> None:
         """Stop the current loop."""
         self._command("stop", "stopped", 60.0)
@@ -375,9 +379,12 @@ class Bench:
         async def server_stats() -> dict[str, Any]:
             return await loop.run_in_executor(None, server.stats)
 
+        async def server_trim() -> bool:
+            return await loop.run_in_executor(None, server.trim)
+
         try:
             pid = int(self._ports["pid"])
-            return await measure_memory(self.s.host, port, count, pid, server_stats)
+            return await measure_memory(self.s.host, port, count, pid, server_stats, server_trim)
         except Exception as exc:
             return Sample.failure(f"{type(exc).__name__}: {exc}")
 

@@ -6,6 +6,9 @@ standard input, one command per line:
 ``serve asyncio`` / ``serve uvloop``
     start an event loop of that kind with an rdmaio listener and a TCP (asyncio streams) listener on the
     benchmark address; answer one JSON line ``{"ready": true, "rdmaio_port": ..., "tcp_port": ...}``.
+``trim``
+    return the C heap's free memory to the kernel (the memory workload's baseline); answer
+    ``{"trimmed": true}`` (false without glibc).
 ``stats``
     answer ``{"stats": {"pid": ..., "clients": ...}}``: the server's process id and the rdmaio
     connections its main listener holds now (the memory workload waits on it).
@@ -47,6 +50,7 @@ from rdmaio.bench.memory import (
     mem_available,
     per_connection,
     raise_fd_limit,
+    trim_heap,
     wait_for_clients,
 )
 from rdmaio.bench.model import Sample, Workload
@@ -249,6 +253,9 @@ async def _serve_phase(host: str, kind: str) -> None:
         while True:
             line = await loop.run_in_executor(None, sys.stdin.buffer.readline)
             word = line.split()[:1]
+            if word == [b"trim"]:
+                _reply({"trimmed": trim_heap()})
+                continue
             if word == [b"stats"]:
                 main = rdma_servers.get("rdmaio")
                 clients = main.statistics()["clients"] if main is not None else -1
@@ -569,6 +576,7 @@ async def measure_memory(
     count: int,
     server_pid: int,
     server_stats: Callable[[], Awaitable[Mapping[str, Any]]],
+    server_trim: Callable[[], Awaitable[Any]] | None = None,
     *,
     reserve: int = MEMORY_RESERVE,
 ) -> Sample:
@@ -582,6 +590,9 @@ async def measure_memory(
     loop = asyncio.get_running_loop()
     await _rdmaio_setup_once_idle(host, port)
     await wait_for_clients(server_stats, 0, 60.0)
+    if server_trim is not None:
+        await server_trim()
+    trim_heap()
     before = await loop.run_in_executor(None, probe.snapshot)
     endpoints: list[rdmaio.Endpoint] = []
     error: str | None = None

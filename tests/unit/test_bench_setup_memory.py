@@ -26,6 +26,7 @@ from rdmaio.bench.memory import (
     raise_fd_limit,
     rss_bytes,
     sum_mrlen,
+    trim_heap,
 )
 from rdmaio.bench.model import QUICK, Figure, Sample, Workload
 from rdmaio.bench.parsers import ParseError, parse_cm_setup
@@ -95,6 +96,22 @@ def test_parse_vmrss() -> None:
     with pytest.raises(MemoryProbeError):
         parse_vmrss("Name:\tkthreadd\n")  # kernel threads have no VmRSS
     assert rss_bytes(os.getpid()) > 1 * MiB
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim")
+def test_trim_heap_returns_freed_memory() -> None:
+    # Many 1 MiB blocks with small objects between them: freed, glibc keeps most of them (its mmap
+    # threshold rises after the first free); a trim gives them back.
+    trim_heap()
+    blocks = [bytearray(1 << 20) for _ in range(8)]
+    del blocks
+    blocks = [bytearray(1 << 20) for _ in range(64)]
+    keep = [bytes(64) for _ in range(64)]
+    del blocks
+    before = rss_bytes(os.getpid())
+    assert trim_heap() is True
+    assert rss_bytes(os.getpid()) <= before
+    del keep
 
 
 def test_raise_fd_limit_never_lowers() -> None:
