@@ -9,8 +9,10 @@ cannot fit in the machine's available memory, naming the figures.
 
 What is checked, in both processes: the kernel's RDMA objects (QPs, CQs, MRs, PDs, cm ids: ``rdma resource
 show``, the same after as before), open fds (``/proc/PID/fd``: the same after as before), the Endpoint and
-Transport objects alive in the heap (none may outlive its close) and ``VmRSS`` (after closing, at most
-:data:`RSS_TOLERANCE` above the baseline: allocators keep some freed memory).
+Transport objects alive in the heap (none may outlive its close) and, in a second test on the same run,
+``VmRSS`` (after closing, at most :data:`RSS_TOLERANCE` above the baseline: allocators keep some freed
+memory). That second test is an expected failure today: glibc keeps the freed 2 MiB rings (see its
+reason). One run takes about 2 s per connection in the test host (193 s at 100).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ CONNS = int(os.environ.get("RDMAIO_SCALE_CONNS", "100"))
 """Connections held open at once."""
 OPEN_BATCH = 25
 """Connections opened concurrently (well below the server's backlog of 128)."""
+# pytest-timeout's 600 s covers the module fixture too (it runs in the first test's setup): about 2 s per
+# connection were measured in the test host at N=100 (open, echo on a sample, close: 193 s in all).
+pytestmark = pytest.mark.timeout(max(600, 3 * CONNS))
 SAMPLE_EVERY = 10
 """Every this many connections carries traffic (a few echoes) before the close."""
 RSS_TOLERANCE = 16 * 1024 * 1024
