@@ -170,13 +170,10 @@ async def _connect(
         if event.event != CMEventType.ADDR_RESOLVED:
             raise _connect_error(event, where)
         cm_id.resolve_route(opts.cm_timeout_ms)
-        # The resources need only the device the address resolved to (a QP may be created once the
-        # address is resolved): create them while the kernel resolves the route, so that their cost
-        # (slot buffers, registrations, CQ, QP) overlaps the route lookup instead of following it.
-        transport = Transport(reactor, cm_id, opts)
         event = await events.get()
         if event.event != CMEventType.ROUTE_RESOLVED:
             raise _connect_error(event, where)
+        transport = Transport(reactor, cm_id, opts)
         handshake = local_handshake(opts)
         cm_id.connect(handshake.encode(), retry_count=opts.retry_count, rnr_retry_count=opts.rnr_retry_count)
         event = await events.get()
