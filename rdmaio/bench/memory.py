@@ -40,6 +40,7 @@ from typing import Any
 __all__ = [
     "MEMORY_RESERVE",
     "MemoryProbe",
+    "MemoryProbeError",
     "Snapshot",
     "mem_available",
     "parse_vmrss",

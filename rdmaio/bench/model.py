@@ -17,6 +17,7 @@ __all__ = [
     "QUICK",
     "SETUP_SIZE",
     "SIZES",
+    "THROUGHPUT_WORKLOADS",
     "Budget",
     "Contender",
     "Figure",

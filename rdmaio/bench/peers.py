@@ -62,6 +62,7 @@ __all__ = [
     "loop_factory",
     "measure",
     "measure_memory",
+    "measure_setup",
     "rdmaio_stats",
     "server_main",
 ]
