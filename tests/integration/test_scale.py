@@ -216,7 +216,10 @@ def scale_run(rdma_addr: str) -> dict[str, Any]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a few fds per connection
     try:
         opts = rdmaio.Options()
-        ring_bytes = (opts.recv_depth + opts.send_depth) * opts.slot_size * 2  # both sides, one machine
+        # What an idle connection pins per side: its initial rings where they grow on demand (main
+        # after the growing-rings change), both full rings before.
+        slots = getattr(opts, "initial_depth", opts.recv_depth + opts.send_depth)
+        ring_bytes = slots * opts.slot_size * 2  # both sides, one machine
         available = mem_available()
         assert available is None or CONNS * ring_bytes < available * 0.8, (
             f"{CONNS} connections would pin {CONNS * ring_bytes >> 20} MiB of slot rings (both sides) but "
@@ -232,9 +235,10 @@ def test_idle_connections_leave_no_kernel_object_fd_or_endpoint(
     scale_run: dict[str, Any],
 ) -> None:
     before, during, after = scale_run["before"], scale_run["during"], scale_run["after"]
-    # While open: each connection holds its own QP and CQ on each side, fds, and its objects.
+    # While open: each connection holds its own QP on each side (CQs are per connection or shared per
+    # device, depending on the core: not counted here), fds, and its objects.
     assert during["rdma"]["qp"] - before["rdma"]["qp"] == 2 * CONNS
-    assert during["rdma"]["cq"] - before["rdma"]["cq"] == 2 * CONNS
+    assert during["rdma"]["cq"] >= before["rdma"]["cq"]
     assert during["client_fds"] > before["client_fds"] and during["server_fds"] > before["server_fds"]
     assert during["server_alive"] >= 2 * CONNS and during["client_alive"] >= 2 * CONNS
     assert scale_run["echoed"] == len(range(0, CONNS, SAMPLE_EVERY)) * 70_101
