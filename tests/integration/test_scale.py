@@ -253,7 +253,7 @@ def test_idle_connections_leave_no_kernel_object_fd_or_endpoint(
 
 
 def test_idle_connections_leak_no_memory(
-    scale_run: dict[str, Any], record_property: Callable[[str, object], None]
+    scale_run: dict[str, Any], record_testsuite_property: Callable[[str, object], None]
 ) -> None:
     """After the close, each process's RSS is back within RSS_TOLERANCE of its baseline once the C heap
     gave its free memory back (glibc ``malloc_trim``).
@@ -262,13 +262,13 @@ def test_idle_connections_leak_no_memory(
     dynamic mmap threshold puts later ones on the heap, which is only trimmed from the top). Measured:
     412 MiB kept by the server after closing 100 connections, with no connection object alive, all of it
     returned by the trim. The rings are allocated in ``transport.py`` (being rewritten: mmap-backed or
-    small rings would return on close); the untrimmed figures are recorded in the junit report
-    (``*_rss_kept_untrimmed_kib``) and this test drops the trim once they are within the tolerance too.
+    small rings would return on close); the untrimmed figures are recorded in the junit report (suite
+    properties ``*_rss_kept_untrimmed_kib``); drop the trim once they are within the tolerance too.
     """
     before, during = scale_run["before"], scale_run["during"]
     untrimmed, after = scale_run["after_untrimmed"], scale_run["after"]
     for side in ("client", "server"):
-        record_property(
+        record_testsuite_property(
             f"{side}_rss_kept_untrimmed_kib", (untrimmed[f"{side}_rss"] - before[f"{side}_rss"]) >> 10
         )
         peak = during[f"{side}_rss"] - before[f"{side}_rss"]
