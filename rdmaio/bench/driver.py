@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -37,17 +37,18 @@ from rdmaio.bench.model import (
     CONTENDER_GROUPS,
     CONTENDERS,
     FULL,
+    MEMORY_COUNTS,
     QUICK,
     Budget,
     Figure,
     Sample,
     Workload,
-    format_size,
+    format_what,
     parse_size,
     resolve_contenders,
     sizes_of,
 )
-from rdmaio.bench.peers import loop_factory, measure, server_main
+from rdmaio.bench.peers import loop_factory, measure, measure_memory, server_main
 from rdmaio.bench.plot import PlotError, check_plot_target, plot_figures
 from rdmaio.bench.report import build_report, render_table, validate_report
 
@@ -71,18 +72,28 @@ class Run:
     def label(self) -> str:
         """Short text for the progress line."""
         kinds = "+".join(str(w) for w in self.workloads)
-        return f"{self.contender} {kinds} {format_size(self.size)}"
+        return f"{self.contender} {kinds} {format_what(self.workloads[0], self.size)}"
 
 
 def plan_runs(
-    contenders: Sequence[str], workloads: Sequence[Workload], sizes: Sequence[int] | None, budget: Budget
+    contenders: Sequence[str],
+    workloads: Sequence[Workload],
+    sizes: Sequence[int] | None,
+    budget: Budget,
+    memory_counts: Sequence[int] = MEMORY_COUNTS,
 ) -> list[Run]:
     """Every measurement of a benchmark, repetitions outermost (so that drift spreads over contenders).
 
     Within a repetition: the native tools first, then the Python contenders grouped by event loop.
+    ``sizes`` filters the message sizes of the data-path workloads; the setup workload has one size
+    (16 B) and the memory workload's "sizes" are ``memory_counts`` (connections held open).
     """
 
     def wanted(workload: Workload) -> list[int]:
+        if workload is Workload.SETUP:
+            return list(sizes_of(workload))
+        if workload is Workload.MEMORY:
+            return list(memory_counts)
         return [s for s in sizes_of(workload) if sizes is None or s in sizes]
 
     runs: list[Run] = []
@@ -169,6 +180,15 @@ class PeerServer:
         """Start serving on a ``kind`` loop; return the ports."""
         return self._command(f"serve {kind}", "ready", SERVER_START_TIMEOUT)
 
+    def stats(self) -> dict[str, Any]:
+        """The server's pid and the rdmaio clients its main listener holds now."""
+        reply: dict[str, Any] = self._command("stats", "stats", 60.0)["stats"]
+        return reply
+
+    def trim(self) -> bool:
+        """Have the server return its free heap memory to the kernel (glibc); False without glibc."""
+        return bool(self._command("trim", "trimmed", 60.0)["trimmed"])
+
     def stop(self) -> None:
         """Stop the current loop."""
         self._command("stop", "stopped", 60.0)
@@ -206,6 +226,7 @@ class Settings:
     port_base: int
     profile_dir: Path | None
     drain_every: int = 1
+    memory_counts: tuple[int, ...] = MEMORY_COUNTS
 
 
 Progress = Callable[[str], None]
@@ -216,10 +237,16 @@ def _describe(run: Run, samples: dict[Workload, Sample]) -> str:
     for workload, sample in samples.items():
         if not sample.ok:
             parts.append(f"{workload}: FAILED ({sample.error})")
+            if sample.memory:
+                parts.append("of those opened: " + _describe_memory(sample.memory))
         elif workload is Workload.STREAM:
             parts.append(f"{(sample.bytes_per_s or 0) / 2**20:.3g} MiB/s")
         elif workload is Workload.MESSAGE:
             parts.append(f"{(sample.msgs_per_s or 0) / 1000:.3g} kmsg/s")
+        elif workload is Workload.SETUP:
+            parts.append(f"{sample.conns_per_s or 0:.3g} conn/s over {sample.ops} connections")
+        elif workload is Workload.MEMORY:
+            parts.append(_describe_memory(sample.memory))
         elif sample.p50_us is not None:
             parts.append(f"p50 {sample.p50_us:.4g} us, p99 {sample.p99_us or 0:.4g} us")
         else:
@@ -232,6 +259,18 @@ def _describe(run: Run, samples: dict[Workload, Sample]) -> str:
         if sample.capped:
             parts.append(f"time-capped after {sample.ops} ops")
     return "; ".join(parts)
+
+
+def _describe_memory(memory: dict[str, float] | None) -> str:
+    if not memory:
+        return "no figures"
+    kib = 1024.0
+    return (
+        f"per connection: registered {memory['registered_per_conn_server'] / kib:.4g}/"
+        f"{memory['registered_per_conn_client'] / kib:.4g} KiB, "
+        f"RSS {memory['rss_per_conn_server'] / kib:.4g}/{memory['rss_per_conn_client'] / kib:.4g} KiB "
+        "(server/client)"
+    )
 
 
 class Bench:
@@ -250,6 +289,7 @@ class Bench:
             device=settings.device,
             port_base=settings.port_base,
             rstream_mode=settings.rstream_mode,
+            setup_seconds=settings.budget.setup_seconds,
         )
         self._server: PeerServer | None = None
         self._phase: str | None = None
@@ -298,21 +338,27 @@ class Bench:
         workload = run.workloads[0]
         if self._phase_error is not None:
             return {workload: Sample.failure(self._phase_error)}
-        port = self._ports.get(f"{contender.kind}_port")
+        # The setup workload talks to the echo listeners (no header per connection).
+        listener = f"{contender.kind}_echo" if workload is Workload.SETUP else contender.kind
+        port = self._ports.get(f"{listener}_port")
         if port is None:
-            error = self._ports.get(f"{contender.kind}_error") or "no port"
+            error = self._ports.get(f"{listener}_error") or "no port"
             return {workload: Sample.failure(f"server could not listen: {error}")}
         assert self._runner is not None
-        coro = measure(
-            contender.kind,
-            self.s.host,
-            int(port),
-            workload,
-            run.size,
-            run.amount,
-            self.s.budget.time_cap,
-            self.s.drain_every,
-        )
+        coro: Coroutine[Any, Any, Sample]
+        if workload is Workload.MEMORY:
+            coro = self._memory(int(port), run.amount)
+        else:
+            coro = measure(
+                contender.kind,
+                self.s.host,
+                int(port),
+                workload,
+                run.size,
+                run.amount,
+                self.s.budget.setup_seconds if workload is Workload.SETUP else self.s.budget.time_cap,
+                self.s.drain_every,
+            )
         profiler = None
         if self.s.profile_dir is not None:
             profiler = self._profiles.setdefault(run.contender, cProfile.Profile())
@@ -323,6 +369,24 @@ class Bench:
             if profiler is not None:
                 profiler.disable()
         return {workload: sample}
+
+    async def _memory(self, port: int, count: int) -> Sample:
+        """One memory measurement; every failure becomes a failed sample."""
+        server = self._server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+
+        async def server_stats() -> dict[str, Any]:
+            return await loop.run_in_executor(None, server.stats)
+
+        async def server_trim() -> bool:
+            return await loop.run_in_executor(None, server.trim)
+
+        try:
+            pid = int(self._ports["pid"])
+            return await measure_memory(self.s.host, port, count, pid, server_stats, server_trim)
+        except Exception as exc:
+            return Sample.failure(f"{type(exc).__name__}: {exc}")
 
     def execute(self, runs: Sequence[Run]) -> None:
         """Run every measurement, reporting each on the progress callback."""
@@ -378,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Benchmark rdmaio (on asyncio and uvloop) against perftest, rstream (rsockets) and "
             "asyncio/uvloop TCP streams: one-way stream throughput, pipelined message rate and echo "
-            "round-trip latency. "
+            "round-trip latency; on request (--only) connection setup rate against a native rdma_cm "
+            "loop, and registered memory and RSS per idle connection. "
             "Run it where an RDMA device exists, e.g. inside the test host: "
             "python -m rdmaio.testing.host -- .venv/bin/python -m rdmaio bench --json reports/bench.json"
         ),
@@ -391,7 +456,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, help="repetitions per figure (overrides the mode's)")
     parser.add_argument("--time-cap", type=float, help="seconds after which a Python client stops early")
     parser.add_argument(
-        "--only", default="stream,message,echo", help="workloads to run: stream,message,echo (default all)"
+        "--setup-seconds",
+        type=float,
+        help="setup workload: seconds of connecting per measurement, every contender (default 10; quick 5)",
+    )
+    parser.add_argument(
+        "--only",
+        default="stream,message,echo",
+        help=(
+            "workloads to run: stream,message,echo,setup,memory (default stream,message,echo; "
+            "setup: connections/s against a native rdma_cm loop; memory: bytes per idle connection)"
+        ),
+    )
+    parser.add_argument(
+        "--conns",
+        default=",".join(str(n) for n in MEMORY_COUNTS),
+        help="memory workload: idle connection counts to measure at (default 1,100,1000)",
     )
     parser.add_argument("--sizes", help="sizes to run, e.g. 64,64K (default 64,4K,64K,1M; echo 64,4K)")
     parser.add_argument(
@@ -540,8 +620,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         contenders = resolve_contenders(_csv(args.contenders))
         workloads = [Workload(w) for w in _csv(args.only)]
         sizes = [parse_size(s) for s in _csv(args.sizes)] if args.sizes else None
+        memory_counts = tuple(int(n) for n in _csv(args.conns))
     except ValueError as exc:
         parser.error(str(exc))
+    if Workload.MEMORY in workloads and (not memory_counts or min(memory_counts) < 1):
+        parser.error("--conns needs connection counts of at least 1")
     if not contenders or not workloads:
         parser.error("nothing to run")
     if not args.allow_remote and not _is_local_address(args.host):
@@ -557,9 +640,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         echo_iters=base.echo_iters,
         time_cap=args.time_cap if args.time_cap is not None else base.time_cap,
         reps=args.reps if args.reps is not None else base.reps,
+        setup_conns=base.setup_conns,
+        setup_seconds=args.setup_seconds if args.setup_seconds is not None else base.setup_seconds,
     )
     if budget.reps < 1:
         parser.error("--reps must be at least 1")
+    if budget.setup_seconds <= 0:
+        parser.error("--setup-seconds must be positive")
     if args.drain_every < 1:
         parser.error("--drain-every must be at least 1")
     if args.profile is not None:
@@ -575,8 +662,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         port_base=args.port_base,
         profile_dir=args.profile,
         drain_every=args.drain_every,
+        memory_counts=memory_counts,
     )
-    runs = plan_runs(contenders, workloads, sizes, budget)
+    runs = plan_runs(contenders, workloads, sizes, budget, memory_counts)
     if not runs:
         parser.error("the filters leave nothing to run")
     display = make_display(live={"auto": None, "live": True, "plain": False}[args.progress])
@@ -612,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "budget": budget.to_json(),
             "workloads": [str(w) for w in workloads],
             "sizes": sizes,
+            "memory_counts": list(memory_counts),
             "profiled": args.profile is not None,
             "interrupted": interrupted,
             "elapsed_s": round(time.monotonic() - started, 1),

@@ -1,4 +1,6 @@
-"""The native RDMA contenders: perftest (``ib_send_bw``, ``ib_write_bw``, ``ib_send_lat``) and rstream.
+"""The native RDMA contenders: perftest (``ib_send_bw``, ``ib_write_bw``, ``ib_send_lat``), rstream, and
+``cm_setup``, the native floor of the setup workload (``native/cm_setup.c``, compiled with gcc on first
+use and cached by the hash of its source).
 
 Each measurement starts the tool's server and its client as two processes on the benchmark address,
 waits for the server to listen (it reads the server's output through a pseudo-terminal, so that it comes
@@ -9,21 +11,34 @@ and the output's tail.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import pty
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rdmaio.bench.model import Sample, Workload
-from rdmaio.bench.parsers import ParseError, parse_perftest_bw, parse_perftest_lat, parse_rstream
+from rdmaio.bench.parsers import (
+    ParseError,
+    parse_cm_setup,
+    parse_perftest_bw,
+    parse_perftest_lat,
+    parse_rstream,
+)
 
 __all__ = [
+    "CM_SETUP_SOURCE",
     "ExternalConfig",
+    "NativeBuildError",
+    "build_cm_setup",
+    "cm_setup_commands",
     "perftest_command",
     "rstream_command",
     "run_external",
@@ -35,6 +50,86 @@ _TAIL = 3000
 # connection; its opening banner comes just before it listens for that connection.
 _PERFTEST_READY = "Waiting for client to connect"
 _RSTREAM_READY = "usec/xfer"  # rstream prints its header after it listens
+_CM_SETUP_READY = "cm_setup server listening"  # printed once rdma_listen() returned
+
+CM_SETUP_SOURCE = Path(__file__).with_name("native") / "cm_setup.c"
+"""The C source of the native setup contender."""
+
+
+class NativeBuildError(RuntimeError):
+    """The native setup contender could not be compiled (no gcc, no rdma-core headers, a compile error)."""
+
+
+def _cache_dirs() -> list[Path]:
+    """Where a compiled ``cm_setup`` may be kept, in order of preference.
+
+    In a source checkout, its ``build/`` directory comes first: the test host shares the checkout with
+    its VM (whose home directory does not outlive the VM), so a binary built once, on the host or in an
+    earlier VM, is found again; compiling under emulation takes half a minute.
+    """
+    dirs = []
+    if os.environ.get("RDMAIO_BENCH_CACHE"):
+        dirs.append(Path(os.environ["RDMAIO_BENCH_CACHE"]))
+    checkout = CM_SETUP_SOURCE.parents[3]
+    if (checkout / ".git").exists() and (checkout / "pyproject.toml").exists():
+        dirs.append(checkout / "build" / "bench-native")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    dirs.append(Path(base) / "rdmaio" / "bench")
+    dirs.append(Path(tempfile.gettempdir()) / f"rdmaio-bench-{os.getuid()}")
+    return dirs
+
+
+def build_cm_setup(source: Path = CM_SETUP_SOURCE, compiler: str = "gcc") -> Path:
+    """Compile ``cm_setup.c`` (once per source version: the binary is named by the source's hash and
+    reused while it exists) and return the executable's path. Raises :class:`NativeBuildError` saying
+    what is missing."""
+    code = source.read_bytes()
+    digest = hashlib.sha256(code).hexdigest()[:16]
+    name = f"cm_setup-{digest}"
+    for directory in _cache_dirs():
+        cached = directory / name
+        if os.access(cached, os.X_OK):
+            return cached
+    gcc = shutil.which(compiler)
+    if gcc is None:
+        raise NativeBuildError(
+            f"{compiler} not found on PATH: the native setup contender is compiled at bench time "
+            "(apt-get install gcc libc6-dev librdmacm-dev libibverbs-dev)"
+        )
+    problems: list[str] = []
+    for directory in _cache_dirs():
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            problems.append(f"{directory}: {exc.strerror}")
+            continue
+        target = directory / name
+        partial = directory / f"{name}.{os.getpid()}.tmp"
+        cmd = [gcc, "-O2", "-o", str(partial), str(source), "-lrdmacm", "-libverbs"]
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            problems.append(f"{directory}: {exc}")
+            continue
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise NativeBuildError(
+                f"compiling {source.name} failed (needs librdmacm-dev and libibverbs-dev): "
+                + result.stderr.strip()[-800:]
+            )
+        partial.replace(target)  # atomic: a concurrent run never executes a half-written file
+        return target
+    raise NativeBuildError("no writable cache directory for the compiled cm_setup: " + "; ".join(problems))
+
+
+def cm_setup_commands(
+    binary: Path, host: str, port: int, count: int, seconds: float
+) -> tuple[list[str], list[str]]:
+    """Server and client command lines of one ``cm_setup`` measurement (with the 16 B echo, the same
+    work per connection as the rdmaio setup workload)."""
+    server = [str(binary), "server", host, str(port), "echo"]
+    client = [str(binary), "client", host, str(port), str(count), f"{seconds:g}", "echo"]
+    return server, client
 
 
 @dataclass(slots=True)
@@ -50,6 +145,8 @@ class ExternalConfig:
     """Server starts per measurement (each with up to 3 client tries)."""
     rstream_mode: str = "b"
     """rstream ``-T`` option: ``b`` (blocking calls) or ``n`` (its default, non-blocking spinning)."""
+    setup_seconds: float = 10.0
+    """Seconds after which ``cm_setup``'s client stops (the same as the Python setup loop's)."""
     _ports: Iterator[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,12 +254,15 @@ def run_pair(
     timeout: float,
     ready_wait: float = 10.0,
     client_tries: int = 4,
+    server_grace: float = 15.0,
 ) -> PairResult:
     """Start ``server_cmd``, then run ``client_cmd`` against it; return both outputs.
 
     The client starts once the server printed ``ready_marker``, or after ``ready_wait`` seconds if the
     marker does not show up; a client that fails while the server still runs (typically: connection
     rejected because the server was not listening yet) is retried, ``client_tries`` times in all.
+    After a successful client the server gets ``server_grace`` seconds to exit on its own before it is
+    terminated (0 for a server that never exits by itself).
     """
     server = _Server(server_cmd, ready_marker)
     failures: list[str] = []
@@ -192,7 +292,7 @@ def run_pair(
                 break
             client_out = client.stdout + client.stderr
             if client.returncode == 0:
-                server.stop(15.0)
+                server.stop(server_grace)
                 return PairResult(True, client_out, server.text())
             failures.append(f"client exited with status {client.returncode}")
             time.sleep(1.0)
@@ -238,7 +338,14 @@ def run_external(
     trips for the latency tools, and the number of one-way transfers for rstream's stream test.
     """
     tool = contender
-    if shutil.which(tool) is None:
+    binary: Path | None = None
+    if contender == "cm_setup":
+        try:
+            binary = build_cm_setup()
+        except (NativeBuildError, OSError) as exc:
+            failure = Sample.failure(f"native setup contender unavailable: {exc}")
+            return {w: failure for w in workloads}
+    elif shutil.which(tool) is None:
         failure = Sample.failure(f"{tool} not found on PATH (install perftest / rdmacm-utils)")
         return {w: failure for w in workloads}
     errors: list[str] = []
@@ -252,11 +359,22 @@ def run_external(
             server_cmd = [*base, "-b", config.host]
             client_cmd = [*base, "-s", config.host]
             marker = _RSTREAM_READY
+        elif binary is not None:
+            server_cmd, client_cmd = cm_setup_commands(
+                binary, config.host, port, amount, config.setup_seconds
+            )
+            marker = _CM_SETUP_READY
         else:
             base = perftest_command(tool, size, amount, port, config.device)
             server_cmd, client_cmd = base, [*base, config.host]
             marker = _PERFTEST_READY
-        last = run_pair(server_cmd, client_cmd, ready_marker=marker, timeout=config.timeout)
+        last = run_pair(
+            server_cmd,
+            client_cmd,
+            ready_marker=marker,
+            timeout=max(config.timeout, config.setup_seconds * 3) if binary else config.timeout,
+            server_grace=0.0 if binary is not None else 15.0,
+        )
         if last.ok:
             break
         errors.append(f"attempt {attempt + 1}: {last.error}")
@@ -332,6 +450,21 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
                 note="rstream -I 1 -C N: N transfers one way then N back; bytes/s over both",
                 raw=raw,
             )
+    elif contender == "cm_setup":
+        setup = parse_cm_setup(out)
+        if not setup.echo:
+            raise ParseError("cm_setup ran without the 16 B echo the setup workload compares")
+        samples[Workload.SETUP] = Sample(
+            ok=True,
+            conns_per_s=setup.rate,
+            seconds=setup.seconds,
+            ops=setup.connections,
+            note=(
+                "C rdma_cm loop: connect + 16 B echo + disconnect, PD/CQ/MR reused, "
+                "first connection not counted"
+            ),
+            raw=raw,
+        )
     else:
         raise ParseError(f"no parser for {contender}")
     return samples

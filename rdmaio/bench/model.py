@@ -13,14 +13,18 @@ __all__ = [
     "CONTENDER_GROUPS",
     "ECHO_SIZES",
     "FULL",
+    "MEMORY_COUNTS",
     "QUICK",
+    "SETUP_SIZE",
     "SIZES",
+    "THROUGHPUT_WORKLOADS",
     "Budget",
     "Contender",
     "Figure",
     "Sample",
     "Workload",
     "format_size",
+    "format_what",
     "parse_size",
     "resolve_contenders",
 ]
@@ -32,10 +36,14 @@ SIZES: tuple[int, ...] = (64, 4 * KiB, 64 * KiB, MiB)
 """Message/chunk sizes of the stream and message workloads."""
 ECHO_SIZES: tuple[int, ...] = (64, 4 * KiB)
 """Sizes of the echo (round-trip latency) workload."""
+SETUP_SIZE = 16
+"""Bytes echoed once on each connection of the setup workload."""
+MEMORY_COUNTS: tuple[int, ...] = (1, 100, 1000)
+"""Idle connections held open by the memory workload (its "size" is a connection count)."""
 
 
 class Workload(StrEnum):
-    """The three workloads."""
+    """The workloads."""
 
     STREAM = "stream"
     """One-way byte stream, writer to reader: bytes/s."""
@@ -43,28 +51,48 @@ class Workload(StrEnum):
     """Messages sent back to back (a pipeline of outstanding sends): messages/s."""
     ECHO = "echo"
     """Ping-pong of one message: round-trip time, p50 and p99."""
+    SETUP = "setup"
+    """Sequential connect + one 16 B echo + close: connections/s."""
+    MEMORY = "memory"
+    """Registered bytes and RSS growth per idle connection, server and client side (lower is better)."""
+
+
+THROUGHPUT_WORKLOADS: tuple[Workload, ...] = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO)
+"""The data-path workloads (those of the ``uvloop_vs_asyncio`` geometric mean)."""
 
 
 WORKLOAD_TITLES: dict[Workload, str] = {
     Workload.STREAM: "One-way stream throughput",
     Workload.MESSAGE: "Message rate (pipelined sends)",
     Workload.ECHO: "Echo round trip",
+    Workload.SETUP: "Connection setup (connect + 16 B echo + close, sequential)",
+    Workload.MEMORY: "Memory per idle connection",
 }
 WORKLOAD_UNITS: dict[Workload, str] = {
     Workload.STREAM: "B/s",
     Workload.MESSAGE: "msg/s",
     Workload.ECHO: "us",
+    Workload.SETUP: "conn/s",
+    Workload.MEMORY: "B/conn",
 }
 HIGHER_IS_BETTER: dict[Workload, bool] = {
     Workload.STREAM: True,
     Workload.MESSAGE: True,
     Workload.ECHO: False,
+    Workload.SETUP: True,
+    Workload.MEMORY: False,
 }
 
 
-def sizes_of(workload: Workload) -> tuple[int, ...]:
-    """The sizes measured for ``workload``."""
-    return ECHO_SIZES if workload is Workload.ECHO else SIZES
+def sizes_of(workload: Workload, memory_counts: tuple[int, ...] = MEMORY_COUNTS) -> tuple[int, ...]:
+    """The sizes measured for ``workload`` (for the memory workload: its connection counts)."""
+    if workload is Workload.ECHO:
+        return ECHO_SIZES
+    if workload is Workload.SETUP:
+        return (SETUP_SIZE,)
+    if workload is Workload.MEMORY:
+        return memory_counts
+    return SIZES
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +101,7 @@ class Contender:
 
     name: str
     kind: str
-    """``rdmaio``, ``tcp``, ``perftest`` or ``rstream``."""
+    """``rdmaio``, ``tcp``, ``perftest``, ``rstream`` or ``cm_setup`` (the native rdma_cm setup loop)."""
     loop: str | None
     """Event loop of a Python contender (``asyncio`` or ``uvloop``)."""
     workloads: tuple[Workload, ...]
@@ -87,15 +115,16 @@ class Contender:
         return self.kind in ("rdmaio", "tcp")
 
 
-_ALL = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO)
+_ALL = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO, Workload.SETUP, Workload.MEMORY)
+_TCP = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO, Workload.SETUP)
 
 CONTENDERS: dict[str, Contender] = {
     c.name: c
     for c in (
         Contender("rdmaio-asyncio", "rdmaio", "asyncio", _ALL, False, "rdmaio on the asyncio loop"),
         Contender("rdmaio-uvloop", "rdmaio", "uvloop", _ALL, False, "rdmaio on uvloop"),
-        Contender("tcp-asyncio", "tcp", "asyncio", _ALL, False, "asyncio streams over TCP"),
-        Contender("tcp-uvloop", "tcp", "uvloop", _ALL, False, "asyncio streams on uvloop over TCP"),
+        Contender("tcp-asyncio", "tcp", "asyncio", _TCP, False, "asyncio streams over TCP"),
+        Contender("tcp-uvloop", "tcp", "uvloop", _TCP, False, "asyncio streams on uvloop over TCP"),
         Contender(
             "ib_send_bw",
             "perftest",
@@ -123,6 +152,14 @@ CONTENDERS: dict[str, Contender] = {
             True,
             "rsocket streams (rdmacm-utils rstream)",
         ),
+        Contender(
+            "cm_setup",
+            "cm_setup",
+            None,
+            (Workload.SETUP,),
+            True,
+            "minimal C rdma_cm loop: connect + 16 B echo + disconnect (rdmaio/bench/native/cm_setup.c)",
+        ),
     )
 }
 
@@ -132,6 +169,7 @@ CONTENDER_GROUPS: dict[str, tuple[str, ...]] = {
     "tcp": ("tcp-asyncio", "tcp-uvloop"),
     "python": ("rdmaio-asyncio", "rdmaio-uvloop", "tcp-asyncio", "tcp-uvloop"),
     "perftest": ("ib_send_bw", "ib_write_bw", "ib_send_lat"),
+    "native": ("ib_send_bw", "ib_write_bw", "ib_send_lat", "rstream", "cm_setup"),
     "asyncio": ("rdmaio-asyncio", "tcp-asyncio"),
     "uvloop": ("rdmaio-uvloop", "tcp-uvloop"),
 }
@@ -176,6 +214,13 @@ def format_size(size: int) -> str:
     return f"{size} B"
 
 
+def format_what(workload: Workload, size: int) -> str:
+    """``64 B`` for a message size; ``100 connections`` for the memory workload's connection count."""
+    if workload is Workload.MEMORY:
+        return f"{size} connection{'s' if size != 1 else ''}"
+    return format_size(size)
+
+
 @dataclass(frozen=True, slots=True)
 class Budget:
     """How much each measurement moves, and for how long at most."""
@@ -191,9 +236,19 @@ class Budget:
     """Seconds after which a Python client stops early (it reports what it moved)."""
     reps: int
     """Repetitions per figure; the median is reported."""
+    setup_conns: int = 2000
+    """Connections per setup measurement (at most; :attr:`setup_seconds` usually ends it first)."""
+    setup_seconds: float = 10.0
+    """Seconds after which a setup measurement stops (every contender, the native one included): at
+    about 10 connections/s under emulation the data-path time cap would leave too few to measure."""
 
     def amount(self, workload: Workload, size: int) -> int:
-        """Operations of one measurement: writes, messages or round trips."""
+        """Operations of one measurement: writes, messages, round trips, connections (setup), or the
+        connections held open (memory: the "size" is that count)."""
+        if workload is Workload.SETUP:
+            return max(1, self.setup_conns)
+        if workload is Workload.MEMORY:
+            return size
         if workload is Workload.ECHO:
             return max(5, self.echo_iters.get(size, 1000))
         table = self.stream_bytes if workload is Workload.STREAM else self.message_bytes
@@ -208,6 +263,8 @@ class Budget:
             "echo_iters": {str(k): v for k, v in self.echo_iters.items()},
             "time_cap_s": self.time_cap,
             "reps": self.reps,
+            "setup_conns": self.setup_conns,
+            "setup_seconds": self.setup_seconds,
         }
 
 
@@ -226,6 +283,8 @@ QUICK = Budget(
     echo_iters={64: 300, 4 * KiB: 300},
     time_cap=1.0,
     reps=1,
+    setup_conns=500,
+    setup_seconds=5.0,
 )
 
 
@@ -242,7 +301,12 @@ class Sample:
     mean_us: float | None = None
     seconds: float | None = None
     ops: int | None = None
-    """Writes, messages or round trips completed."""
+    """Writes, messages, round trips or connections completed."""
+    conns_per_s: float | None = None
+    """Setup workload: connections per second."""
+    memory: dict[str, float] | None = None
+    """Memory workload: what :func:`rdmaio.bench.memory.per_connection` computes (bytes per connection,
+    server and client side), also on a failed sample when part of the connections were opened."""
     capped: bool = False
     """Stopped by the time cap before the budget was used up."""
     rdmaio: dict[str, float] | None = None
@@ -252,9 +316,19 @@ class Sample:
     """Tail of a tool's output, kept for checking the parse."""
 
     def value(self, workload: Workload) -> float | None:
-        """The primary figure: bytes/s, messages/s, or p50 round trip (mean when no p50 exists)."""
+        """The primary figure: bytes/s, messages/s, p50 round trip (mean when no p50 exists),
+        connections/s, or (memory) the larger of the server's and the client's registered bytes per
+        connection."""
         if not self.ok:
             return None
+        if workload is Workload.SETUP:
+            return self.conns_per_s
+        if workload is Workload.MEMORY:
+            if self.memory is None:
+                return None
+            sides = [self.memory.get(f"registered_per_conn_{side}") for side in ("server", "client")]
+            present = [v for v in sides if v is not None]
+            return max(present) if present else None
         if workload is Workload.STREAM:
             return self.bytes_per_s
         if workload is Workload.MESSAGE:
@@ -323,6 +397,11 @@ class Figure:
         """Median of a Sample attribute over the successful repetitions."""
         return median(getattr(s, name) for s in self.ok_samples)
 
+    def memory_median(self, name: str) -> float | None:
+        """Median of one memory figure (``registered_per_conn_server``, ...) over the successful
+        repetitions."""
+        return median((s.memory or {}).get(name) for s in self.ok_samples)
+
     def rdmaio_median(self, name: str) -> float | None:
         """Median of one rdmaio statistic (``wakeups_per_op``, ...) over the successful repetitions."""
         return median((s.rdmaio or {}).get(name) for s in self.ok_samples)
@@ -341,6 +420,7 @@ class Figure:
             "p50_us": self.median_of("p50_us"),
             "p99_us": self.median_of("p99_us"),
             "mean_us": self.median_of("mean_us"),
+            "conns_per_s": self.median_of("conns_per_s"),
             "errors": self.errors,
             "samples": [s.to_json() for s in self.samples],
         }
@@ -351,6 +431,13 @@ class Figure:
                     stats_keys.append(key)
         if stats_keys:
             data["rdmaio"] = {key: self.rdmaio_median(key) for key in stats_keys}
+        memory_keys: list[str] = []
+        for s in self.ok_samples:
+            for key in s.memory or {}:
+                if key not in memory_keys:
+                    memory_keys.append(key)
+        if memory_keys:
+            data["memory"] = {key: self.memory_median(key) for key in memory_keys}
         notes = sorted({s.note for s in self.samples if s.note})
         if notes:
             data["note"] = "; ".join(notes)

@@ -1,4 +1,5 @@
-"""Parsers of the reports printed by perftest (``ib_send_bw``, ``ib_write_bw``, ``ib_send_lat``) and rstream.
+"""Parsers of the reports printed by perftest (``ib_send_bw``, ``ib_write_bw``, ``ib_send_lat``), rstream
+and the native setup loop ``cm_setup``.
 
 Units, as the tools define them:
 
@@ -21,10 +22,12 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "CmSetupResult",
     "ParseError",
     "PerftestBandwidth",
     "PerftestLatency",
     "RstreamResult",
+    "parse_cm_setup",
     "parse_perftest_bw",
     "parse_perftest_lat",
     "parse_rstream",
@@ -210,3 +213,39 @@ def parse_rstream(text: str) -> RstreamResult:
     if not seen_header:
         raise ParseError("no rstream report header (name bytes xfers iters total time Gb/sec usec/xfer)")
     raise ParseError("rstream header found but no result line follows")
+
+
+@dataclass(frozen=True, slots=True)
+class CmSetupResult:
+    """The report line of the native setup loop (``rdmaio/bench/native/cm_setup.c``)."""
+
+    connections: int
+    seconds: float
+    rate: float
+    """Connections per second, as the tool computed it (``connections / seconds``)."""
+    echo: bool
+    """Whether each connection echoed its 16 bytes (the rdmaio setup workload does)."""
+
+
+_CM_SETUP_LINE = re.compile(
+    rf"^cm_setup connections (?P<n>\d+) seconds (?P<sec>{_NUMBER}) rate (?P<rate>{_NUMBER})"
+    r" echo (?P<echo>[01])\s*$"
+)
+
+
+def parse_cm_setup(text: str) -> CmSetupResult:
+    """Parse the client's ``cm_setup connections N seconds S rate R echo E`` line."""
+    for line in text.splitlines():
+        match = _CM_SETUP_LINE.match(line.strip())
+        if match is None:
+            continue
+        result = CmSetupResult(
+            connections=int(match["n"]),
+            seconds=float(match["sec"]),
+            rate=float(match["rate"]),
+            echo=match["echo"] == "1",
+        )
+        if result.connections <= 0 or result.seconds <= 0 or not math.isfinite(result.rate):
+            raise ParseError(f"cm_setup measured nothing: {line.strip()!r}")
+        return result
+    raise ParseError("no 'cm_setup connections N seconds S rate R echo E' line in the output")

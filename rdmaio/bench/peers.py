@@ -6,6 +6,12 @@ standard input, one command per line:
 ``serve asyncio`` / ``serve uvloop``
     start an event loop of that kind with an rdmaio listener and a TCP (asyncio streams) listener on the
     benchmark address; answer one JSON line ``{"ready": true, "rdmaio_port": ..., "tcp_port": ...}``.
+``trim``
+    return the C heap's free memory to the kernel (the memory workload's baseline); answer
+    ``{"trimmed": true}`` (false without glibc).
+``stats``
+    answer ``{"stats": {"pid": ..., "clients": ...}}``: the server's process id and the rdmaio
+    connections its main listener holds now (the memory workload waits on it).
 ``stop``
     close both listeners and the loop; answer ``{"stopped": true}``.
 ``quit`` (or end of input)
@@ -15,6 +21,11 @@ Each client connection starts with a header (a message for rdmaio, a JSON line f
 workload; the client then runs it and signals its end with ``write_eof()``; the server answers with one
 JSON acknowledgement holding what it received and, for rdmaio, its ``Endpoint.statistics()``. The client
 stops its clock when that acknowledgement arrives, so a throughput figure covers delivery of every byte.
+
+The setup workload connects to a second pair of listeners (``rdmaio_echo_port``, ``tcp_echo_port``)
+whose handlers echo every message without a header, so that a connection costs connect + one round
+trip + close and nothing else. The memory workload holds idle connections to the main rdmaio listener
+(its handler waits for a header that never comes).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import contextlib
 import cProfile
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,6 +43,16 @@ from pathlib import Path
 from typing import Any
 
 import rdmaio
+from rdmaio.bench.memory import (
+    MEMORY_RESERVE,
+    MemoryProbe,
+    Snapshot,
+    mem_available,
+    per_connection,
+    raise_fd_limit,
+    trim_heap,
+    wait_for_clients,
+)
 from rdmaio.bench.model import Sample, Workload
 
 __all__ = [
@@ -39,6 +61,8 @@ __all__ = [
     "READ_SIZE",
     "loop_factory",
     "measure",
+    "measure_memory",
+    "measure_setup",
     "rdmaio_stats",
     "server_main",
 ]
@@ -174,6 +198,32 @@ async def _tcp_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             await writer.wait_closed()
 
 
+async def _rdmaio_echo(ep: rdmaio.Endpoint) -> None:
+    """Setup workload: echo every message, no header, until EOF."""
+    try:
+        recv, send = ep.recv, ep.send
+        while (message := await recv()) is not None:
+            await send(message)
+    except Exception as exc:
+        print(f"bench server: rdmaio echo connection failed: {exc!r}", file=sys.stderr, flush=True)
+    finally:
+        await ep.aclose()
+
+
+async def _tcp_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Setup workload over TCP: echo whatever arrives until EOF."""
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except Exception as exc:
+        print(f"bench server: TCP echo connection failed: {exc!r}", file=sys.stderr, flush=True)
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
 def _reply(obj: Mapping[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -181,33 +231,56 @@ def _reply(obj: Mapping[str, Any]) -> None:
 
 async def _serve_phase(host: str, kind: str) -> None:
     loop = asyncio.get_running_loop()
-    rdma_server: rdmaio.StreamServer | None = None
-    reply: dict[str, Any] = {"ready": True, "loop": kind, "rdmaio_port": None, "rdmaio_error": None}
-    try:
-        rdma_server = await rdmaio.serve(_rdmaio_handler, host, 0)
-        reply["rdmaio_port"] = rdma_server.addresses[0][1]
-    except Exception as exc:
-        reply["rdmaio_error"] = f"{type(exc).__name__}: {exc}"
+    rdma_servers: dict[str, rdmaio.StreamServer] = {}
+    reply: dict[str, Any] = {"ready": True, "loop": kind, "pid": os.getpid()}
+    for name, handler in (("rdmaio", _rdmaio_handler), ("rdmaio_echo", _rdmaio_echo)):
+        reply[f"{name}_port"] = None
+        reply[f"{name}_error"] = None
+        try:
+            # The memory workload holds up to thousands of idle connections, opened one at a time:
+            # the backlog only bounds connections not yet established, but keep it out of the way.
+            server = await rdmaio.serve(handler, host, 0, backlog=1024)
+        except Exception as exc:
+            reply[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            rdma_servers[name] = server
+            reply[f"{name}_port"] = server.addresses[0][1]
     tcp_server = await asyncio.start_server(_tcp_handler, host, 0)
+    tcp_echo = await asyncio.start_server(_tcp_echo, host, 0)
     reply["tcp_port"] = tcp_server.sockets[0].getsockname()[1]
+    reply["tcp_echo_port"] = tcp_echo.sockets[0].getsockname()[1]
     _reply(reply)
     try:
         while True:
             line = await loop.run_in_executor(None, sys.stdin.buffer.readline)
-            if not line or line.split()[:1] in ([b"stop"], [b"quit"]):
+            word = line.split()[:1]
+            if word == [b"trim"]:
+                _reply({"trimmed": trim_heap()})
+                continue
+            if word == [b"stats"]:
+                main = rdma_servers.get("rdmaio")
+                clients = main.statistics()["clients"] if main is not None else -1
+                _reply({"stats": {"pid": os.getpid(), "clients": clients}})
+                continue
+            if not line or word in ([b"stop"], [b"quit"]):
                 break
     finally:
         tcp_server.close()
-        if rdma_server is not None:
-            rdma_server.close()
+        tcp_echo.close()
+        for server in rdma_servers.values():
+            server.close()
+            server.close_clients()
+        for server in rdma_servers.values():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(rdma_server.wait_closed(), 10)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(tcp_server.wait_closed(), 10)
+                await asyncio.wait_for(server.wait_closed(), 30)
+        for tcp in (tcp_server, tcp_echo):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(tcp.wait_closed(), 10)
 
 
 def server_main(host: str, profile_dir: Path | None = None) -> int:
-    """Entry point of ``--role server``: obey ``serve KIND`` / ``stop`` / ``quit`` commands on stdin."""
+    """Entry point of ``--role server``: obey ``serve KIND`` / ``stats`` / ``stop`` / ``quit`` on stdin."""
+    raise_fd_limit()  # the memory workload holds many connections, each with its own fds
     phase = 0
     while True:
         line = sys.stdin.buffer.readline()
@@ -452,6 +525,128 @@ async def _tcp_measure(
     return _throughput_sample(workload, size, done, seconds, capped)
 
 
+async def _rdmaio_setup_once(host: str, port: int, payload: bytes) -> None:
+    ep = await rdmaio.connect(host, port, timeout=CONNECT_TIMEOUT)
+    try:
+        await ep.send(payload)
+        reply = await ep.recv()
+        if reply != payload:
+            raise RuntimeError(f"setup echo returned {None if reply is None else len(reply)} bytes")
+    finally:
+        await ep.aclose()
+
+
+async def _tcp_setup_once(host: str, port: int, payload: bytes) -> None:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+    try:
+        writer.write(payload)
+        await writer.drain()
+        reply = await reader.readexactly(len(payload))
+        if reply != payload:
+            raise RuntimeError("setup echo returned other bytes")
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def measure_setup(kind: str, host: str, port: int, size: int, count: int, seconds: float) -> Sample:
+    """The setup workload: connect, echo ``size`` bytes once, close; ``count`` times in sequence or until
+    ``seconds`` have passed. The first connection warms up (the loop's event channel, the device's
+    protection domain) and is not counted, as in the native ``cm_setup`` loop. Raises on failure."""
+    once = _rdmaio_setup_once if kind == "rdmaio" else _tcp_setup_once
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    await once(host, port, payload)
+    start = time.perf_counter()
+    done = 0
+    now = start
+    while done < count:
+        await once(host, port, payload)
+        done += 1
+        now = time.perf_counter()
+        if now - start >= seconds:
+            break
+    elapsed = now - start
+    # Not "capped": stopping after ``seconds`` is how a setup measurement normally ends.
+    return Sample(ok=True, conns_per_s=done / elapsed, seconds=elapsed, ops=done)
+
+
+async def measure_memory(
+    host: str,
+    port: int,
+    count: int,
+    server_pid: int,
+    server_stats: Callable[[], Awaitable[Mapping[str, Any]]],
+    server_trim: Callable[[], Awaitable[Any]] | None = None,
+    *,
+    reserve: int = MEMORY_RESERVE,
+) -> Sample:
+    """The memory workload at ``count`` idle connections (see :mod:`rdmaio.bench.memory`).
+
+    Never raises for a count that does not fit: the sample fails with what was opened and why, and its
+    ``memory`` holds the per-connection figures of the connections that were opened.
+    """
+    raise_fd_limit()
+    probe = MemoryProbe(server_pid)
+    loop = asyncio.get_running_loop()
+    await _rdmaio_setup_once_idle(host, port)
+    await wait_for_clients(server_stats, 0, 60.0)
+    if server_trim is not None:
+        await server_trim()
+    trim_heap()
+    before = await loop.run_in_executor(None, probe.snapshot)
+    endpoints: list[rdmaio.Endpoint] = []
+    error: str | None = None
+    try:
+        for _ in range(count):
+            available = mem_available()
+            if available is not None and available < reserve:
+                error = (
+                    f"stopped at {len(endpoints)} of {count} connections: MemAvailable "
+                    f"{available >> 20} MiB < reserve {reserve >> 20} MiB"
+                )
+                break
+            try:
+                endpoints.append(await rdmaio.connect(host, port, timeout=CONNECT_TIMEOUT))
+            except Exception as exc:
+                error = f"opened {len(endpoints)} of {count} connections, then {type(exc).__name__}: {exc}"
+                break
+        clients = await wait_for_clients(server_stats, len(endpoints), 120.0)
+        if clients != len(endpoints):
+            note = f"server holds {clients} clients, client opened {len(endpoints)}"
+            error = f"{error}; {note}" if error else note
+        during = await loop.run_in_executor(None, probe.snapshot)
+    finally:
+        await _close_all(endpoints)
+    opened = len(endpoints)
+    # A closed Endpoint still holds its slot buffers until it is collected: drop ours before measuring.
+    endpoints.clear()
+    await wait_for_clients(server_stats, 0, 120.0)
+    after: Snapshot | None = await loop.run_in_executor(None, probe.snapshot)
+    figures = per_connection(before, during, after, opened)
+    if error is not None:
+        sample = Sample.failure(error)
+        sample.memory = figures if opened else None
+        return sample
+    return Sample(ok=True, ops=opened, memory=figures)
+
+
+async def _rdmaio_setup_once_idle(host: str, port: int) -> None:
+    """Open and close one connection to the main listener (a warm-up before the baseline)."""
+    ep = await rdmaio.connect(host, port, timeout=CONNECT_TIMEOUT)
+    await ep.aclose()
+
+
+async def _close_all(endpoints: list[rdmaio.Endpoint]) -> None:
+    """Close the connections, a batch at a time (a graceful close is a round trip each)."""
+    for first in range(0, len(endpoints), 64):
+        batch = endpoints[first : first + 64]
+        results = await asyncio.gather(*(ep.aclose() for ep in batch), return_exceptions=True)
+        for ep, result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):
+                ep.abort()
+
+
 async def measure(
     kind: str,
     host: str,
@@ -473,6 +668,8 @@ async def measure(
     watchdog = asyncio.timeout(limit)
     try:
         async with watchdog:
+            if workload is Workload.SETUP:
+                return await measure_setup(kind, host, port, size, count, cap)
             return await runner(host, port, workload, size, count, cap, drain_every)
     except Exception as exc:
         if isinstance(exc, TimeoutError) and watchdog.expired():

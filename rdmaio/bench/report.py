@@ -13,21 +13,28 @@ from typing import Any
 from rdmaio.bench.model import (
     CONTENDERS,
     HIGHER_IS_BETTER,
+    SETUP_SIZE,
+    THROUGHPUT_WORKLOADS,
     WORKLOAD_TITLES,
     Figure,
     Workload,
     format_size,
+    format_what,
     sizes_of,
 )
 
 __all__ = [
+    "MEMORY_RSS_TARGET_KIB",
+    "MEMORY_TARGET_KIB",
     "SCHEMA",
+    "SETUP_TARGET",
     "FigureRatios",
     "Ratio",
     "build_report",
     "figure_ratios",
     "index_figures",
     "key_ratios",
+    "memory_ratios",
     "render_table",
     "validate_report",
 ]
@@ -36,6 +43,12 @@ SCHEMA = "rdmaio-bench/1"
 KiB = 1024
 MiB = 1024 * KiB
 LOOPS = ("asyncio", "uvloop")
+SETUP_TARGET = 0.5
+"""rdmaio's setup rate over the native rdma_cm loop's (issue 10)."""
+MEMORY_TARGET_KIB = 256.0
+"""Registered memory per idle connection and side, at most (issue 10)."""
+MEMORY_RSS_TARGET_KIB = 512.0
+"""RSS growth per idle connection and side, at most (issue 10)."""
 
 FigureKey = tuple[str, Workload, int]
 Figures = Mapping[FigureKey, Figure]
@@ -53,7 +66,7 @@ def _value(figures: Figures, contender: str, workload: Workload, size: int) -> f
 
 def _describe_missing(figures: Figures, contender: str, workload: Workload, size: int) -> str:
     figure = figures.get((contender, workload, size))
-    where = f"{contender} {workload} {format_size(size)}"
+    where = f"{contender} {workload} {format_what(workload, size)}"
     if figure is None:
         return f"{where} not measured"
     if figure.errors:
@@ -124,8 +137,8 @@ def figure_ratios(figures: Figures) -> list[FigureRatios]:
         figures.items(), key=lambda kv: (list(Workload).index(kv[0][1]), kv[0][2], kv[0][0])
     ):
         contender = CONTENDERS.get(name)
-        if contender is None or contender.kind != "rdmaio":
-            continue
+        if contender is None or contender.kind != "rdmaio" or workload is Workload.MEMORY:
+            continue  # memory has no other contender: memory_ratios() checks it against its targets
         value = figure.value
         best_name, best_value = best_rdma(figures, workload, size)
         tcp = f"tcp-{contender.loop}"
@@ -227,7 +240,7 @@ def _pair_ratio(
 def uvloop_speedups(figures: Figures) -> list[dict[str, Any]]:
     """rdmaio on uvloop against rdmaio on asyncio, figure by figure (above 1: uvloop is faster)."""
     rows: list[dict[str, Any]] = []
-    for workload in Workload:
+    for workload in THROUGHPUT_WORKLOADS:
         for size in sizes_of(workload):
             a = _value(figures, "rdmaio-asyncio", workload, size)
             u = _value(figures, "rdmaio-uvloop", workload, size)
@@ -335,6 +348,19 @@ def key_ratios(figures: Figures) -> list[Ratio]:
                     1.5,
                 )
             )
+        ratios.append(
+            _pair_ratio(
+                figures,
+                "setup_vs_native",
+                "setup: connect + 16 B echo + close, conn/s vs the native rdma_cm loop",
+                loop,
+                (me, Workload.SETUP, SETUP_SIZE),
+                ("cm_setup", Workload.SETUP, SETUP_SIZE),
+                ">=",
+                SETUP_TARGET,
+            )
+        )
+        ratios.extend(memory_ratios(figures, loop))
     speedups = uvloop_speedups(figures)
     geomean = math.exp(sum(math.log(r["speedup"]) for r in speedups) / len(speedups)) if speedups else None
     ratios.append(
@@ -354,6 +380,50 @@ def key_ratios(figures: Figures) -> list[Ratio]:
             ),
         )
     )
+    return ratios
+
+
+def memory_ratios(figures: Figures, loop: str) -> list[Ratio]:
+    """The memory targets for rdmaio on ``loop``: registered KiB and RSS growth KiB per idle connection,
+    server and client side, at the largest connection count measured successfully (the note names it,
+    and the larger counts that failed and why)."""
+    me = f"rdmaio-{loop}"
+    measured = sorted(
+        (f for (name, workload, _size), f in figures.items() if name == me and workload is Workload.MEMORY),
+        key=lambda f: f.size,
+    )
+    good = [f for f in measured if f.ok_samples]
+    chosen = good[-1] if good else None
+    failed = [
+        f"{f.size} connections failed: {f.errors[0] if f.errors else 'no value'}"
+        for f in measured
+        if chosen is None or f.size > chosen.size
+        if not f.ok_samples
+    ]
+    ratios: list[Ratio] = []
+    for metric, label, target in (
+        ("registered", "registered memory", MEMORY_TARGET_KIB),
+        ("rss", "RSS growth", MEMORY_RSS_TARGET_KIB),
+    ):
+        for side in ("server", "client"):
+            value = None if chosen is None else chosen.memory_median(f"{metric}_per_conn_{side}")
+            notes = [] if chosen is None else [f"at {chosen.size} idle connections"]
+            if chosen is None:
+                notes.append(f"{me} memory not measured" if not measured else f"{me} memory failed")
+            notes.extend(failed)
+            ratios.append(
+                Ratio(
+                    key=f"memory_{metric}_{side}_kib_per_conn",
+                    description=f"{label} per idle connection, {side} side (KiB)",
+                    loop=loop,
+                    value=None if value is None else value / KiB,
+                    op="<=",
+                    target=target,
+                    numerator=f"{me} {side} {metric} growth",
+                    denominator="idle connections",
+                    note="; ".join(notes) or None,
+                )
+            )
     return ratios
 
 
@@ -493,6 +563,8 @@ def _cell(figure: Figure | None, workload: Workload) -> str:
     if workload is Workload.MESSAGE:
         rate = figure.median_of("msgs_per_s")
         return _fmt(None if rate is None else rate / 1000) + mark
+    if workload is Workload.SETUP:
+        return _fmt(figure.median_of("conns_per_s")) + mark
     p50, p99 = figure.median_of("p50_us"), figure.median_of("p99_us")
     if p50 is None:
         return f"~{_fmt(figure.median_of('mean_us'))}{mark}"
@@ -503,7 +575,88 @@ _UNITS_TEXT = {
     Workload.STREAM: "MiB/s",
     Workload.MESSAGE: "thousand msg/s",
     Workload.ECHO: "round trip p50/p99 in us (~ = mean only)",
+    Workload.SETUP: "connections/s",
+    Workload.MEMORY: "KiB per idle connection",
 }
+
+
+_RATIO_PREFIXES: tuple[tuple[str, Workload], ...] = (
+    ("oneway_", Workload.STREAM),
+    ("stream_", Workload.STREAM),
+    ("message_", Workload.MESSAGE),
+    ("echo_", Workload.ECHO),
+    ("setup_", Workload.SETUP),
+    ("memory_", Workload.MEMORY),
+)
+
+
+def _ratio_workloads(key: str) -> set[Workload]:
+    """The workloads a headline ratio is computed from (by its key)."""
+    for prefix, workload in _RATIO_PREFIXES:
+        if key.startswith(prefix):
+            return {workload}
+    return set(THROUGHPUT_WORKLOADS)  # uvloop_vs_asyncio: the data-path figures
+
+
+def _kib(value: float | None) -> str:
+    return "-" if value is None else _fmt(value / KiB)
+
+
+_MEMORY_KEYS = tuple(
+    f"{metric}_{side}"
+    for metric in ("registered_per_conn", "rss_per_conn", "registered_left", "rss_left")
+    for side in ("server", "client")
+)
+
+
+def _memory_table(figures: Sequence[Figure], summary: str) -> list[str]:
+    """One row per rdmaio contender and connection count: growth per connection on each side, and
+    what was still held after every connection was closed (bytes over the baseline, in KiB)."""
+    own = sorted((f for f in figures if f.workload is Workload.MEMORY), key=lambda f: (f.contender, f.size))
+    if not own:
+        return []
+    lines = [f"{WORKLOAD_TITLES[Workload.MEMORY]} - {_UNITS_TEXT[Workload.MEMORY]} ({summary})"]
+    rows = [
+        [
+            "contender",
+            "connections",
+            "registered srv/cli",
+            "RSS srv/cli",
+            "left after close: registered srv/cli",
+            "RSS srv/cli",
+        ]
+    ]
+    for f in own:
+        # A failed count still shows what its opened connections cost (marked ERR and how many).
+        samples = f.ok_samples or [s for s in f.samples if s.memory]
+        if not samples:
+            rows.append([f.contender, str(f.size), "ERR", "ERR", "-", "-"])
+            continue
+        if f.ok_samples:
+            # Medians over the successful repetitions.
+            values = {key: f.memory_median(key) for key in _MEMORY_KEYS}
+            count = str(f.size) + ("*" if f.status == "partial" else "")
+        else:
+            memory = samples[-1].memory or {}
+            values = {key: memory.get(key) for key in _MEMORY_KEYS}
+            count = f"{f.size} (ERR: {int(memory.get('connections', 0))} opened)"
+
+        def get(key: str, values: dict[str, float | None] = values) -> float | None:
+            return values[key]
+
+        rows.append(
+            [
+                f.contender,
+                count,
+                f"{_kib(get('registered_per_conn_server'))}/{_kib(get('registered_per_conn_client'))}",
+                f"{_kib(get('rss_per_conn_server'))}/{_kib(get('rss_per_conn_client'))}",
+                f"{_kib(get('registered_left_server'))}/{_kib(get('registered_left_client'))}",
+                f"{_kib(get('rss_left_server'))}/{_kib(get('rss_left_client'))}",
+            ]
+        )
+    lines.extend(_grid(rows, left=1))
+    lines.append("")
+    return lines
 
 
 def _grid(rows: list[list[str]], left: int = 1) -> list[str]:
@@ -532,6 +685,9 @@ def render_table(
     lines: list[str] = []
     summary = f"median of {reps} runs" if reps > 1 else "single run"
     for workload in chosen:
+        if workload is Workload.MEMORY:
+            lines.extend(_memory_table(figures, summary))
+            continue
         columns = [c for c in contenders if workload in CONTENDERS[c].workloads]
         if not columns or workload not in present:
             continue
@@ -592,7 +748,8 @@ def render_table(
         lines.extend(_grid(rows, left=3))
         lines.append("")
 
-    ratios = key_ratios(indexed)
+    # Only the targets of the workloads shown: a setup-only run has no use for rows of n/a.
+    ratios = [r for r in key_ratios(indexed) if not chosen or _ratio_workloads(r.key) & set(chosen)]
     lines.append("Targets")
     rows = [["ratio", "asyncio", "uvloop", "target"]]
     by_key: dict[str, dict[str | None, Ratio]] = {}
@@ -629,9 +786,11 @@ def render_table(
     failures: list[str] = []
     for figure in figures:
         for error in figure.errors:
-            failures.append(f"  {figure.contender} {figure.workload} {format_size(figure.size)}: {error}")
+            failures.append(
+                f"  {figure.contender} {figure.workload} {format_what(figure.workload, figure.size)}: {error}"
+            )
     capped = [
-        f"{f.contender} {f.workload} {format_size(f.size)}"
+        f"{f.contender} {f.workload} {format_what(f.workload, f.size)}"
         for f in figures
         if any(s.capped for s in f.ok_samples)
     ]

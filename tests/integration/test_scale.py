@@ -1,0 +1,329 @@
+"""Many idle connections to one server, then all closed: nothing may be left behind (issue 10).
+
+The server runs in its own process (on uvloop; the client is on asyncio), so that each side's file
+descriptors and resident memory are its own. ``RDMAIO_SCALE_CONNS`` sets how many connections are held
+at once: 100 by default, which fits the test host's 2 GiB with today's 4 MiB of registered slot rings per
+connection and side; the issue's acceptance figure is 1,000 (``RDMAIO_SCALE_CONNS=1000``), which needs
+the smaller per-connection footprint first. The test refuses (fails, never skips) a count whose rings
+cannot fit in the machine's available memory, naming the figures.
+
+What is checked, in both processes: the kernel's RDMA objects (QPs, CQs, MRs, PDs, cm ids: ``rdma resource
+show``, the same after as before), open fds (``/proc/PID/fd``: the same after as before), the Endpoint and
+Transport objects alive in the heap (none may outlive its close) and, in a second test on the same run,
+``VmRSS`` after closing and trimming the C heap (at most :data:`RSS_TOLERANCE` above the baseline). The
+trim is there because glibc keeps the freed 2 MiB rings otherwise (see that test; the untrimmed figures
+go to the junit report). One run takes about 2 s per connection in the test host (193 s at 100).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rdma_state import rdma_resources
+
+import rdmaio
+from rdmaio.bench.memory import mem_available, rss_bytes, trim_heap
+from rdmaio.transport import Transport
+
+SYSFS_INFINIBAND = Path("/sys/class/infiniband")
+CONNS = int(os.environ.get("RDMAIO_SCALE_CONNS", "100"))
+"""Connections held open at once."""
+OPEN_BATCH = 25
+"""Connections opened concurrently (well below the server's backlog of 128)."""
+# pytest-timeout's 600 s covers the module fixture too (it runs in the first test's setup): about 2 s per
+# connection were measured in the test host at N=100 (open, echo on a sample, close: 193 s in all).
+pytestmark = pytest.mark.timeout(max(600, 3 * CONNS))
+SAMPLE_EVERY = 10
+"""Every this many connections carries traffic (a few echoes) before the close."""
+RSS_TOLERANCE = 16 * 1024 * 1024
+"""How far above its baseline a process's RSS may stay once everything is closed.
+
+Freed memory is not always given back to the kernel at once (glibc keeps freed heap at the top up to its
+trim threshold, Python keeps its arenas); a leak of one slot ring per connection (2 MiB) would exceed this
+after eight connections, so it still catches leaks per connection."""
+
+SERVER = textwrap.dedent(
+    """
+    import asyncio, gc, json, os, resource, sys
+    import uvloop
+    import rdmaio
+    from rdmaio.bench.memory import trim_heap
+    from rdmaio.transport import Transport
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    async def echo(ep):
+        async with ep:
+            while (msg := await ep.recv()) is not None:
+                await ep.send(msg)
+
+    async def main():
+        server = await rdmaio.serve(echo, sys.argv[1], 0)
+        loop = asyncio.get_running_loop()
+        print("READY", json.dumps({"port": server.addresses[0][1], "pid": os.getpid()}), flush=True)
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if line.strip() == "stats":
+                gc.collect()
+                alive = sum(isinstance(o, (rdmaio.Endpoint, Transport)) for o in gc.get_objects())
+                print(json.dumps({"clients": server.statistics()["clients"], "alive": alive}), flush=True)
+            elif line.strip() == "trim":
+                print(json.dumps({"trimmed": trim_heap()}), flush=True)
+            else:
+                break
+        async with server:
+            pass
+
+    uvloop.run(main())
+    """
+)
+
+
+class Server:
+    """The server process: its port and pid, and its clients count on request."""
+
+    def __init__(self, host: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, host], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("READY"), f"server did not start: {line!r}"
+        info = json.loads(line.split(" ", 1)[1])
+        self.port: int = info["port"]
+        self.pid: int = info["pid"]
+
+    def stats(self) -> dict[str, int]:
+        """``clients``: established connections the server holds; ``alive``: Endpoint and Transport
+        objects in its heap (after a collection), held by anyone."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        reply: dict[str, int] = json.loads(self.proc.stdout.readline())
+        return reply
+
+    def trim(self) -> bool:
+        """Have the server give its free C heap memory back to the kernel."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("trim\n")
+        self.proc.stdin.flush()
+        return bool(json.loads(self.proc.stdout.readline())["trimmed"])
+
+    def clients(self) -> int:
+        """Established connections the server holds now."""
+        return self.stats()["clients"]
+
+    def wait_clients(self, want: int, patience: float = 300.0) -> int:
+        """Poll until the server holds ``want`` clients (or ``patience`` s passed); the last count."""
+        deadline = time.monotonic() + patience
+        while (count := self.clients()) != want and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return count
+
+    def fds(self) -> int:
+        """Open fds of the server process."""
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def stop(self) -> int:
+        """Ask the server to exit; its exit status."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def _alive_here() -> int:
+    gc.collect()
+    return sum(isinstance(o, (rdmaio.Endpoint, Transport)) for o in gc.get_objects())
+
+
+def _state(server: Server) -> dict[str, Any]:
+    return {
+        "rdma": rdma_resources(),
+        "client_alive": _alive_here(),
+        "server_alive": server.stats()["alive"],
+        "client_fds": len(os.listdir("/proc/self/fd")),
+        "server_fds": server.fds(),
+        "client_rss": rss_bytes(os.getpid()),
+        "server_rss": rss_bytes(server.pid),
+    }
+
+
+async def _open(host: str, port: int, count: int) -> list[rdmaio.Endpoint]:
+    endpoints: list[rdmaio.Endpoint] = []
+    try:
+        while len(endpoints) < count:
+            batch = min(OPEN_BATCH, count - len(endpoints))
+            results = await asyncio.gather(
+                *(rdmaio.connect(host, port, timeout=120) for _ in range(batch)), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            endpoints.extend(r for r in results if isinstance(r, rdmaio.Endpoint))
+            if errors:
+                raise AssertionError(
+                    f"{len(errors)} connects failed after {len(endpoints)} opened: {errors[0]!r}"
+                )
+    except BaseException:
+        for ep in endpoints:
+            ep.abort()
+        raise
+    return endpoints
+
+
+async def _traffic(endpoints: list[rdmaio.Endpoint]) -> int:
+    """A few echoes on every SAMPLE_EVERY-th connection, all at once; returns the bytes echoed."""
+
+    async def one(index: int, ep: rdmaio.Endpoint) -> int:
+        total = 0
+        for size in (1, 100, 70_000):  # the last one spans two 64 KiB slots
+            payload = bytes([index % 251]) * size
+            await ep.send(payload)
+            assert await ep.recv() == payload
+            total += size
+        return total
+
+    sample = list(enumerate(endpoints))[::SAMPLE_EVERY]
+    return sum(await asyncio.gather(*(one(i, ep) for i, ep in sample)))
+
+
+@pytest.fixture(scope="module")
+def scale_run(rdma_addr: str) -> dict[str, Any]:
+    """Hold CONNS connections, echo on a sample, close them all; the states of both processes before,
+    while open and after (run once for the module's tests: it takes minutes in the test host)."""
+    if not SYSFS_INFINIBAND.exists() or not any(SYSFS_INFINIBAND.iterdir()):
+        # Module fixtures run before conftest's per-test device check: same skip (a failure under
+        # the test host and in CI).
+        pytest.skip(f"no RDMA device in {SYSFS_INFINIBAND}; run through the test host")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a few fds per connection
+    try:
+        opts = rdmaio.Options()
+        # What an idle connection pins per side: its initial rings where they grow on demand (main
+        # after the growing-rings change), both full rings before.
+        slots = getattr(opts, "initial_depth", opts.recv_depth + opts.send_depth)
+        ring_bytes = slots * opts.slot_size * 2  # both sides, one machine
+        available = mem_available()
+        assert available is None or CONNS * ring_bytes < available * 0.8, (
+            f"{CONNS} connections would pin {CONNS * ring_bytes >> 20} MiB of slot rings (both sides) but "
+            f"only {available >> 20} MiB are available: lower RDMAIO_SCALE_CONNS or boot the test host "
+            "with more --memory"
+        )
+        return _run(rdma_addr)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_idle_connections_leave_no_kernel_object_fd_or_endpoint(
+    scale_run: dict[str, Any],
+) -> None:
+    before, during, after = scale_run["before"], scale_run["during"], scale_run["after"]
+    # While open: each connection holds its own QP on each side (CQs are per connection or shared per
+    # device, depending on the core: not counted here), fds, and its objects.
+    assert during["rdma"]["qp"] - before["rdma"]["qp"] == 2 * CONNS
+    assert during["rdma"]["cq"] >= before["rdma"]["cq"]
+    assert during["client_fds"] > before["client_fds"] and during["server_fds"] > before["server_fds"]
+    assert during["server_alive"] >= 2 * CONNS and during["client_alive"] >= 2 * CONNS
+    assert scale_run["echoed"] == len(range(0, CONNS, SAMPLE_EVERY)) * 70_101
+    # After: the kernel's QPs, CQs, MRs, PDs and cm ids, both processes' fds, and no Endpoint or
+    # Transport outlives its close (a survivor would keep its slot buffers, MiBs each).
+    assert after["rdma"] == before["rdma"], (before["rdma"], during["rdma"], after["rdma"])
+    assert after["client_fds"] == before["client_fds"]
+    assert after["server_fds"] == before["server_fds"]
+    assert after["server_alive"] == before["server_alive"]
+    assert after["client_alive"] == before["client_alive"]
+    assert scale_run["server_status"] == 0
+
+
+def test_idle_connections_leak_no_memory(
+    scale_run: dict[str, Any], record_testsuite_property: Callable[[str, object], None]
+) -> None:
+    """After the close, each process's RSS is back within RSS_TOLERANCE of its baseline once the C heap
+    gave its free memory back (glibc ``malloc_trim``).
+
+    Without the trim it is not: glibc keeps the freed 2 MiB slot rings (once the first is freed, its
+    dynamic mmap threshold puts later ones on the heap, which is only trimmed from the top). Measured:
+    412 MiB kept by the server after closing 100 connections, with no connection object alive, all of it
+    returned by the trim. The rings are allocated in ``transport.py`` (being rewritten: mmap-backed or
+    small rings would return on close); the untrimmed figures are recorded in the junit report (suite
+    properties ``*_rss_kept_untrimmed_kib``); drop the trim once they are within the tolerance too.
+    """
+    before, during = scale_run["before"], scale_run["during"]
+    untrimmed, after = scale_run["after_untrimmed"], scale_run["after"]
+    for side in ("client", "server"):
+        record_testsuite_property(
+            f"{side}_rss_kept_untrimmed_kib", (untrimmed[f"{side}_rss"] - before[f"{side}_rss"]) >> 10
+        )
+        peak = during[f"{side}_rss"] - before[f"{side}_rss"]
+        grown = after[f"{side}_rss"] - before[f"{side}_rss"]
+        assert peak > CONNS * 64 * 1024  # the connections did cost memory: the check can see a leak
+        assert grown <= RSS_TOLERANCE, (
+            f"{side} RSS is {grown >> 10} KiB above its baseline after closing {CONNS} connections and "
+            f"trimming the heap (it grew by {peak >> 10} KiB while they were open): a leak"
+        )
+
+
+def _run(host: str) -> dict[str, Any]:
+    server = Server(host)
+    result: dict[str, Any] = {}
+    try:
+        with asyncio.Runner() as runner:
+            # Warm-up: the loop's event channel, the device's PD and librdmacm's device handles exist on
+            # both sides before the baseline (they live as long as the loop, by design).
+            runner.run(_warm_up(host, server.port))
+            assert server.wait_clients(0) == 0
+            result["before"] = before = _state(server)
+            endpoints = runner.run(_open(host, server.port, CONNS))
+            assert server.wait_clients(CONNS) == CONNS
+            result["during"] = _state(server)
+            result["echoed"] = runner.run(_traffic(endpoints))
+            runner.run(_close(endpoints))
+            assert all(ep.is_closing() for ep in endpoints)
+            assert server.wait_clients(0) == 0
+            del endpoints
+            result["after_untrimmed"] = _wait_released(server, before)
+            server.trim()
+            trim_heap()
+            result["after"] = _state(server)
+    finally:
+        result["server_status"] = server.stop()
+    return result
+
+
+async def _warm_up(host: str, port: int) -> None:
+    async with await rdmaio.connect(host, port, timeout=120) as ep:
+        await ep.send(b"warm")
+        assert await ep.recv() == b"warm"
+
+
+async def _close(endpoints: list[rdmaio.Endpoint]) -> None:
+    for first in range(0, len(endpoints), OPEN_BATCH):
+        await asyncio.gather(*(ep.aclose() for ep in endpoints[first : first + OPEN_BATCH]))
+
+
+def _wait_released(server: Server, before: dict[str, Any], patience: float = 60.0) -> dict[str, Any]:
+    """The state once the kernel objects are gone (destroying them is asynchronous on the peer's side:
+    the server tears a connection down when its DISCONNECTED event arrives)."""
+    deadline = time.monotonic() + patience
+    while True:
+        state = _state(server)
+        if state["rdma"] == before["rdma"] or time.monotonic() >= deadline:
+            return state
+        time.sleep(0.5)
