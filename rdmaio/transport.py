@@ -49,7 +49,7 @@ class Transport:
             self.send_mr = MemoryRegion(self.pd, self.send_buf)
             self.comp = comp = CompletionChannel(device)
             # Every posted WR completes at most once: send + recv depth bounds the CQ occupancy.
-            cqe = self.send_depth + self.recv_depth + 8
+            cqe = self.send_depth + self.recv_depth + 8 + options.max_rdma_ops  # + one-sided ops (issue 11)
             self.cq = CompletionQueue(device, self.comp, cqe, batch=min(cqe, 512))
             self.qp = self._create_qp(options)
             self.qp.post_recv_slots(self.recv_mr, self.slot_size, list(range(self.recv_depth)))
@@ -73,7 +73,7 @@ class Transport:
                     self.pd,
                     self.cq,
                     self.cq,
-                    max_send_wr=self.send_depth,
+                    max_send_wr=self.send_depth + options.max_rdma_ops,  # + one-sided ops (issue 11)
                     max_recv_wr=self.recv_depth,
                     max_inline_data=inline,
                 )
