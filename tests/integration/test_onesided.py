@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import trio
-from loops import Runner
+from loops import Runner, arun  # noqa: F401  (arun is a fixture)
 from peer_process import peer_process, wait_ready
 from rdma_state import rdma_resources
 
