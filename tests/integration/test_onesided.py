@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import trio
-from loops import Runner, arun  # noqa: F401  (arun is a fixture)
+from loops import Runner, arun  # arun is a fixture used by name
 from peer_process import peer_process, wait_ready
 from rdma_state import rdma_resources
 
@@ -199,7 +199,7 @@ def test_compare_swap_lock_no_lost_updates(rdma_addr: str) -> None:
                 async with await rdmaio.connect(rdma_addr, port, timeout=60) as ep:
                     key = rdmaio.RemoteKey.from_bytes(await ep.recv())
                     for _ in range(rounds):
-                        while await ep.compare_swap(key, 0, 0, me) != 0:
+                        while await ep.compare_swap(key, 0, 0, me) != 0:  # noqa: ASYNC110 (spin lock)
                             await asyncio.sleep(0)
                         value = struct.unpack("<Q", await ep.rdma_read(key, 8, 8))[0]
                         await asyncio.sleep(0)  # let the others spin meanwhile
@@ -453,21 +453,20 @@ def test_one_sided_on_trio(rdma_addr: str) -> None:
                 await finished.wait()
 
         server = await rdmaio.serve(handler, rdma_addr, 0)
-        async with server:
-            async with await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=30) as ep:
-                key = rdmaio.RemoteKey.from_bytes(await ep.recv())
-                await ep.rdma_write(key, 16, b"trio!")
-                assert await ep.rdma_read(key, 16, 5) == b"trio!"
-                async with trio.open_nursery() as nursery:
-                    for _ in range(10):
-                        nursery.start_soon(ep.fetch_add, key, 0, 3)
-                assert int.from_bytes(buf[:8], sys.byteorder) == 30
-                with trio.move_on_after(0.001):  # a cancelled rdma_read leaves the endpoint usable
-                    await ep.rdma_read(key, 0, 60000)
-                await ep.rdma_write(key, 100, b"imm!!", imm=99)
-                assert await ep.recv() == b"revoked"
-                with pytest.raises(rdmaio.RemoteKeyRevokedError):
-                    await ep.rdma_read(key, 0, 1)
-                finished.set()
+        async with server, await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=30) as ep:
+            key = rdmaio.RemoteKey.from_bytes(await ep.recv())
+            await ep.rdma_write(key, 16, b"trio!")
+            assert await ep.rdma_read(key, 16, 5) == b"trio!"
+            async with trio.open_nursery() as nursery:
+                for _ in range(10):
+                    nursery.start_soon(ep.fetch_add, key, 0, 3)
+            assert int.from_bytes(buf[:8], sys.byteorder) == 30
+            with trio.move_on_after(0.001):  # a cancelled rdma_read leaves the endpoint usable
+                await ep.rdma_read(key, 0, 60000)
+            await ep.rdma_write(key, 100, b"imm!!", imm=99)
+            assert await ep.recv() == b"revoked"
+            with pytest.raises(rdmaio.RemoteKeyRevokedError):
+                await ep.rdma_read(key, 0, 1)
+            finished.set()
 
     trio.run(main)
