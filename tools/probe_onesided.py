@@ -45,8 +45,14 @@ async def main(addr: str) -> None:
             "REMOTE_READ": lib.IBV_ACCESS_REMOTE_READ,
             "REMOTE_ATOMIC": lib.IBV_ACCESS_REMOTE_ATOMIC,
         }
-        print("qp_access_flags", [n for n, v in names.items() if acc[0] & v], "max_rd_atomic", rd[0],
-              "max_dest_rd_atomic", drd[0])
+        print(
+            "qp_access_flags",
+            [n for n, v in names.items() if acc[0] & v],
+            "max_rd_atomic",
+            rd[0],
+            "max_dest_rd_atomic",
+            drd[0],
+        )
         await ep.send(b"bye")
         await ep.aclose()
 
