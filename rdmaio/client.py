@@ -21,7 +21,7 @@ from rdmaio.errors import (
 )
 from rdmaio.onesided import rd_atomic_depth
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_BATCH, Handshake, Session
+from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, Handshake, Session
 from rdmaio.reactor import Reactor
 from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType
@@ -54,13 +54,17 @@ async def resolve_host(host: str, port: int, *, passive: bool = False) -> str:
     raise AddressError(f"{host!r} has no IPv4/IPv6 address", call="getaddrinfo")
 
 
-def local_handshake(options: Options) -> Handshake:
-    """The handshake this side announces for ``options``."""
+def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
+    """The handshake this side announces for ``options``: a growing receive window (FEATURE_GROW, starting
+    at ``options.initial_depth``) unless ``grow`` is false (a server answering a peer that cannot grow)."""
+    initial = min(options.initial_depth, options.recv_depth)
+    grow = grow and initial < options.recv_depth
     return Handshake(
         recv_depth=options.recv_depth,
         slot_size=options.slot_size,
         max_message_size=options.max_message_size,
-        features=FEATURE_BATCH if options.batch_limit else 0,
+        features=(FEATURE_BATCH if options.batch_limit else 0) | (FEATURE_GROW if grow else 0),
+        initial_depth=initial if grow else 0,
     )
 
 
@@ -174,8 +178,8 @@ async def _connect(
         event = await events.get()
         if event.event != CMEventType.ROUTE_RESOLVED:
             raise _connect_error(event, where)
-        transport = Transport(reactor, cm_id, opts)
         handshake = local_handshake(opts)
+        transport = Transport(reactor, cm_id, opts, handshake.initial_depth)
         depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
         cm_id.connect(
             handshake.encode(),

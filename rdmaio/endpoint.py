@@ -89,8 +89,7 @@ class Endpoint:
         self._qp = qp
         self._slot_size = transport.slot_size
         self._max_inline = min(transport.max_inline, options.max_inline)
-        self._recv_view = transport.recv_view
-        self._recv_mr = transport.recv_mr
+        self._recv_view = transport.recv_ring.view
         self._records = transport.cq.records
         self._batch = transport.cq.batch
         self._extra: dict[str, Any] = {
@@ -111,11 +110,9 @@ class Endpoint:
         self._tx = SendEngine(
             session,
             qp,
-            transport.send_view,
-            transport.send_mr.addr,
-            transport.send_mr.lkey,
+            transport.send_ring,
             transport.slot_size,
-            transport.send_depth,
+            initial=options.initial_depth,
             max_inline=self._max_inline,
             signal_interval=options.signal_interval,
             batch_limit=options.batch_limit,
@@ -157,8 +154,11 @@ class Endpoint:
             "completions",
             "frames_posted",
             "post_calls",
+            "recv_ring_grown",
+            "send_ring_grown",
         ):
             stats.setdefault(key, 0)
+        stats["registered_bytes"] = self._transport.registered_bytes if not self._torn_down else 0
         stats["mean_batch"] = stats["completions"] / stats["wakeups"] if stats["wakeups"] else 0.0
         stats["send_credits"] = self._session.send_credits
         stats["credits_ungranted"] = self._session.ungranted
@@ -202,6 +202,7 @@ class Endpoint:
         rxbuf = self._rxbuf
         repost: list[int] = []
         got_data = False
+        data_frames = 0
         stats = self._stats
         stats["wakeups"] += 1
         n = cq.drain()
@@ -245,6 +246,7 @@ class Endpoint:
                             got_data = True
                         repost.append(slot)
                         continue
+                    data_frames += 1
                     if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
                         repost.append(slot)
                 elif wc.wr_id >> 56 == WR_KIND_ONESIDED:  # one-sided (issue 11)
@@ -255,14 +257,25 @@ class Endpoint:
                 break
             n = cq.drain()
         if repost:
-            self._qp.post_recv_slots(self._recv_mr, slot_size, repost)
+            self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))
         self._onesided.pump()  # one-sided (issue 11): credits may have arrived
+        if data_frames > session.credit_threshold and session.can_grow and not rxbuf.held:
+            self._grow_receives()
         self._pump_and_post()
         if got_data:
             self._wake_reader()
         if self._tx_waiters:
             self._wake_writers()
+
+    def _grow_receives(self) -> None:
+        """One wake-up brought more than half a window of data frames: the peer is sending as fast as our
+        credits let it, so double the receive window (the next frame or a CREDIT frame grants the new
+        slots). Not while slots are held: then the application, not the window, is the limit."""
+        added = self._transport.grow_receives(max(self._session.recv_depth, 1))
+        if added:
+            self._session.grow_receives(added)
+            self._stats["recv_ring_grown"] += 1
 
     def _on_wc_error(self, status: int, opcode: int, vendor_err: int) -> None:
         if status == _FLUSH and (self._closing or self._session.peer_eof or self._disconnected):
@@ -502,7 +515,7 @@ class Endpoint:
     def _repost_released(self) -> None:
         slots = self._rxbuf.releasable()
         if slots and not self._torn_down:
-            self._qp.post_recv_slots(self._recv_mr, self._slot_size, slots)
+            self._transport.post_receives(slots)
             self._session.on_recv_reposted(len(slots))
             self._pump()
 

@@ -15,8 +15,10 @@ MiB = 1024 * KiB
 class Options:
     """Per-connection settings. Both sides announce theirs in the handshake; each obeys the peer's.
 
-    Memory registered per connection is ``(recv_depth + send_depth) * slot_size`` (4 MiB by default),
-    which counts against ``RLIMIT_MEMLOCK``.
+    Memory registered per connection starts at ``initial_depth * slot_size`` (256 KiB by default: the
+    receive slots posted at first; send slots are registered when the first frame is sent) and grows
+    under load to at most ``(recv_depth + send_depth) * slot_size`` (4 MiB by default). It counts against
+    ``RLIMIT_MEMLOCK``.
     """
 
     slot_size: int = 64 * KiB
@@ -25,6 +27,10 @@ class Options:
     """Receive slots posted; the peer's initial send credits."""
     send_depth: int = 32
     """Send slots (and send-queue entries) in flight before send()/drain() wait."""
+    initial_depth: int = 4
+    """Receive slots registered and posted at first, and send slots registered by the first send; each
+    ring doubles under load up to ``recv_depth``/``send_depth``. Set it to ``recv_depth`` for fixed rings
+    (also what a peer without growing windows gets)."""
     max_message_size: int = 64 * MiB
     """Largest message accepted from the peer; the peer refuses to send a larger one."""
     recv_buffer_limit: int = 4 * MiB
@@ -63,6 +69,8 @@ class Options:
             raise ValueError("recv_depth must be between 4 and 4096")
         if not 2 <= self.send_depth <= 4096:
             raise ValueError("send_depth must be between 2 and 4096")
+        if not 4 <= self.initial_depth <= 4096:
+            raise ValueError("initial_depth must be between 4 and 4096")
         if not 1 <= self.max_message_size <= 2**40:
             raise ValueError("max_message_size must be between 1 B and 1 TiB")
         if self.write_low_water > self.write_high_water or self.write_low_water < 0:

@@ -45,6 +45,15 @@ them, and a standalone CREDIT frame is sent once ``credit_threshold`` have accum
   endless exchange, a threshold of ``recv_depth`` could deadlock; hence ``2 <= threshold <= recv_depth-1``
   and the default ``recv_depth // 2`` (``recv_depth >= 4``).
 
+Growing windows
+---------------
+A side that announces :data:`FEATURE_GROW` posts only ``initial_depth`` receives at first (an idle
+connection then pins few buffers) and adds more up to its ``recv_depth`` when it sees load
+(:meth:`Session.grow_receives`); the new slots are granted like reposted ones. The peer starts with
+``initial_depth`` credits and rejects grants beyond ``recv_depth``. The argument above holds for the current
+window at every moment: growth raises the window and the owed credits by the same amount, and the default
+threshold is half the current window. ``tests/unit/test_protocol.py`` simulates growth at random moments.
+
 Hot path
 --------
 :meth:`Session.take_data_frame`, :meth:`Session.on_frame`, :meth:`Session.on_recv_reposted`,
@@ -78,6 +87,7 @@ __all__ = [
     "BATCH_RECORD_HEADER",
     "EOF",
     "FEATURE_BATCH",
+    "FEATURE_GROW",
     "HANDSHAKE_MAGIC",
     "KNOWN_FEATURES",
     "MAX_CREDITS",
@@ -118,7 +128,10 @@ MAX_CREDITS: Final = 0xFFFF  # width of the credit field of the immediate value
 
 FEATURE_BATCH: Final = 0x01
 """Handshake feature bit: this side accepts DATA_BATCH frames (several small messages in one frame)."""
-KNOWN_FEATURES: Final = FEATURE_BATCH
+FEATURE_GROW: Final = 0x02
+"""Handshake feature bit: this side posts ``initial_depth`` receives at first (an extra body field) and may
+grow to ``recv_depth`` later, granting the new slots as credits; it also accepts such a peer."""
+KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW
 """Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""
 
 BATCH_RECORD_HEADER: Final = 4
@@ -133,6 +146,8 @@ _HEADER: Final = struct.Struct("!4sBBH")
 # Version 1 body: recv_depth, slot_size, max_message_size. Wider than the ranges so that decode can see
 # and reject out-of-range values instead of silently truncating them.
 _BODY_V1: Final = struct.Struct("!IIQ")
+# FEATURE_GROW extension, appended to the version 1 body: the receives posted at first.
+_BODY_GROW: Final = struct.Struct("!I")
 _BATCH_LEN: Final = struct.Struct("<I")
 
 _KIND_SHIFT: Final = 28
@@ -160,8 +175,10 @@ class Handshake:
     """Connection parameters one side announces in the rdma_cm private data.
 
     ``recv_depth`` receive buffers of ``slot_size`` bytes each are posted for the peer; ``max_message_size``
-    is the largest message this side accepts. ``features`` is a set of feature bits (:data:`FEATURE_BATCH`)
-    this side supports; a feature is used only if both sides announce it.
+    is the largest message this side accepts. ``features`` is a set of feature bits (:data:`FEATURE_BATCH`,
+    :data:`FEATURE_GROW`) this side supports; a feature is used only if both sides announce it, except that a
+    side announcing :data:`FEATURE_GROW` posts only ``initial_depth`` receives at first (0 means
+    ``recv_depth``): its peer starts with that many credits and may be granted up to ``recv_depth``.
     """
 
     recv_depth: int
@@ -169,12 +186,19 @@ class Handshake:
     max_message_size: int
     version: int = PROTOCOL_VERSION
     features: int = 0
+    initial_depth: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("recv_depth", "slot_size", "max_message_size", "version", "features"):
+        for name in ("recv_depth", "slot_size", "max_message_size", "version", "features", "initial_depth"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Handshake.{name} must be an int, not {type(value).__name__}")
+        if self.initial_depth == 0 or not self.features & FEATURE_GROW:
+            object.__setattr__(self, "initial_depth", self.recv_depth)
+        elif not MIN_RECV_DEPTH <= self.initial_depth <= self.recv_depth:
+            raise HandshakeError(
+                f"initial_depth {self.initial_depth} is out of range {MIN_RECV_DEPTH}..{self.recv_depth}"
+            )
         if self.version != PROTOCOL_VERSION:
             raise HandshakeError(
                 f"unsupported protocol version {self.version} (this side supports {PROTOCOL_VERSION})"
@@ -188,6 +212,8 @@ class Handshake:
     def encode(self) -> bytes:
         """Return the private-data bytes (at most :data:`MAX_PRIVATE_DATA`) announcing this handshake."""
         body = _BODY_V1.pack(self.recv_depth, self.slot_size, self.max_message_size)
+        if self.features & FEATURE_GROW:
+            body += _BODY_GROW.pack(self.initial_depth)
         return _HEADER.pack(HANDSHAKE_MAGIC, self.version, self.features, len(body)) + body
 
     @classmethod
@@ -224,11 +250,18 @@ class Handshake:
                 f"handshake too short: {len(raw)} bytes, the declared length needs {_HEADER.size + body_len}"
             )
         recv_depth, slot_size, max_message_size = _BODY_V1.unpack_from(raw, _HEADER.size)
+        features = flags & KNOWN_FEATURES
+        initial_depth = 0
+        if features & FEATURE_GROW:
+            if body_len >= _BODY_V1.size + _BODY_GROW.size:
+                (initial_depth,) = _BODY_GROW.unpack_from(raw, _HEADER.size + _BODY_V1.size)
+            else:
+                features &= ~FEATURE_GROW  # the bit without its field: a peer that posted recv_depth
         try:
             _check_fields(recv_depth, slot_size, max_message_size)
+            return cls(recv_depth, slot_size, max_message_size, version, features, initial_depth)
         except HandshakeError as exc:
             raise HandshakeError(f"invalid handshake from the peer: {exc.message}") from None
-        return cls(recv_depth, slot_size, max_message_size, version, flags & KNOWN_FEATURES)
 
 
 class FrameKind(enum.IntEnum):
@@ -436,10 +469,12 @@ class Session:
         "_bytes_sent",
         "_credit_frames_received",
         "_credit_frames_sent",
+        "_default_threshold",
         "_eof_requested",
         "_eof_sent",
         "_frames_received",
         "_frames_sent",
+        "_grown",
         "_local",
         "_local_closed",
         "_local_max",
@@ -456,6 +491,7 @@ class Session:
         "_posted",
         "_recv_depth",
         "_recv_in_message",
+        "_recv_max",
         "_recv_message_bytes",
         "_send_credits",
         "_send_in_message",
@@ -470,17 +506,24 @@ class Session:
     )
 
     def __init__(self, local: Handshake, peer: Handshake, *, credit_threshold: int | None = None) -> None:
+        # Receives posted at first: fewer than recv_depth only if we announced FEATURE_GROW.
+        depth = local.initial_depth
+        self._default_threshold = credit_threshold is None
         if credit_threshold is None:
-            credit_threshold = local.recv_depth // 2
-        if not 2 <= credit_threshold <= local.recv_depth - 1:
+            credit_threshold = depth // 2
+        if not 2 <= credit_threshold <= depth - 1:
             raise ValueError(
-                f"credit_threshold {credit_threshold} out of range 2..{local.recv_depth - 1} "
+                f"credit_threshold {credit_threshold} out of range 2..{depth - 1} "
                 "(1 lets idle peers exchange CREDIT frames forever, recv_depth can deadlock)"
             )
         self._local = local
         self._peer = peer
         # Handshake fields the hot path reads, copied to avoid a second attribute lookup per frame.
-        self._recv_depth = local.recv_depth
+        # _recv_depth is the receives we have added so far (posted or consumed by frames in flight);
+        # grow_receives() raises it up to _recv_max.
+        self._recv_depth = depth
+        self._recv_max = local.recv_depth
+        self._grown = 0
         self._slot_size = local.slot_size
         self._local_max = local.max_message_size
         self._peer_depth = peer.recv_depth
@@ -488,9 +531,10 @@ class Session:
         self._peer_max = peer.max_message_size
         self._batching = bool(local.features & peer.features & FEATURE_BATCH)
         self._threshold = credit_threshold
-        self._send_credits = peer.recv_depth
+        # The peer posted initial_depth receives; its recv_depth bounds what it may grant us later.
+        self._send_credits = peer.initial_depth
         self._ungranted = 0
-        self._posted = local.recv_depth
+        self._posted = depth
         self._recv_in_message = False
         self._recv_message_bytes = 0
         self._send_in_message = False
@@ -773,6 +817,34 @@ class Session:
         raise RuntimeError(f"no credit for a DATA frame (send_credits={self._send_credits}, need {needed})")
 
     # -- receiving ----------------------------------------------------------------------------------------
+
+    @property
+    def recv_depth(self) -> int:
+        """Receives added so far (posted, or consumed by frames not yet reposted): the current window."""
+        return self._recv_depth
+
+    @property
+    def can_grow(self) -> int:
+        """How many more receives :meth:`grow_receives` may add (0 unless we announced FEATURE_GROW)."""
+        return self._recv_max - self._recv_depth
+
+    def grow_receives(self, n: int) -> None:
+        """The I/O layer posted ``n`` receives on new slots: the window grows and they become credits owed
+        to the peer (the next frame grants them).
+
+        The credit argument of the module docstring holds for the current window at every moment:
+        ``peer.ungranted == recv_depth - our.send_credits`` when nothing is in flight keeps holding because
+        growth raises both sides of it by ``n``, and the default threshold follows the window (half of it),
+        staying in ``2..recv_depth-1``.
+        """
+        if not 0 < n <= self._recv_max - self._recv_depth:
+            raise ValueError(f"cannot grow by {n}: {self._recv_depth} of at most {self._recv_max} posted")
+        self._recv_depth += n
+        self._posted += n
+        self._ungranted += n
+        self._grown += n
+        if self._default_threshold:
+            self._threshold = self._recv_depth // 2
 
     def on_recv_reposted(self, n: int) -> None:
         """The I/O layer posted ``n`` receive buffers again; they become credits owed to the peer."""
@@ -1080,11 +1152,19 @@ class Session:
             "eof_received": eof_received,
             # Every repost became an ungranted credit and every grant came out of those; reposts are the
             # posted slots minus the initial ones plus those consumed by received frames.
+            # Growth adds slots to both posted and recv_depth, and grants them like reposts.
             "credits_granted": (
-                self._posted - self._recv_depth + frames_received + self._onesided_received - self._ungranted
+                self._posted
+                - self._recv_depth
+                + self._grown
+                + frames_received
+                + self._onesided_received
+                - self._ungranted
             ),
-            # send_credits = peer.recv_depth - frames and one-sided requests sent + credits received.
-            "credits_received": self._send_credits - self._peer_depth + frames_sent + self._onesided_sent,
+            # send_credits = peer.initial_depth - frames and one-sided requests sent + credits received.
+            "credits_received": (
+                self._send_credits - self._peer.initial_depth + frames_sent + self._onesided_sent
+            ),
             "onesided_slots_sent": self._onesided_sent,
             "onesided_slots_received": self._onesided_received,
             "send_credits": self._send_credits,
@@ -1092,6 +1172,7 @@ class Session:
             "ungranted": self._ungranted,
             "posted": self._posted,
             "credit_threshold": self._threshold,
+            "recv_depth": self._recv_depth,
             "batching": int(self._batching),
         }
 

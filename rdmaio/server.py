@@ -14,7 +14,7 @@ from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
 from rdmaio.onesided import rd_atomic_depth
 from rdmaio.options import Options
-from rdmaio.protocol import Handshake, Session
+from rdmaio.protocol import FEATURE_GROW, Handshake, Session
 from rdmaio.reactor import Reactor
 from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType, CMId
@@ -153,8 +153,8 @@ class StreamServer:
             return
         transport = None
         try:
-            transport = Transport(self._reactor, cm_id, self._options)
-            handshake = local_handshake(self._options)
+            handshake = local_handshake(self._options, grow=bool(peer.features & FEATURE_GROW))
+            transport = Transport(self._reactor, cm_id, self._options, handshake.initial_depth)
             # One-sided READs/atomics in flight: what we allow, capped by what the request offers (rdma_cm
             # reports the request's values from our side's point of view).
             depth = rd_atomic_depth(transport.device, self._options.max_rdma_ops)

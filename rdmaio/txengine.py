@@ -9,7 +9,8 @@ the unit tests drive it with a fake one.
 
 Work requests: ``wr_id`` is the send slot's index. A send slot is reused only after its completion; with
 selective signalling one signalled completion releases every slot posted before it (an RC queue
-completes in order).
+completes in order). The slots live in a :class:`~rdmaio.rings.SlotRing` that starts empty: the first
+frame registers ``initial`` slots and the ring doubles whenever every slot is in flight and more is queued.
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ _RECORD_HEADER = struct.Struct("<I")  # DATA_BATCH record: u32 little-endian len
 Payload = bytes | bytearray | memoryview
 
 
+class SendRing(Protocol):
+    """What the engine needs of its slot ring (:class:`~rdmaio.rings.SlotRing`)."""
+
+    view: memoryview
+    addr: int
+    lkeys: Any
+    slots: int
+    max_slots: int
+
+    def grow(self, n: int) -> range:
+        """Register up to ``n`` more slots; return their indices."""
+
+
 class SendQueue(Protocol):
     """What the engine needs of a queue pair."""
 
@@ -45,21 +59,19 @@ class SendQueue(Protocol):
 class SendEngine:
     """Frames waiting for credits and slots, the stream/message coalescing buffers, and the send slots.
 
-    ``ring`` is the registered send buffer (``depth`` slots of ``slot_size`` bytes) at address ``addr``
-    with local key ``lkey``. ``stats`` is the endpoint's counter (``messages_sent``, ``bytes_sent``,
-    ``credit_frames``, ``frames_posted``, ``post_calls``).
+    ``ring`` holds the send slots of ``slot_size`` bytes; ``initial`` of them are registered by the first
+    frame. ``stats`` is the endpoint's counter (``messages_sent``, ``bytes_sent``, ``credit_frames``,
+    ``frames_posted``, ``post_calls``, ``send_ring_grown``).
     """
 
     def __init__(
         self,
         session: Session,
         qp: SendQueue,
-        ring: memoryview,
-        addr: int,
-        lkey: int,
+        ring: SendRing,
         slot_size: int,
-        depth: int,
         *,
+        initial: int = 4,
         max_inline: int,
         signal_interval: int,
         batch_limit: int,
@@ -68,9 +80,11 @@ class SendEngine:
         self.session = session
         self._qp = qp
         self._sends = qp.send_array
-        self._ring = ring
-        self._addr = addr
-        self._lkey = lkey
+        self._slot_ring = ring
+        self._ring = ring.view
+        self._addr = ring.addr
+        self._lkeys = ring.lkeys
+        self._initial = initial
         self._slot_size = slot_size
         self._max_inline = max_inline
         self._signal_interval = signal_interval
@@ -92,7 +106,7 @@ class SendEngine:
         self.wbuf = bytearray()  # stream writes being coalesced
         self.mbuf = bytearray()  # small messages being batched ([u32 length][bytes] records)
         self.mbuf_count = 0
-        self.free_slots = list(range(depth))
+        self.free_slots = list(range(ring.slots))
         self._inflight: collections.deque[int] = collections.deque()
         self._unsignaled = 0
         self.staged = 0  # entries of the send array filled but not yet posted
@@ -215,12 +229,26 @@ class SendEngine:
 
     # --- staging and posting --------------------------------------------------------------------
 
+    def _grow(self) -> bool:
+        """Every slot is in flight: register more (the initial count, then doubling). False at the end."""
+        ring = self._slot_ring
+        added = ring.grow(max(self._initial, ring.slots))
+        if not added:
+            return False
+        self.free_slots.extend(reversed(added))  # pop() takes the lowest index first
+        self._stats["send_ring_grown"] += 1
+        return True
+
     def stage(self) -> bool:
         """Copy queued frames (and a due EOF or CREDIT frame) into send slots and fill their work requests
         as far as credits and free slots allow; True if anything was staged (then :meth:`post` it)."""
         session = self.session
         txq = self.txq
         free = self.free_slots
+        if not free and (
+            (txq and session.can_send_data()) or session.credit_frame_due() or session.eof_pending()
+        ):
+            self._grow()
         sends = self._sends
         slot_size = self._slot_size
         ring = self._ring
@@ -248,6 +276,8 @@ class SendEngine:
             inflight.append(slot)
             count += 1
             nbytes += length
+            if not free and txq and session.can_send_data():
+                self._grow()
         self._stats["messages_sent"] += messages
         self.posted_frames += count - first
         count = self._stage_control(count)
@@ -303,7 +333,7 @@ class SendEngine:
         wr.wr_id = slot
         wr.addr = self._addr + off
         wr.length = length
-        wr.lkey = self._lkey
+        wr.lkey = self._lkeys[slot]
         wr.imm_data = imm
         wr.opcode = _WR_SEND_WITH_IMM
         flags = _SEND_INLINE if length <= self._max_inline and length else 0

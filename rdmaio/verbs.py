@@ -857,6 +857,18 @@ class QueuePair(_Resource):
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_recv", -rc, f"{n} receives")
 
+    def post_ring_slots(self, lkeys: Any, addr: int, slot_size: int, slots: list[int]) -> None:
+        """Post one receive per slot of a ring registered chunk by chunk: slot ``s`` covers
+        ``addr + s * slot_size`` with local key ``lkeys[s]`` (a ``uint32_t[]``); ``wr_id`` is the slot."""
+        self._check_usable()
+        n = len(slots)
+        if n > len(self._slots):
+            raise ValueError(f"cannot post {n} receives on a queue of {len(self._slots)}")
+        self._slots[0:n] = slots
+        rc = lib.rdmaio_post_recv_ring(self._ptr, lkeys, addr, slot_size, self._slots, n)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_recv", -rc, f"{n} receives")
+
     @property
     def send_array(self) -> Any:
         """Scratch ``struct rdmaio_send[max_send_wr]`` to fill before :meth:`post_sends`."""

@@ -95,9 +95,10 @@ int rdmaio_req_notify(struct ibv_cq *cq)
 }
 
 /* Post `count` receives in one chained ibv_post_recv: slot i covers base + slots[i] * slot_size,
- * and its wr_id is the slot index, so a completion names the slot it filled. */
-int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
-                           const uint32_t *slots, int count)
+ * and its wr_id is the slot index, so a completion names the slot it filled. The local key is
+ * lkeys[slot] when lkeys is given (a ring registered chunk by chunk), else lkey. */
+static int post_recvs(struct ibv_qp *qp, const uint32_t *lkeys, uint32_t lkey, uint64_t base,
+                      uint32_t slot_size, const uint32_t *slots, int count)
 {
     struct ibv_recv_wr wr[64];
     struct ibv_sge sge[64];
@@ -112,7 +113,7 @@ int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint
             uint32_t slot = slots[done + i];
             sge[i].addr = base + (uint64_t)slot * slot_size;
             sge[i].length = slot_size;
-            sge[i].lkey = lkey;
+            sge[i].lkey = lkeys ? lkeys[slot] : lkey;
             wr[i].wr_id = slot;
             wr[i].sg_list = &sge[i];
             wr[i].num_sge = 1;
@@ -124,6 +125,18 @@ int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint
         done += n;
     }
     return done;
+}
+
+int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,
+                           const uint32_t *slots, int count)
+{
+    return post_recvs(qp, NULL, lkey, base, slot_size, slots, count);
+}
+
+int rdmaio_post_recv_ring(struct ibv_qp *qp, const uint32_t *lkeys, uint64_t base, uint32_t slot_size,
+                          const uint32_t *slots, int count)
+{
+    return post_recvs(qp, lkeys, 0, base, slot_size, slots, count);
 }
 
 /* Post `count` sends as one chain. On failure *bad_index is the first request not posted. */

@@ -366,7 +366,7 @@ def check_memlock(system: System) -> CheckResult:
     opts = Options()
     per_conn = (opts.recv_depth + opts.send_depth) * opts.slot_size
     soft, hard = system.memlock()
-    need = f"default Options register {_format_bytes(per_conn)} per connection"
+    need = f"default Options register up to {_format_bytes(per_conn)} per connection"
     data = {"soft": soft, "hard": hard, "per_connection": per_conn}
     if soft == resource.RLIM_INFINITY:
         return CheckResult("memlock", Verdict.OK, f"ulimit -l unlimited ({need})", data=data)

@@ -89,7 +89,8 @@ def test_read_write_atomics_and_nothing_else_remote(arun: Runner[Any], rdma_addr
             # Nothing but grants is registered with remote access: the rings and the staging memory.
             for ep in (exp, imp):
                 tr = ep._transport
-                assert not tr.recv_mr.access & REMOTE_FLAGS and not tr.send_mr.access & REMOTE_FLAGS
+                rings = tr.recv_ring._regions + tr.send_ring._regions
+                assert rings and all(not mr.access & REMOTE_FLAGS for mr in rings)
                 staging = ep._onesided._staging
                 if staging is not None:
                     assert not staging.access & REMOTE_FLAGS

@@ -26,6 +26,7 @@ from rdmaio.protocol import (
     BATCH_RECORD_HEADER,
     EOF,
     FEATURE_BATCH,
+    FEATURE_GROW,
     HANDSHAKE_MAGIC,
     KNOWN_FEATURES,
     MAX_MESSAGE_SIZE,
@@ -270,7 +271,9 @@ def test_handshake_features_roundtrip_in_the_flags_byte() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "features"), [(0, 0), (FEATURE_BATCH, FEATURE_BATCH), (0x80, 0), (0xFF, KNOWN_FEATURES)]
+    ("flags", "features"),
+    # FEATURE_GROW without its body field is dropped: such a peer posted recv_depth receives.
+    [(0, 0), (FEATURE_BATCH, FEATURE_BATCH), (0x80, 0), (0xFF, KNOWN_FEATURES & ~FEATURE_GROW)],
 )
 def test_handshake_decode_keeps_known_feature_bits_only(flags: int, features: int) -> None:
     # Unknown bits (a later version's features) are ignored, as the flags byte always was.
@@ -280,8 +283,8 @@ def test_handshake_decode_keeps_known_feature_bits_only(flags: int, features: in
 
 
 def test_handshake_construct_rejects_unknown_features() -> None:
-    with pytest.raises(HandshakeError, match="unknown feature bits 0x2"):
-        Handshake(8, 64, 1024, features=2)
+    with pytest.raises(HandshakeError, match="unknown feature bits 0x4"):
+        Handshake(8, 64, 1024, features=4)
     with pytest.raises(HandshakeError, match="unknown feature bits"):
         Handshake(8, 64, 1024, features=-1)
     with pytest.raises(TypeError, match="features must be an int"):
@@ -1287,7 +1290,7 @@ class Side:
             self.assembling.clear()
 
 
-ACTION_NAMES = ("data", "credit", "write_eof", "eof", "deliver", "consume", "repost")
+ACTION_NAMES = ("data", "credit", "write_eof", "eof", "deliver", "consume", "repost", "grow")
 
 
 def _actions(me: Side) -> list[str]:
@@ -1307,6 +1310,8 @@ def _actions(me: Side) -> list[str]:
         acts.append("consume")
     if me.pending_reposts:
         acts.append("repost")
+    if s.can_grow:
+        acts.append("grow")
     return acts
 
 
@@ -1332,6 +1337,10 @@ def _step(rnd: random.Random, sides: tuple[Side, Side], weights: dict[str, float
         peer.deliver(value, payload)
     elif name == "consume":
         me.consume()
+    elif name == "grow":
+        # The endpoint grows its receive ring at any moment (under load, as it sees fit): any amount up
+        # to the announced recv_depth, at any point of the schedule, must keep the credit rules.
+        me.session.grow_receives(rnd.randint(1, me.session.can_grow))
     else:
         me.repost(me.pending_reposts)
         me.pending_reposts = 0
@@ -1354,16 +1363,24 @@ def run_simulation(
     batch_max: tuple[int, int] = (0, 0),
     limits: tuple[int, int] = (0, 0),
     apps: tuple[str, str] = ("random", "random"),
+    initial: tuple[int, int] = (0, 0),
 ) -> tuple[Side, Side]:
     """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet.
 
     A side with ``batch_max > 0`` announces FEATURE_BATCH and, if the other side does too, sends runs of up
-    to that many small whole messages as DATA_BATCH frames.
+    to that many small whole messages as DATA_BATCH frames. A side with ``initial > 0`` announces
+    FEATURE_GROW: it posts ``initial`` receives at first and grows to ``depths[i]`` at random moments.
     """
     weights = {name: 1.0 for name in ACTION_NAMES} | (weights or {})
     max_message = max([1, *sizes[0], *sizes[1]])
     hs = [
-        Handshake(depths[i], slots[i], max_message, features=FEATURE_BATCH if batch_max[i] else 0)
+        Handshake(
+            depths[i],
+            slots[i],
+            max_message,
+            features=(FEATURE_BATCH if batch_max[i] else 0) | (FEATURE_GROW if initial[i] else 0),
+            initial_depth=initial[i],
+        )
         for i in range(2)
     ]
     sides = tuple(
@@ -1398,7 +1415,7 @@ def run_simulation(
         assert side.session.recv_outcome() is EOF
         assert not side.rx and not side.wire_out and not side.assembling and not side.pending_reposts
         assert not side.rxbuf.held and not side.rxbuf.buffered
-        assert side.session.posted == side.session.local.recv_depth
+        assert side.session.posted == side.session.recv_depth
         # Quiet and ready: nothing is due and the peer can start sending data at once.
         assert not side.session.credit_frame_due()
         assert side.session.ungranted < side.session.credit_threshold
@@ -1413,9 +1430,10 @@ def run_simulation(
         assert stats["credits_granted"] == other_stats["credits_received"]
         if not side.session.batching:
             assert stats["batch_frames_sent"] == stats["batch_frames_received"] == 0
-    # No ping-pong: once all data is delivered, only a bounded number of CREDIT frames follows.
+    # No ping-pong: once all data is delivered, only a bounded number of CREDIT frames follows (growth
+    # after that point adds owed credits, at most recv_depth - initial_depth per side).
     assert credits_when_done is not None
-    assert _credit_frames(pair) - credits_when_done <= depths[0] + depths[1]
+    assert _credit_frames(pair) - credits_when_done <= 2 * (depths[0] + depths[1])
     return pair
 
 
@@ -1603,3 +1621,125 @@ def test_simulation_two_way_backpressure_large(seed: int) -> None:
         apps=("random", "write_first"),
         batch_max=((0, 0), (4, 4))[seed % 2],
     )
+
+
+# -- growing receive windows (FEATURE_GROW) ------------------------------------------------------------------
+
+
+def test_handshake_grow_roundtrip_carries_the_initial_depth() -> None:
+    hs = Handshake(32, 65536, 1 << 20, features=FEATURE_BATCH | FEATURE_GROW, initial_depth=4)
+    data = hs.encode()
+    assert len(data) == HEADER.size + BODY.size + 4
+    decoded = Handshake.decode(data)
+    assert decoded == hs and decoded.initial_depth == 4 and decoded.recv_depth == 32
+
+
+def test_handshake_initial_depth_defaults_to_recv_depth() -> None:
+    assert Handshake(16, 64, 1024).initial_depth == 16
+    assert Handshake(16, 64, 1024, features=FEATURE_GROW).initial_depth == 16
+    # Without FEATURE_GROW an initial depth means nothing: the side posts recv_depth receives.
+    assert Handshake(16, 64, 1024, initial_depth=4).initial_depth == 16
+
+
+@pytest.mark.parametrize("initial", [1, 3, 17, 2**32 - 1])
+def test_handshake_rejects_an_initial_depth_out_of_range(initial: int) -> None:
+    with pytest.raises(HandshakeError, match="initial_depth"):
+        Handshake(16, 64, 1024, features=FEATURE_GROW, initial_depth=initial)
+    raw = raw_handshake(16, 64, 1024, flags=FEATURE_GROW, body_len=BODY.size + 4) + struct.pack("!I", initial)
+    with pytest.raises(HandshakeError, match="invalid handshake from the peer: initial_depth"):
+        Handshake.decode(raw)
+
+
+def grow_pair(initial: int = 4, depth: int = 16) -> tuple[Session, Session]:
+    hs = Handshake(depth, 64, 1024, features=FEATURE_GROW, initial_depth=initial)
+    return Session(hs, hs), Session(hs, hs)
+
+
+def test_session_starts_with_the_initial_window_and_grows_to_recv_depth() -> None:
+    a, b = grow_pair()
+    assert a.send_credits == 4 and a.posted == 4 and a.recv_depth == 4 and a.can_grow == 12
+    assert a.credit_threshold == 2
+    for _ in range(3):
+        b.on_frame(a.take_data_frame(last=True), 1)
+    assert not a.can_send_data()  # the reserve: one credit left
+    b.on_recv_reposted(3)
+    b.grow_receives(4)
+    assert b.recv_depth == 8 and b.posted == 8 and b.ungranted == 7 and b.credit_threshold == 4
+    a.on_frame(b.take_credit_frame(), 0)
+    assert a.send_credits == 8  # 1 left + 3 reposted + 4 new
+    a.on_recv_reposted(1)
+    b.grow_receives(8)
+    with pytest.raises(ValueError, match="cannot grow"):
+        b.grow_receives(1)
+    assert b.can_grow == 0
+    stats = b.statistics()
+    assert stats["recv_depth"] == 16
+    assert stats["credits_granted"] == a.statistics()["credits_received"] == 7  # 8 grown, not granted yet
+
+
+def test_a_grant_beyond_the_announced_recv_depth_is_a_protocol_error() -> None:
+    a, b = grow_pair()
+    b.grow_receives(12)
+    a.on_frame(b.take_credit_frame(), 0)
+    assert a.send_credits == 16
+    bogus = encode_imm(FrameKind.CREDIT, 1)
+    with pytest.raises(FrameError, match="more than its recv_depth"):
+        a.on_frame(bogus, 0)
+
+
+def test_no_growth_without_the_feature() -> None:
+    s = make_session(8, 8)
+    assert s.can_grow == 0
+    with pytest.raises(ValueError, match="cannot grow"):
+        s.grow_receives(1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rnd=st.randoms(use_true_random=False),
+    initial=st.tuples(st.sampled_from([0, 4, 5]), st.sampled_from([0, 4, 6])),
+    extra=st.tuples(st.integers(0, 8), st.integers(0, 8)),
+    policies=st.tuples(st.sampled_from(POLICIES), st.sampled_from(POLICIES)),
+    limits=st.tuples(st.sampled_from([0, 1, 64, 1000]), st.sampled_from([0, 1, 64, 1000])),
+    sizes=st.tuples(SIZES, SIZES),
+    weights=WEIGHTS,
+    writer=st.sampled_from([0, 1, 2]),
+)
+def test_simulation_growing_windows(
+    rnd: random.Random,
+    initial: tuple[int, int],
+    extra: tuple[int, int],
+    policies: tuple[str, str],
+    limits: tuple[int, int],
+    sizes: tuple[list[int], list[int]],
+    weights: dict[str, float],
+    writer: int,
+) -> None:
+    """Windows that grow at random moments keep no-RNR, no-deadlock and no-ping-pong, with the hold rule
+    and a side that reads nothing until it has written everything."""
+    depths = (max(initial[0], 4) + extra[0], max(initial[1], 4) + extra[1])
+    apps = (("write_first", "random"), ("random", "write_first"), ("random", "random"))[writer]
+    run_simulation(
+        rnd,
+        depths,
+        (64, 100),
+        (None, None),
+        policies,
+        sizes,
+        weights,
+        limits=limits,
+        apps=apps,
+        initial=initial,
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_simulation_growing_windows_large(seed: int) -> None:
+    rnd = random.Random(seed)
+    sizes = ([rnd.randrange(1, 600) for _ in range(60)], [rnd.randrange(1, 600) for _ in range(120)])
+    weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
+    a, b = run_simulation(
+        rnd, (32, 16), (128, 128), (None, None), ("limit", "eager"), sizes, weights, initial=(4, 4)
+    )
+    assert a.session.statistics()["messages_received"] == 120
+    assert b.session.statistics()["messages_received"] == 60

@@ -8,6 +8,7 @@ from typing import Any
 
 from rdmaio import verbs
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
+from rdmaio.rings import SlotRing
 from rdmaio.txengine import SendEngine
 
 SLOT = 64
@@ -16,17 +17,35 @@ SLOT = 64
 class FakeQP:
     """Records every posted chain as (wr_id, bytes in the ring, imm, flags) tuples."""
 
-    def __init__(self, depth: int, ring: bytearray) -> None:
+    def __init__(self, depth: int, ring: SlotRing) -> None:
         self.send_array = [SimpleNamespace() for _ in range(depth)]
-        self.ring = ring
+        self.ring = ring.view
+        self.addr = ring.addr
+        self.lkeys = ring.lkeys
+        self.registered = lambda: ring.slots
         self.posts: list[list[tuple[int, bytes, int, int]]] = []
 
     def post_sends(self, count: int) -> None:
         chain = []
         for wr in self.send_array[:count]:
-            off = wr.addr - 0x1000
+            off = wr.addr - self.addr
+            if wr.length:
+                # The slot must be registered, with the key of its chunk.
+                assert wr.wr_id < self.registered()
+                assert wr.lkey == self.lkeys[wr.wr_id] >= 100
             chain.append((wr.wr_id, bytes(self.ring[off : off + wr.length]), wr.imm_data, wr.send_flags))
         self.posts.append(chain)
+
+
+class FakeRegistrar:
+    """Registers ring chunks: chunk n gets lkey 100 + n; remembers the chunk sizes."""
+
+    def __init__(self) -> None:
+        self.chunks: list[int] = []
+
+    def __call__(self, view: memoryview) -> Any:
+        self.chunks.append(view.nbytes // SLOT)
+        return SimpleNamespace(lkey=100 + len(self.chunks) - 1, close=lambda: None)
 
 
 def make(
@@ -35,20 +54,19 @@ def make(
     peer_max: int = 1 << 20,
     batch_limit: int = 0,
     signal_interval: int = 4,
+    initial: int = 64,
 ) -> tuple[SendEngine, FakeQP, Session]:
     features = FEATURE_BATCH if batch_limit else 0
     local = Handshake(8, SLOT, 1 << 20, features=features)
     peer = Handshake(peer_depth, SLOT, peer_max, features=features)
-    ring = bytearray(SLOT * depth)
+    ring = SlotRing(SLOT, depth, FakeRegistrar())
     qp = FakeQP(depth, ring)
     engine = SendEngine(
         Session(local, peer),
         qp,
-        memoryview(ring),
-        0x1000,
-        7,
+        ring,
         SLOT,
-        depth,
+        initial=initial,
         max_inline=16,
         signal_interval=signal_interval,
         batch_limit=batch_limit,
@@ -182,3 +200,49 @@ def test_clear_drops_everything_not_staged() -> None:
     engine.stage()
     engine.clear()
     assert engine.buffered == 0 and not engine.txq
+
+
+def test_the_send_ring_is_registered_by_the_first_frame_and_doubles_under_load() -> None:
+    engine, qp, peer = make(depth=16, peer_depth=64, initial=4, signal_interval=1)
+    registrar = engine._slot_ring._register
+    assert engine._slot_ring.slots == 0 and engine.free_slots == []  # an idle connection pins nothing
+    engine.queue_message(memoryview(b"x" * 40))
+    engine.stage()
+    engine.post()
+    assert registrar.chunks == [4]
+    # Keep every slot in flight: the ring doubles (4, 8, 16) and stops at its depth.
+    for i in range(40):
+        engine.queue_message(memoryview(bytes([i]) * 40))
+    engine.stage()
+    engine.post()
+    assert registrar.chunks == [4, 4, 8] and engine._slot_ring.slots == 16
+    assert len(qp.posts[1]) == 15 and len(engine.txq) == 25
+    assert engine._stats["send_ring_grown"] == 3
+    messages = deliver(peer, qp.posts[0]) + deliver(peer, qp.posts[1])
+    assert messages == [b"x" * 40] + [bytes([i]) * 40 for i in range(15)]
+
+
+def test_the_send_ring_does_not_grow_when_credits_are_the_limit() -> None:
+    engine, qp, _peer = make(depth=16, peer_depth=4, initial=4, signal_interval=1)
+    registrar = engine._slot_ring._register
+    for i in range(10):
+        engine.queue_message(memoryview(bytes([i]) * 40))
+    engine.stage()
+    engine.post()
+    assert len(qp.posts[0]) == 3  # 4 credits, one in reserve
+    assert registrar.chunks == [4]  # a free slot is left: no reason to pin more
+
+
+def test_a_credit_frame_registers_the_first_slots_when_the_ring_is_empty() -> None:
+    engine, qp, peer = make(depth=8, peer_depth=8, initial=4)
+    engine.session.on_frame(peer.take_data_frame(True, 1), 1)
+    for _ in range(4):
+        engine.session.on_frame(
+            peer.take_credit_frame() if peer.credit_frame_due() else peer.take_data_frame(True, 1), 1
+        )
+    engine.session.on_recv_reposted(5)
+    assert engine.session.credit_frame_due()
+    assert engine.stage()
+    engine.post()
+    assert engine._slot_ring._register.chunks == [4]
+    assert qp.posts[0][-1][2] >> 28 == FrameKind.CREDIT
