@@ -41,6 +41,7 @@ import itertools
 import secrets
 import struct
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -401,6 +402,16 @@ class OneSidedEngine:
                 remote_atomic=bool(bits & ACCESS_ATOMIC),
             )
 
+        # A weak reference: a strong one (engine -> endpoint -> engine) would make every endpoint a
+        # reference cycle, keeping its loop and the loop's Domain (PD, event channel fd) alive until the
+        # cyclic GC runs instead of freeing them when the last reference goes.
+        fail_ref = weakref.WeakMethod(endpoint._fail)
+
+        def fail(exc: BaseException) -> None:
+            method = fail_ref()
+            if method is not None:
+                method(exc)
+
         try:
             atomics = query_caps(transport.device).atomic_cap != "NONE"
         except VerbsError:
@@ -412,7 +423,7 @@ class OneSidedEngine:
             register_local=register_local,
             register_grant=register_grant,
             cache_get=lambda view: domain.registrations.get(view, 0),
-            fail=endpoint._fail,
+            fail=fail,
             max_ops=options.max_rdma_ops,
             max_inline=endpoint._max_inline,
             revoke_timeout=options.close_timeout,

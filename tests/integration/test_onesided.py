@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import signal
 import struct
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -471,3 +473,32 @@ def test_one_sided_on_trio(rdma_addr: str) -> None:
             finished.set()
 
     trio.run(main)
+
+
+def test_a_closed_endpoint_is_freed_without_the_cyclic_gc(rdma_addr: str) -> None:
+    """The engine must not make endpoints reference cycles: a cycle keeps the loop and its Domain (a PD,
+    the event channel's fd) alive until the cyclic GC runs, which other tests see as a leak."""
+
+    async def main() -> None:
+        memory = bytearray(64)
+
+        async def handler(ep: rdmaio.Endpoint) -> None:
+            async with ep:
+                await ep.send(bytes(ep.export(memory, access="r")))
+                await ep.recv()
+
+        server = await rdmaio.serve(handler, rdma_addr, 0)
+        async with server:
+            ep = await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=30)
+            key = rdmaio.RemoteKey.from_bytes(await ep.recv())
+            assert await ep.rdma_read(key, 0, 8) == bytes(8)
+            await ep.aclose()
+            ref = weakref.ref(ep)
+            del ep
+            assert ref() is None
+
+    gc.disable()
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
