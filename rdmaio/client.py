@@ -19,6 +19,7 @@ from rdmaio.errors import (
     TimeoutError,
     UnreachableError,
 )
+from rdmaio.onesided import rd_atomic_depth
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, Handshake, Session
 from rdmaio.reactor import Reactor
@@ -179,7 +180,14 @@ async def _connect(
             raise _connect_error(event, where)
         handshake = local_handshake(opts)
         transport = Transport(reactor, cm_id, opts, handshake.initial_depth)
-        cm_id.connect(handshake.encode(), retry_count=opts.retry_count, rnr_retry_count=opts.rnr_retry_count)
+        depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
+        cm_id.connect(
+            handshake.encode(),
+            retry_count=opts.retry_count,
+            rnr_retry_count=opts.rnr_retry_count,
+            responder_resources=depth,
+            initiator_depth=depth,
+        )
         event = await events.get()
         if event.event != CMEventType.ESTABLISHED:
             raise _connect_error(event, where)

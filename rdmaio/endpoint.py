@@ -42,6 +42,7 @@ from rdmaio.errors import (
     ProtocolError,
     VerbsError,
 )
+from rdmaio.onesided import WR_KIND_ONESIDED, OneSidedEngine, RemoteKey, WriteNotice
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
 from rdmaio.reactor import Reactor
@@ -60,6 +61,8 @@ _DATA_MORE = FrameKind.DATA_MORE
 _DATA_END = FrameKind.DATA_END
 _DATA_BATCH = FrameKind.DATA_BATCH
 _EOF = FrameKind.EOF
+_RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided (issue 11): a write notice
+_WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided (issue 11): a receive without it is a control message
 
 
 class Endpoint:
@@ -116,6 +119,7 @@ class Endpoint:
             stats=self._stats,
             tag=transport.tag or 0,  # sharedcq: the connection tag of the send wr_ids
         )
+        self._onesided = OneSidedEngine.for_endpoint(self, transport, session, options)  # issue 11
         self._flush_handle: Handle | None = None
         self._post_handle: Handle | None = None
         self._in_callback = False  # in _pump_and_post(): it posts right after _pump, so _pump must not
@@ -213,6 +217,8 @@ class Endpoint:
         for i in range(start, start + count):
             wc = records[i]
             if wc.status:
+                if wc.wr_id >> 56 == WR_KIND_ONESIDED:  # one-sided (issue 11)
+                    self._onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
                 self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
                 if self._torn_down:
                     return
@@ -220,8 +226,12 @@ class Endpoint:
             if wc.opcode & _RECV_FLAG:
                 slot = wc.wr_id & WR_INDEX_MASK
                 length = wc.byte_len
-                kind = session.on_frame(wc.imm_data, length)
                 off = slot * slot_size
+                if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided (issue 11)
+                    self._onesided.on_recv(wc.opcode, wc.imm_data, length, recv_view[off : off + length])
+                    repost.append(slot)
+                    continue
+                kind = session.on_frame(wc.imm_data, length)
                 if kind == _DATA_END:
                     data = rxbuf.add_message(bytes(recv_view[off : off + length]))
                     stats["messages_received"] += 1
@@ -245,11 +255,14 @@ class Endpoint:
                 data_frames += 1
                 if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
                     repost.append(slot)
+            elif wc.wr_id >> 56 == WR_KIND_ONESIDED:  # one-sided (issue 11)
+                self._onesided.on_completion(int(wc.wr_id), 0)
             else:
                 self._tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
         if repost:
             self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))
+        self._onesided.pump()  # one-sided (issue 11): credits may have arrived
         if data_frames > session.credit_threshold and session.can_grow and not rxbuf.held:
             self._grow_receives()
         self._pump_and_post()
@@ -770,6 +783,7 @@ class Endpoint:
             finally:
                 self._reactor.release_id(self._cm_id)
         self._session.mark_closed()
+        self._onesided.close(self._session.flush_error())  # one-sided (issue 11): the QP is gone now
         self._wake_reader()
         self._wake_writers()
         self._closed.set()
@@ -795,6 +809,84 @@ class Endpoint:
 
     def _on_async_event(self, event: verbs.AsyncEvent) -> None:
         self._fail(ConnectionAbortedError(f"device reported {event.description}", call="ibv_get_async_event"))
+
+    # --- one-sided RDMA (issue 11; the work is rdmaio.onesided.OneSidedEngine's) ---------------------------
+
+    def export(
+        self, buffer: Any, offset: int = 0, length: int | None = None, access: str = "rw"
+    ) -> RemoteKey:
+        """Let the peer access ``buffer[offset:offset+length]`` with one-sided operations; return the key.
+
+        ``buffer`` is any writable buffer (bytearray, memoryview, mmap, numpy array); ``length=None`` means
+        to its end. ``access`` is a string of ``"r"`` (RDMA READ), ``"w"`` (RDMA WRITE) and ``"a"``
+        (atomics). Exactly that range is registered (its own memory region, with only those remote access
+        flags) and stays registered, with ``buffer`` kept alive, until :meth:`revoke` or the end of the
+        connection. Send ``bytes(key)`` (at most 64 bytes) to the peer, which rebuilds the key with
+        :meth:`RemoteKey.from_bytes`.
+        """
+        self._check_fork()
+        return self._onesided.export(buffer, offset, length, access)
+
+    async def revoke(self, key: RemoteKey) -> None:
+        """Revoke a key this side exported: when this returns, the peer can no longer touch that memory.
+
+        The peer is told first (its later calls on the key raise :class:`~rdmaio.RemoteKeyRevokedError`
+        without posting) and answers once the requests it posted before have run; then the memory is
+        deregistered, so the NIC refuses the key even to a peer that ignores the message. Waits at most
+        ``Options.close_timeout`` for the answer; cancelled or failed, it still deregisters.
+        """
+        self._check_fork()
+        await self._onesided.revoke(key)
+
+    async def wait_write_notice(self) -> WriteNotice:
+        """Wait for the next :class:`~rdmaio.WriteNotice`: the peer did ``rdma_write(..., imm=...)`` into
+        memory we exported (the data is in place when the notice arrives)."""
+        self._check_fork()
+        return await self._onesided.wait_write_notice()
+
+    async def rdma_read(self, key: RemoteKey, offset: int, length: int) -> bytes:
+        """Read ``length`` bytes at ``offset`` of the peer's exported memory (RDMA READ).
+
+        Raises :class:`~rdmaio.RemoteAccessError` before posting if the range is outside the key or the key
+        lacks ``"r"``. The NIC writes into rdmaio-owned registered memory, so a cancelled call is safe and
+        leaves the endpoint usable.
+        """
+        self._check_fork()
+        return await self._onesided.read(key, offset, length)
+
+    async def rdma_read_into(self, key: RemoteKey, offset: int, buffer: Any) -> int:
+        """Read ``len(buffer)`` bytes at ``offset`` of the peer's memory straight into ``buffer``.
+
+        Zero-copy: ``buffer`` is registered (local access only, cached in the Domain). **Cancellation fails
+        the endpoint**: if the call is cancelled while the READ is in flight, the connection is aborted
+        (its queue pair destroyed, so the NIC can no longer write into ``buffer``) before the cancellation
+        propagates; use :meth:`rdma_read` where cancellation must leave the connection usable.
+        """
+        self._check_fork()
+        return await self._onesided.read_into(key, offset, buffer)
+
+    async def rdma_write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
+        """Write ``data`` at ``offset`` of the peer's exported memory (RDMA WRITE); returns once it is done.
+
+        ``data`` is copied first, so it may be reused at once. With ``imm`` (an unsigned 32-bit value) the
+        write carries immediate data and the peer gets a :class:`~rdmaio.WriteNotice` from
+        :meth:`wait_write_notice`; such a write uses a send credit, like a message. A cancelled call may
+        still perform the write.
+        """
+        self._check_fork()
+        await self._onesided.write(key, offset, data, imm)
+
+    async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
+        """Atomically add ``add`` (modulo 2**64) to the u64 at ``offset`` (8-byte aligned, in the
+        exporter's byte order); return the old value. The key needs ``"a"``."""
+        self._check_fork()
+        return await self._onesided.fetch_add(key, offset, add)
+
+    async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
+        """Atomically store ``desired`` in the u64 at ``offset`` if it equals ``expected``; return the old
+        value (the swap happened if it equals ``expected``). 8-byte aligned; the key needs ``"a"``."""
+        self._check_fork()
+        return await self._onesided.compare_swap(key, offset, expected, desired)
 
     def __repr__(self) -> str:
         state = "closed" if self._torn_down else "closing" if self._closing else "open"

@@ -24,10 +24,13 @@ __all__ = [
     "ForkError",
     "FrameError",
     "HandshakeError",
+    "InvalidRemoteKeyError",
     "MemoryRegistrationError",
     "MessageTooLargeError",
     "ProtocolError",
     "RdmaError",
+    "RemoteAccessError",
+    "RemoteKeyRevokedError",
     "TimeoutError",
     "UnreachableError",
     "VerbsError",
@@ -143,3 +146,20 @@ class MessageTooLargeError(RdmaError, ValueError):
 
 class ForkError(RdmaError, RuntimeError):
     """An rdmaio object created before ``fork()`` was used in the child process, where verbs are invalid."""
+
+
+class RemoteAccessError(RdmaError, PermissionError):
+    """A one-sided operation is outside its key's range, lacks the key's access, or is misaligned.
+
+    Raised before anything is posted when rdmaio's local checks catch it (the connection stays usable), or
+    by the pending call whose request the peer's NIC refused (``IBV_WC_REM_ACCESS_ERR``; that error also
+    ends the connection, as it moves the queue pair to the error state).
+    """
+
+
+class RemoteKeyRevokedError(RemoteAccessError):
+    """The exporter revoked this :class:`~rdmaio.RemoteKey`; nothing was posted."""
+
+
+class InvalidRemoteKeyError(RdmaError, ValueError):
+    """Bytes given to :meth:`rdmaio.RemoteKey.from_bytes` are not a valid key (size, version, fields)."""

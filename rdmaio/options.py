@@ -58,6 +58,9 @@ class Options:
     """Kept low on purpose: credits guarantee a posted receive, so an RNR is a bug to surface."""
     retry_count: int = 5
     """Transport retries before a silent peer fails the QP (RETRY_EXC_ERR)."""
+    max_rdma_ops: int = 16
+    """One-sided operations (READ, WRITE, atomics) in flight per connection; further calls wait. Added to
+    the send queue and CQ sizes, and used as the READ/atomic depth negotiated with the peer."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -78,6 +81,8 @@ class Options:
             raise ValueError("read_limit and recv_buffer_limit must be positive")
         if not 1 <= self.signal_interval <= self.send_depth:
             raise ValueError("signal_interval must be between 1 and send_depth")
+        if not 1 <= self.max_rdma_ops <= 1024:
+            raise ValueError("max_rdma_ops must be between 1 and 1024")
         if not 0 <= self.rnr_retry_count <= 7 or not 0 <= self.retry_count <= 7:
             raise ValueError("rnr_retry_count and retry_count must be between 0 and 7")
 

@@ -482,6 +482,8 @@ class Session:
         "_messages_received",
         "_messages_sent",
         "_min_send_credits",
+        "_onesided_received",
+        "_onesided_sent",
         "_peer",
         "_peer_depth",
         "_peer_eof",
@@ -561,6 +563,8 @@ class Session:
         self._batch_frames_received = 0
         self._batched_messages_sent = 0
         self._batched_messages_received = 0
+        self._onesided_sent = 0  # peer receives consumed by our one-sided requests (issue 11)
+        self._onesided_received = 0
         self._min_send_credits = self._send_credits
 
     def __repr__(self) -> str:
@@ -1150,10 +1154,19 @@ class Session:
             # posted slots minus the initial ones plus those consumed by received frames.
             # Growth adds slots to both posted and recv_depth, and grants them like reposts.
             "credits_granted": (
-                self._posted - self._recv_depth + self._grown + frames_received - self._ungranted
+                self._posted
+                - self._recv_depth
+                + self._grown
+                + frames_received
+                + self._onesided_received
+                - self._ungranted
             ),
-            # send_credits = peer.initial_depth - frames sent + credits received.
-            "credits_received": self._send_credits - self._peer.initial_depth + frames_sent,
+            # send_credits = peer.initial_depth - frames and one-sided requests sent + credits received.
+            "credits_received": (
+                self._send_credits - self._peer.initial_depth + frames_sent + self._onesided_sent
+            ),
+            "onesided_slots_sent": self._onesided_sent,
+            "onesided_slots_received": self._onesided_received,
             "send_credits": self._send_credits,
             "min_send_credits": self._min_send_credits,
             "ungranted": self._ungranted,
@@ -1162,3 +1175,39 @@ class Session:
             "recv_depth": self._recv_depth,
             "batching": int(self._batching),
         }
+
+    # -- one-sided operations (issue 11) ------------------------------------------------------------------
+    # An RDMA WRITE with immediate data and a one-sided control message (a SEND without immediate data)
+    # consume one of the peer's posted receives exactly as a frame does, so they are paid for with a
+    # credit like one. They grant nothing (their immediate value belongs to the user, or there is none), and
+    # they follow the DATA rule of two credits, so the reserve for CREDIT/EOF frames is never touched.
+
+    def can_take_slot(self) -> bool:
+        """True if a one-sided request that consumes a peer receive may be posted now (two credits)."""
+        return self._send_credits >= 2 and not self._wire_down
+
+    def take_slot(self) -> None:
+        """Account for one WRITE-with-immediate or one-sided control message about to be posted.
+
+        Raises the connection's error if the transport is unusable, RuntimeError without two credits.
+        """
+        if self._wire_down:
+            self._raise_wire_error()
+        if self._send_credits < 2:
+            raise RuntimeError(f"no credit for a one-sided request (send_credits={self._send_credits})")
+        self._send_credits -= 1
+        self._onesided_sent += 1
+        if self._send_credits < self._min_send_credits:
+            self._min_send_credits = self._send_credits
+
+    def on_slot_used(self) -> None:
+        """A receive completed for a WRITE-with-immediate or a one-sided control message of the peer.
+
+        Raises :class:`FrameError` (and aborts) if the peer held no credit for it.
+        """
+        if self._posted - self._ungranted <= 0:
+            exc = FrameError("a one-sided request consumed a receive the peer held no credit for")
+            self.abort(exc)
+            raise exc
+        self._posted -= 1
+        self._onesided_received += 1

@@ -12,6 +12,7 @@ from rdmaio.backend import AsyncioBackend, Waiter
 from rdmaio.client import local_handshake, resolve_host
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
+from rdmaio.onesided import rd_atomic_depth
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_GROW, Handshake, Session
 from rdmaio.reactor import Reactor
@@ -154,7 +155,15 @@ class StreamServer:
         try:
             handshake = local_handshake(self._options, grow=bool(peer.features & FEATURE_GROW))
             transport = Transport(self._reactor, cm_id, self._options, handshake.initial_depth)
-            cm_id.accept(handshake.encode(), rnr_retry_count=self._options.rnr_retry_count)
+            # One-sided READs/atomics in flight: what we allow, capped by what the request offers (rdma_cm
+            # reports the request's values from our side's point of view).
+            depth = rd_atomic_depth(transport.device, self._options.max_rdma_ops)
+            cm_id.accept(
+                handshake.encode(),
+                rnr_retry_count=self._options.rnr_retry_count,
+                responder_resources=max(1, min(depth, event.responder_resources)),
+                initiator_depth=max(1, min(depth, event.initiator_depth)),
+            )
         except Exception as exc:
             log.warning("rdmaio: cannot accept a connection: %s", exc)
             if transport is not None:

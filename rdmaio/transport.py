@@ -28,7 +28,7 @@ from rdmaio.verbs import (
 __all__ = ["Transport"]
 
 CQ_MARGIN = 8
-"""CQ entries reserved beyond the send and receive depths: control and one-sided work requests."""
+"""CQ entries reserved beyond the send, one-sided and receive depths: control work requests."""
 
 
 class Transport:
@@ -50,6 +50,7 @@ class Transport:
         self.slot_size = options.slot_size
         self.recv_depth = options.recv_depth
         self.send_depth = options.send_depth
+        self.max_rdma_ops = options.max_rdma_ops  # one-sided ops in flight (issue 11)
         self.domain = reactor.domain(device)
         self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
         # --- shared CQ (sharedcq): the CQ is the domain's; this connection reserves its entries on it.
@@ -82,7 +83,7 @@ class Transport:
     @property
     def cq_entries(self) -> int:
         """CQ entries this connection reserves: every WR it can have outstanding completes at most once."""
-        return self.send_depth + self.recv_depth + CQ_MARGIN
+        return self.send_depth + self.max_rdma_ops + self.recv_depth + CQ_MARGIN
 
     def _register(self, view: memoryview) -> MemoryRegion:
         # Local access only: the slot rings are never remotely accessible.
@@ -113,7 +114,7 @@ class Transport:
                     self.pd,
                     self.cq,
                     self.cq,
-                    max_send_wr=self.send_depth,
+                    max_send_wr=self.send_depth + options.max_rdma_ops,  # + one-sided ops (issue 11)
                     max_recv_wr=self.recv_depth,
                     max_inline_data=inline,
                 )

@@ -35,6 +35,7 @@ __all__ = [
     "MAX_POLL",
     "SEND_INLINE",
     "SEND_SIGNALED",
+    "WC_WITH_IMM",
     "WR_INDEX_MASK",
     "WR_KIND_CONTROL",
     "WR_KIND_ONESIDED",
@@ -141,6 +142,7 @@ WR_SEND_WITH_IMM: int = lib.IBV_WR_SEND_WITH_IMM
 WR_RDMA_WRITE_WITH_IMM: int = lib.IBV_WR_RDMA_WRITE_WITH_IMM
 SEND_SIGNALED: int = lib.IBV_SEND_SIGNALED
 SEND_INLINE: int = lib.IBV_SEND_INLINE
+WC_WITH_IMM: int = lib.IBV_WC_WITH_IMM  # wc_flags bit: the completion carries immediate data
 # Async event types the reactor routes: a CQ error concerns the connections of that CQ, a device fatal
 # error every connection on the device, the QP errors one QP; COMM_EST is informational.
 EVENT_CQ_ERR: int = lib.IBV_EVENT_CQ_ERR
@@ -771,7 +773,13 @@ class MemoryRegion(_Resource):
     _close_rank = 2
 
     def __init__(
-        self, pd: ProtectionDomain, buffer: Any, *, remote_write: bool = False, remote_read: bool = False
+        self,
+        pd: ProtectionDomain,
+        buffer: Any,
+        *,
+        remote_write: bool = False,
+        remote_read: bool = False,
+        remote_atomic: bool = False,
     ) -> None:
         super().__init__(pd)
         self.buffer = buffer
@@ -781,6 +789,9 @@ class MemoryRegion(_Resource):
             access |= lib.IBV_ACCESS_REMOTE_WRITE
         if remote_read:
             access |= lib.IBV_ACCESS_REMOTE_READ
+        if remote_atomic:
+            access |= lib.IBV_ACCESS_REMOTE_ATOMIC
+        self.access: int = access
         self.length = len(self._cbuf)
         ptr = lib.ibv_reg_mr(pd._ptr, self._cbuf, self.length, access)
         if ptr == ffi.NULL:
@@ -1002,6 +1013,30 @@ class QueuePair(_Resource):
         rc = lib.rdmaio_post_sends(self._ptr, self._sends, count, self._bad)
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"request {self._bad[0]} of {count}")
+
+    # one-sided operations (issue 11): a scratch array of their own, so that posting one never clobbers
+    # the frames the send engine staged in send_array but has not posted yet.
+    @property
+    def rdma_array(self) -> Any:
+        """Scratch ``struct rdmaio_rdma_op[16]`` to fill before :meth:`post_rdma`."""
+        array = getattr(self, "_rdma_ops", None)
+        if array is None:
+            array = self._rdma_ops = ffi.new("struct rdmaio_rdma_op[]", 16)
+        return array
+
+    def post_rdma(self, count: int) -> None:
+        """Post the first ``count`` entries of :attr:`rdma_array` (one-sided requests) as one chain."""
+        self._check_usable()
+        rc = lib.rdmaio_post_rdma(self._ptr, self.rdma_array, count, self._bad)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_send", -rc, f"one-sided request {self._bad[0]} of {count}")
+
+    def remote_access(self) -> tuple[int, int, int]:
+        """``(qp_access_flags, max_rd_atomic, max_dest_rd_atomic)`` as the device reports them."""
+        self._check_usable()
+        acc, rd, drd = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
+        _check(lib.rdmaio_qp_access(self._ptr, acc, rd, drd), "ibv_query_qp")
+        return int(acc[0]), int(rd[0]), int(drd[0])
 
     def to_error(self) -> None:
         """Move the QP to the error state: outstanding work requests complete with WR_FLUSH_ERR."""

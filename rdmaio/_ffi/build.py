@@ -48,7 +48,7 @@ def make_ffi() -> FFI:
         "rdmaio._rdmaio_cffi",
         '#include <infiniband/verbs.h>\n#include <rdma/rdma_cma.h>\n#include "helper.h"\n',
         # setuptools wants source paths relative to the project root (the cwd during the build).
-        sources=[os.path.relpath(HERE / "helper.c")],
+        sources=[os.path.relpath(HERE / "helper.c"), os.path.relpath(HERE / "onesided.c")],
         include_dirs=[str(HERE), *INCLUDE_DIRS],
         libraries=["rdmacm", "ibverbs"],
         extra_compile_args=["-O2", "-Wall", "-std=gnu11"],

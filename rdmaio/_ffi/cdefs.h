@@ -180,3 +180,26 @@ int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_
                            uintptr_t *object);
 int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_storage *out);
 int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port);
+
+/* ---- one-sided operations (issue 11; helper.c's last section) ------------------------------------ */
+static const int IBV_ACCESS_REMOTE_ATOMIC;
+static const int IBV_ACCESS_MW_BIND;
+static const int IBV_WR_ATOMIC_CMP_AND_SWP;
+static const int IBV_WR_ATOMIC_FETCH_AND_ADD;
+static const int IBV_WC_COMP_SWAP;
+static const int IBV_WC_FETCH_ADD;
+static const int IBV_ATOMIC_NONE;
+static const int IBV_ATOMIC_HCA;
+static const int IBV_ATOMIC_GLOB;
+static const int IBV_DEVICE_MEM_WINDOW;
+static const int IBV_DEVICE_MEM_WINDOW_TYPE_2A;
+static const int IBV_DEVICE_MEM_WINDOW_TYPE_2B;
+struct rdmaio_rdma_op { uint64_t wr_id; uint64_t local_addr; uint32_t length; uint32_t lkey;
+                        uint32_t opcode; uint32_t send_flags; uint32_t imm_data; uint32_t rkey;
+                        uint64_t remote_addr; uint64_t compare_add; uint64_t swap; };
+struct rdmaio_onesided_caps { int atomic_cap; int max_qp_rd_atom; int max_qp_init_rd_atom; int max_mw;
+                              uint64_t device_cap_flags; };
+int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index);
+int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
+int rdmaio_probe_mw(struct ibv_pd *pd, int type);
+int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);

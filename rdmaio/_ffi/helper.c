@@ -428,3 +428,52 @@ int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen
     }
     return -EAFNOSUPPORT;
 }
+
+/* ---- one-sided operations (issue 11) ------------------------------------------------------------ */
+
+/* Post `count` one-sided requests as one chain. On failure *bad_index is the first request not posted. */
+int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index)
+{
+    struct ibv_send_wr wr[16];
+    struct ibv_sge sge[16];
+    struct ibv_send_wr *bad = NULL;
+    int done = 0;
+
+    *bad_index = -1;
+    while (done < count) {
+        int n = count - done;
+        if (n > 16)
+            n = 16;
+        memset(wr, 0, sizeof(wr[0]) * n);
+        for (int i = 0; i < n; i++) {
+            const struct rdmaio_rdma_op *o = &ops[done + i];
+            sge[i].addr = o->local_addr;
+            sge[i].length = o->length;
+            sge[i].lkey = o->lkey;
+            wr[i].wr_id = o->wr_id;
+            wr[i].sg_list = &sge[i];
+            wr[i].num_sge = o->length ? 1 : 0;
+            wr[i].opcode = o->opcode;
+            wr[i].send_flags = o->send_flags;
+            if (o->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD || o->opcode == IBV_WR_ATOMIC_CMP_AND_SWP) {
+                wr[i].wr.atomic.remote_addr = o->remote_addr;
+                wr[i].wr.atomic.rkey = o->rkey;
+                wr[i].wr.atomic.compare_add = o->compare_add;
+                wr[i].wr.atomic.swap = o->swap;
+            } else {
+                wr[i].wr.rdma.remote_addr = o->remote_addr;
+                wr[i].wr.rdma.rkey = o->rkey;
+                if (o->opcode == IBV_WR_RDMA_WRITE_WITH_IMM)
+                    wr[i].imm_data = htonl(o->imm_data);
+            }
+            wr[i].next = (i + 1 < n) ? &wr[i + 1] : NULL;
+        }
+        int rc = ibv_post_send(qp, wr, &bad);
+        if (rc) {
+            *bad_index = done + (bad ? (int)(bad - wr) : 0);
+            return -(rc > 0 ? rc : EIO);
+        }
+        done += n;
+    }
+    return done;
+}

@@ -85,4 +85,38 @@ int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_s
 int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port);
 int rdmaio_req_notify(struct ibv_cq *cq);
 
+/* ---- one-sided operations (issue 11) ------------------------------------------------------------
+ * Kept apart from the SEND path above: one-sided work requests have their own scratch array in Python
+ * (so they never clobber frames the send engine has staged but not yet posted) and carry the fields
+ * only READ/WRITE/atomics need. */
+
+/* One one-sided work request for rdmaio_post_rdma(). */
+struct rdmaio_rdma_op {
+    uint64_t wr_id;
+    uint64_t local_addr;  /* local buffer (or the data itself when inline) */
+    uint32_t length;      /* 8 for atomics */
+    uint32_t lkey;
+    uint32_t opcode;      /* IBV_WR_RDMA_READ / _WRITE / _WRITE_WITH_IMM / SEND / ATOMIC_* */
+    uint32_t send_flags;  /* IBV_SEND_* */
+    uint32_t imm_data;    /* host order; WRITE_WITH_IMM only */
+    uint32_t rkey;
+    uint64_t remote_addr;
+    uint64_t compare_add; /* atomics: the value to add, or the expected value of a compare-and-swap */
+    uint64_t swap;        /* compare-and-swap: the value stored on a match */
+};
+
+/* What one-sided operations need to know of a device (ibv_query_device). */
+struct rdmaio_onesided_caps {
+    int atomic_cap;             /* enum ibv_atomic_cap: 0 none, 1 HCA, 2 global */
+    int max_qp_rd_atom;         /* outstanding READ/atomic requests a QP can answer */
+    int max_qp_init_rd_atom;    /* outstanding READ/atomic requests a QP can issue */
+    int max_mw;
+    uint64_t device_cap_flags;  /* IBV_DEVICE_MEM_WINDOW, _TYPE_2A, _TYPE_2B */
+};
+
+int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index);
+int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
+int rdmaio_probe_mw(struct ibv_pd *pd, int type);
+int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);
+
 #endif

@@ -50,3 +50,12 @@ def test_streams_echo_example_over_rdma(rdma_addr: str, loop_flag: list[str]) ->
         str(EXAMPLES / "streams_echo.py"), "--transport", "rdma", "--host", rdma_addr, *loop_flag
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
+def test_onesided_kv_example(rdma_addr: str, loop_flag: list[str]) -> None:
+    """One-sided KV store (issue 11): puts with compare_swap/fetch_add/rdma_write, gets with rdma_read."""
+    result = run_example(str(EXAMPLES / "onesided_kv.py"), rdma_addr, "--clients", "4", *loop_flag)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 clients, 60 puts (expected 60), 0 bad reads, server served 4" in result.stdout, result.stdout
+    assert "onesided kv: ok" in result.stdout

@@ -1,0 +1,570 @@
+"""OneSidedEngine, RemoteKey and the one-sided credit rules, with a fake queue pair (no RDMA device)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+import rdmaio
+from rdmaio._ffi import ffi, lib
+from rdmaio.backend import AsyncioBackend
+from rdmaio.onesided import (
+    ACCESS_ATOMIC,
+    ACCESS_READ,
+    ACCESS_WRITE,
+    OneSidedEngine,
+    RemoteKey,
+    parse_access,
+)
+from rdmaio.protocol import Handshake, Session
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+WR_ONESIDED = 2 << 56
+STATUS_REM_ACCESS = int(rdmaio.verbs.WcStatus.REM_ACCESS_ERR)
+RECV_RDMA_WITH_IMM = int(rdmaio.verbs.WcOpcode.RECV_RDMA_WITH_IMM)
+RECV = int(rdmaio.verbs.WcOpcode.RECV)
+
+
+# --- fakes ---------------------------------------------------------------------------------------------
+
+
+class FakeRegion:
+    next_key = 0x100
+
+    def __init__(self, buffer: Any, access: int = 0) -> None:
+        self.cbuf = ffi.from_buffer(buffer, require_writable=True)
+        self.addr = int(ffi.cast("uintptr_t", self.cbuf))
+        self.length = len(self.cbuf)
+        FakeRegion.next_key += 1
+        self.lkey = self.rkey = FakeRegion.next_key
+        self.access = access
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeRegistration:
+    def __init__(self, buffer: Any) -> None:
+        self.region = FakeRegion(buffer)
+        self.addr, self.lkey = self.region.addr, self.region.lkey
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+class FakeQP:
+    def __init__(self) -> None:
+        self.rdma_array = ffi.new("struct rdmaio_rdma_op[]", 16)
+        self.posted: list[dict[str, int]] = []
+        self.fail_next = False
+
+    def post_rdma(self, count: int) -> None:
+        if self.fail_next:
+            raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
+        for i in range(count):
+            wr = self.rdma_array[i]
+            fields = ("wr_id", "local_addr", "length", "lkey", "opcode", "send_flags", "imm_data", "rkey")
+            entry = {name: int(getattr(wr, name)) for name in fields}
+            entry.update(remote_addr=int(wr.remote_addr), compare_add=int(wr.compare_add), swap=int(wr.swap))
+            self.posted.append(entry)
+
+
+class FakeCredits:
+    def __init__(self, credits: int = 8) -> None:
+        self.credits = credits
+        self.used = 0
+        self.error: BaseException | None = None
+
+    def can_take_slot(self) -> bool:
+        return self.credits >= 2 and self.error is None
+
+    def take_slot(self) -> None:
+        assert self.credits >= 2
+        self.credits -= 1
+
+    def on_slot_used(self) -> None:
+        self.used += 1
+
+    def flush_error(self) -> BaseException | None:
+        return self.error
+
+
+class Rig:
+    """An engine on the running loop with fakes around it."""
+
+    def __init__(self, *, max_ops: int = 4, credits: int = 8, atomics: bool = True) -> None:
+        self.qp = FakeQP()
+        self.credits = FakeCredits(credits)
+        self.local: list[FakeRegion] = []
+        self.grants: list[FakeRegion] = []
+        self.cached: list[FakeRegistration] = []
+        self.failures: list[BaseException] = []
+        self.engine = OneSidedEngine(
+            AsyncioBackend(asyncio.get_running_loop()),
+            self.qp,
+            self.credits,
+            register_local=self._local,
+            register_grant=self._grant,
+            cache_get=self._cache,
+            fail=self._fail,
+            max_ops=max_ops,
+            max_inline=0,
+            revoke_timeout=5.0,
+            atomics=atomics,
+        )
+
+    def _local(self, buffer: Any) -> FakeRegion:
+        self.local.append(FakeRegion(buffer))
+        return self.local[-1]
+
+    def _grant(self, view: memoryview, bits: int) -> FakeRegion:
+        self.grants.append(FakeRegion(view, bits))
+        return self.grants[-1]
+
+    def _cache(self, view: memoryview) -> FakeRegistration:
+        self.cached.append(FakeRegistration(view))
+        return self.cached[-1]
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failures.append(exc)
+        self.engine.close(exc)
+
+    def complete(self, index: int = -1, *, status: int = 0, data: bytes = b"") -> dict[str, int]:
+        """Complete a posted request, first writing ``data`` where the NIC would (its local buffer)."""
+        wr = self.qp.posted[index]
+        if data:
+            ffi.memmove(ffi.cast("void *", wr["local_addr"]), data, len(data))
+        self.engine.on_completion(wr["wr_id"], status)
+        return wr
+
+
+def key(
+    length: int = 4096, access: int = ACCESS_READ | ACCESS_WRITE | ACCESS_ATOMIC, addr: int = 0x10000
+) -> RemoteKey:
+    return RemoteKey(addr, 0x77, length, access, 42)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+# --- RemoteKey -----------------------------------------------------------------------------------------
+
+
+def test_key_wire_form_round_trip() -> None:
+    k = RemoteKey(0x7F00_1234_5678, 0xDEADBEEF, 1 << 26, ACCESS_READ | ACCESS_ATOMIC, 2**64 - 1)
+    wire = bytes(k)
+    assert len(wire) == 32 <= 64
+    assert wire[0] == 1  # version byte first
+    assert RemoteKey.from_bytes(wire) == k
+    assert RemoteKey.from_bytes(bytearray(wire)) == k
+    assert RemoteKey.from_bytes(memoryview(wire)) == k
+    assert (k.length, k.access) == (1 << 26, "ra")
+    assert "length=67108864" in repr(k)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda w: w[:-1],  # short
+        lambda w: w + b"\0",  # long
+        lambda w: b"\x02" + w[1:],  # unknown version
+        lambda w: w[:1] + b"\x00" + w[2:],  # no access
+        lambda w: w[:1] + b"\x08" + w[2:],  # unknown access bit
+        lambda w: w[:2] + b"\x00\x01" + w[4:],  # reserved bits
+        lambda w: w[:24] + struct.pack("!Q", 0),  # zero length
+        lambda w: w[:16] + struct.pack("!QQ", 2**64 - 16, 32),  # range wraps past 2**64
+        lambda w: b"",
+    ],
+)
+def test_key_parsing_rejects_bad_input(mutate: Callable[[bytes], bytes]) -> None:
+    wire = bytes(key())
+    with pytest.raises(rdmaio.InvalidRemoteKeyError) as info:
+        RemoteKey.from_bytes(mutate(wire))
+    assert isinstance(info.value, ValueError) and isinstance(info.value, rdmaio.RdmaError)
+
+
+def test_key_from_none_is_a_typed_error() -> None:
+    with pytest.raises(rdmaio.InvalidRemoteKeyError):
+        RemoteKey.from_bytes(None)
+
+
+def test_parse_access() -> None:
+    assert parse_access("r") == ACCESS_READ
+    assert parse_access("wr") == ACCESS_READ | ACCESS_WRITE
+    assert parse_access("rwa") == 7
+    for bad in ("", "x", "rr", "rwx", 3):
+        with pytest.raises(ValueError):
+            parse_access(bad)  # type: ignore[arg-type]
+
+
+def test_error_classes() -> None:
+    assert issubclass(rdmaio.RemoteAccessError, PermissionError)
+    assert issubclass(rdmaio.RemoteAccessError, rdmaio.RdmaError)
+    assert issubclass(rdmaio.RemoteKeyRevokedError, rdmaio.RemoteAccessError)
+    exc = rdmaio.RemoteKeyRevokedError("gone")
+    assert str(exc) == "gone"
+
+
+# --- export --------------------------------------------------------------------------------------------
+
+
+def test_export_registers_exactly_the_range_with_its_access(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        buf = bytearray(10000)
+        k = rig.engine.export(buf, 100, 900, access="ra")
+        region = rig.grants[-1]
+        assert region.length == 900 and region.access == ACCESS_READ | ACCESS_ATOMIC
+        assert k.addr == region.addr == int(ffi.cast("uintptr_t", ffi.from_buffer(buf))) + 100
+        assert (k.length, k.access, k.rkey) == (900, "ra", region.rkey)
+        k2 = rig.engine.export(buf)  # whole buffer, "rw"
+        assert k2.length == 10000 and k2.access == "rw" and k2.key_id != k.key_id
+        for bad in ((0, 0), (0, 10001), (10000, 1), (-1, 5)):
+            with pytest.raises(ValueError):
+                rig.engine.export(buf, *bad)
+        with pytest.raises(TypeError):
+            rig.engine.export(b"immutable")
+        assert len(rig.grants) == 2
+
+    arun(main())
+
+
+def test_export_with_atomics_needs_device_support(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(atomics=False)
+        with pytest.raises(rdmaio.RemoteAccessError):
+            rig.engine.export(bytearray(64), access="a")
+        rig.engine.export(bytearray(64), access="rw")
+
+    arun(main())
+
+
+# --- local checks --------------------------------------------------------------------------------------
+
+
+def test_bounds_access_and_alignment_are_checked_before_posting(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        e = rig.engine
+        rw, ro, wo = key(1024, 3), key(1024, ACCESS_READ), key(1024, ACCESS_WRITE)
+        at = key(1024, ACCESS_ATOMIC, addr=0x10004)  # the grant itself starts 4 bytes past alignment
+        calls = [
+            e.read(rw, 1000, 25),
+            e.read(rw, -1, 1),
+            e.read_into(rw, 1, bytearray(1024)),
+            e.write(rw, 1024, b"x"),
+            e.write(ro, 0, b"x"),
+            e.read(wo, 0, 1),
+            e.fetch_add(rw, 0, 1),
+            e.fetch_add(at, 0, 1),  # offset 0 but remote address not 8-aligned
+            e.compare_swap(at, 2, 0, 1),  # 0x10006
+            e.compare_swap(key(16, ACCESS_ATOMIC), 16, 0, 1),
+        ]
+        for call in calls:
+            with pytest.raises(rdmaio.RemoteAccessError):
+                await call
+        assert rig.qp.posted == []
+        assert e.statistics()["rdma_ops_pending"] == 0
+        atom = key(64, ACCESS_ATOMIC)
+        for bad in (
+            e.write(rw, 0, b"x", imm=-1),
+            e.fetch_add(atom, 0, 2**64),
+            e.compare_swap(atom, 0, -1, 0),
+        ):
+            with pytest.raises(ValueError):
+                await bad
+        assert await e.read(rw, 1024, 0) == b""  # empty read at the end: nothing to post
+        assert rig.qp.posted == []
+
+    arun(main())
+
+
+# --- bookkeeping ---------------------------------------------------------------------------------------
+
+
+def test_read_posts_signalled_kind_2_and_returns_what_the_nic_wrote(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        task = asyncio.ensure_future(rig.engine.read(key(), 100, 5))
+        await settle()
+        wr = rig.qp.posted[-1]
+        assert wr["wr_id"] >> 56 == 2
+        assert wr["opcode"] == lib.IBV_WR_RDMA_READ and wr["length"] == 5
+        assert wr["remote_addr"] == 0x10000 + 100 and wr["rkey"] == 0x77
+        assert wr["send_flags"] & lib.IBV_SEND_SIGNALED
+        assert wr["lkey"] == rig.local[0].lkey  # rdmaio-owned staging memory, local access only
+        rig.complete(data=b"hello")
+        assert await task == b"hello"
+        assert rig.engine.ops == {}
+
+    arun(main())
+
+
+def test_at_most_max_ops_in_flight_and_fifo_after(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=3)
+        tasks = [asyncio.ensure_future(rig.engine.read(key(), i, 1)) for i in range(7)]
+        await settle()
+        assert len(rig.qp.posted) == 3
+        for n in range(7):
+            wr = rig.qp.posted[n]
+            rig.engine.on_completion(wr["wr_id"], 0)
+            await settle()
+            assert len(rig.qp.posted) == min(7, n + 4)
+        await asyncio.gather(*tasks)
+        assert [wr["remote_addr"] - 0x10000 for wr in rig.qp.posted] == list(range(7))
+        assert len(rig.engine._free_staging) == 3
+
+    arun(main())
+
+
+def test_atomics_post_their_operands_and_decode_the_old_value(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        t = asyncio.ensure_future(rig.engine.fetch_add(key(), 8, -1))
+        await settle()
+        wr = rig.complete(data=(5).to_bytes(8, sys.byteorder))
+        assert wr["opcode"] == lib.IBV_WR_ATOMIC_FETCH_AND_ADD and wr["length"] == 8
+        assert wr["compare_add"] == 2**64 - 1
+        assert await t == 5
+        t = asyncio.ensure_future(rig.engine.compare_swap(key(), 16, 3, 4))
+        await settle()
+        wr = rig.complete(data=(3).to_bytes(8, sys.byteorder))
+        assert wr["opcode"] == lib.IBV_WR_ATOMIC_CMP_AND_SWP
+        assert (wr["compare_add"], wr["swap"]) == (3, 4)
+        assert await t == 3
+
+    arun(main())
+
+
+def test_write_copies_data_and_large_ops_get_their_own_registration(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        data = bytearray(b"abc")
+        t = asyncio.ensure_future(rig.engine.write(key(), 0, data))
+        await settle()
+        data[:] = b"xyz"  # the caller's buffer is free once posted: the copy went to staging
+        wr = rig.qp.posted[-1]
+        assert bytes(ffi.buffer(ffi.cast("char *", wr["local_addr"]), 3)) == b"abc"
+        rig.complete()
+        await t
+        big = key(1 << 20)
+        t2 = asyncio.ensure_future(rig.engine.read(big, 0, 200_000))
+        await settle()
+        private = rig.local[-1]
+        assert rig.qp.posted[-1]["lkey"] == private.lkey and not private.closed
+        rig.complete(data=b"\x01" * 200_000)
+        assert await t2 == b"\x01" * 200_000
+        assert private.closed  # deregistered once the NIC is done with it
+
+    arun(main())
+
+
+def test_remote_access_error_completion_raises_remote_access_error(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        t = asyncio.ensure_future(rig.engine.write(key(), 0, b"x"))
+        await settle()
+        rig.complete(status=STATUS_REM_ACCESS)
+        with pytest.raises(rdmaio.RemoteAccessError):
+            await t
+
+    arun(main())
+
+
+def test_close_fails_every_pending_op_and_releases_everything(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=2)
+        e = rig.engine
+        grant_key = e.export(bytearray(100))
+        tasks = [asyncio.ensure_future(e.read(key(), 0, 10)) for _ in range(4)]
+        notice = asyncio.ensure_future(e.wait_write_notice())
+        await settle()
+        err = rdmaio.ConnectionResetError("peer died")
+        e.close(err)
+        results = await asyncio.gather(*tasks, notice, return_exceptions=True)
+        assert all(isinstance(r, rdmaio.ConnectionResetError) for r in results), results
+        assert all(r is not err for r in results)  # fresh instances
+        assert e.ops == {} and e.grants == {}
+        assert all(g.closed for g in rig.grants) and all(r.closed for r in rig.local)
+        with pytest.raises(rdmaio.ConnectionResetError):
+            await e.read(key(), 0, 1)
+        with pytest.raises(ValueError):
+            await e.revoke(grant_key)
+
+    arun(main())
+
+
+def test_cancelled_read_keeps_its_staging_until_the_completion(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=2)
+        t = asyncio.ensure_future(rig.engine.read(key(), 0, 10))
+        await settle()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert len(rig.engine._free_staging) == 1  # the NIC may still write into it
+        rig.complete(data=b"late data!")
+        assert len(rig.engine._free_staging) == 2 and rig.engine.ops == {}
+        assert rig.failures == []
+
+    arun(main())
+
+
+def test_cancelled_read_into_fails_the_connection(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        buf = bytearray(64)
+        t = asyncio.ensure_future(rig.engine.read_into(key(), 0, buf))
+        await settle()
+        assert rig.qp.posted[-1]["lkey"] == rig.cached[-1].lkey  # zero-copy into the caller's buffer
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert len(rig.failures) == 1 and isinstance(rig.failures[0], rdmaio.EndpointClosedError)
+        assert rig.cached[-1].released
+
+    arun(main())
+
+
+def test_failed_post_fails_the_op_and_the_connection(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        rig.qp.fail_next = True
+        with pytest.raises(rdmaio.VerbsError):
+            await rig.engine.read(key(), 0, 4)
+        assert len(rig.failures) == 1
+
+    arun(main())
+
+
+# --- credits, notices, revocation ----------------------------------------------------------------------
+
+
+def test_write_with_imm_waits_for_a_credit(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(credits=1)
+        t = asyncio.ensure_future(rig.engine.write(key(), 0, b"x", imm=0xFFFFFFFF))
+        await settle()
+        assert rig.qp.posted == []  # one credit left: the reserve is not ours
+        rig.credits.credits = 3
+        rig.engine.pump()
+        wr = rig.qp.posted[-1]
+        assert wr["opcode"] == lib.IBV_WR_RDMA_WRITE_WITH_IMM and wr["imm_data"] == 0xFFFFFFFF
+        assert rig.credits.credits == 2
+        rig.complete()
+        await t
+
+    arun(main())
+
+
+def test_write_notices_are_queued_in_order(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        waiter = asyncio.ensure_future(rig.engine.wait_write_notice())
+        await settle()
+        rig.engine.on_recv(RECV_RDMA_WITH_IMM, 7, 100, memoryview(b""))
+        rig.engine.on_recv(RECV_RDMA_WITH_IMM, 8, 0, memoryview(b""))
+        assert await waiter == rdmaio.WriteNotice(100, 7)
+        assert await rig.engine.wait_write_notice() == rdmaio.WriteNotice(0, 8)
+        assert rig.credits.used == 2
+
+    arun(main())
+
+
+def test_revoke_handshake_both_sides(arun: Run) -> None:
+    async def main() -> None:
+        exporter, importer = Rig(), Rig()
+        k = exporter.engine.export(bytearray(64))
+        revoking = asyncio.ensure_future(exporter.engine.revoke(k))
+        await settle()
+        wr = exporter.qp.posted[-1]
+        assert wr["opcode"] == lib.IBV_WR_SEND and wr["length"] == 16
+        message = bytes(ffi.buffer(ffi.cast("char *", wr["local_addr"]), 16))
+        assert not exporter.grants[-1].closed and not revoking.done()
+        exporter.complete()  # the control SEND completed; still waiting for the ACK
+        await settle()
+        assert not revoking.done()
+        # The importer receives it: marks the key, answers with an ACK.
+        importer.engine.on_recv(RECV, 0, 16, memoryview(message))
+        assert k.key_id in importer.engine.revoked_ids
+        ack = importer.qp.posted[-1]
+        ack_message = bytes(ffi.buffer(ffi.cast("char *", ack["local_addr"]), 16))
+        with pytest.raises(rdmaio.RemoteKeyRevokedError):
+            await importer.engine.read(k, 0, 1)
+        assert len(importer.qp.posted) == 1  # nothing posted for the revoked key
+        exporter.engine.on_recv(RECV, 0, 16, memoryview(ack_message))
+        await revoking
+        assert exporter.grants[-1].closed and exporter.engine.grants == {}
+
+    arun(main())
+
+
+def test_revoke_deregisters_even_when_cancelled(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        k = rig.engine.export(bytearray(64))
+        t = asyncio.ensure_future(rig.engine.revoke(k))
+        await settle()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert rig.grants[-1].closed and rig.engine.grants == {}
+
+    arun(main())
+
+
+def test_malformed_control_message_is_a_protocol_error(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig()
+        with pytest.raises(rdmaio.ProtocolError):
+            rig.engine.on_recv(RECV, 0, 5, memoryview(b"12345"))
+        with pytest.raises(rdmaio.ProtocolError):
+            rig.engine.on_recv(RECV, 0, 16, memoryview(struct.pack("!BB6xQ", 1, 9, 1)))
+
+    arun(main())
+
+
+# --- Session: one-sided requests pay credits like frames -----------------------------------------------
+
+
+def _sessions() -> tuple[Session, Session]:
+    a = Handshake(recv_depth=4, slot_size=1024, max_message_size=1 << 20)
+    b = Handshake(recv_depth=4, slot_size=1024, max_message_size=1 << 20)
+    return Session(a, b), Session(b, a)
+
+
+def test_session_one_sided_slots_keep_the_reserve() -> None:
+    sender, receiver = _sessions()
+    taken = 0
+    while sender.can_take_slot():
+        sender.take_slot()
+        receiver.on_slot_used()
+        taken += 1
+    assert taken == 3 and sender.send_credits == 1  # one credit kept for CREDIT/EOF frames
+    with pytest.raises(RuntimeError):
+        sender.take_slot()
+    receiver.on_recv_reposted(3)
+    assert receiver.credit_frame_due()
+    imm = receiver.take_credit_frame()
+    assert sender.on_frame(imm, 0) is not None
+    assert sender.send_credits == 4 - 3 + 3 - 0  # the grant brought them back
+    stats = sender.statistics()
+    assert stats["onesided_slots_sent"] == 3 and stats["credits_received"] == 3
+
+
+def test_session_rejects_a_one_sided_request_without_credit() -> None:
+    _, receiver = _sessions()
+    for _ in range(4):
+        receiver.on_slot_used()
+    with pytest.raises(rdmaio.FrameError):
+        receiver.on_slot_used()
