@@ -40,6 +40,7 @@ from rdmaio.errors import (
     ProtocolError,
     VerbsError,
 )
+from rdmaio.keepalive import KEEPALIVE_WR_ID, KEEPALIVE_WR_KIND, Keepalive
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
 from rdmaio.reactor import Reactor
@@ -134,6 +135,17 @@ class Endpoint:
         transport.watch(self._on_completions)
         # Completions may already be waiting (the peer can send as soon as it is established).
         self._io.call_soon(self._on_completions)
+        # keepalive (rdmaio.keepalive): probes the peer when idle, so a vanished peer fails the connection
+        stats = self._stats
+        self._keepalive = Keepalive(
+            self._io,
+            options.keepalive_interval,
+            lambda: stats["completions"] + stats["frames_posted"],
+            lambda: qp.post_empty_write(KEEPALIVE_WR_ID),
+            self._fail,
+            name=f"rdmaio keepalive qp {qp.qp_num}",
+        )
+        self._keepalive.start()
 
     # --- information -------------------------------------------------------------------------------
 
@@ -162,6 +174,7 @@ class Endpoint:
         stats["recv_held_slots"] = self._rxbuf.held
         stats["send_waiters"] = len(self._tx_waiters)
         stats["send_buffered"] = self.get_write_buffer_size()
+        stats["keepalive_probes"] = self._keepalive.probes_sent
         for key, value in self._session.statistics().items():
             stats[f"protocol_{key}"] = value
         return stats
@@ -237,6 +250,8 @@ class Endpoint:
                         continue
                     if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
                         repost.append(slot)
+                elif wc.wr_id >> 56 == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
+                    self._keepalive.on_completion()
                 else:
                     self._tx.on_send_completion(int(wc.wr_id))
             if n < self._batch:
@@ -739,6 +754,7 @@ class Endpoint:
             return
         self._torn_down = True
         self._closing = True
+        self._keepalive.stop()
         for handle in (self._flush_handle, self._post_handle):
             if handle is not None:
                 handle.cancel()

@@ -49,8 +49,11 @@ class Transport:
             self.send_mr = MemoryRegion(self.pd, self.send_buf)
             self.comp = comp = CompletionChannel(device)
             # Every posted WR completes at most once: send + recv depth bounds the CQ occupancy.
-            cqe = self.send_depth + self.recv_depth + 8
+            # +1: the keepalive probe (rdmaio.keepalive), at most one in flight.
+            cqe = self.send_depth + 1 + self.recv_depth + 8
             self.cq = CompletionQueue(device, self.comp, cqe, batch=min(cqe, 512))
+            if options.ack_timeout is not None:  # before connect/accept: rdma_cm applies it at RTS
+                cm_id.set_ack_timeout(options.ack_timeout)
             self.qp = self._create_qp(options)
             self.qp.post_recv_slots(self.recv_mr, self.slot_size, list(range(self.recv_depth)))
             reactor.watch_device(device)
@@ -73,7 +76,7 @@ class Transport:
                     self.pd,
                     self.cq,
                     self.cq,
-                    max_send_wr=self.send_depth,
+                    max_send_wr=self.send_depth + 1,  # +1: the keepalive probe (rdmaio.keepalive)
                     max_recv_wr=self.recv_depth,
                     max_inline_data=inline,
                 )
