@@ -1077,7 +1077,13 @@ def run(
                 "running the command directly"
             )
             return _run_local(cmd, local, workdir=workdir, deadline=deadline)
-        reason = "--force-vm" if force_vm else "no usable RDMA device on this machine"
+        reason = (
+            "--topology pair"
+            if topology == "pair"
+            else "--force-vm"
+            if force_vm
+            else "no usable RDMA device on this machine"
+        )
         _log(f"mode: VM with Soft-RoCE ({reason})")
         _check_workdir(workdir)
         plan = _preflight(kernel, install)
