@@ -74,7 +74,8 @@ def test_stream_intact_under(
         proc.wait()
     rate = size / elapsed / 1e6
     print(
-        f"{IMPAIRMENTS[impairment] or 'no impairment'}: {STREAM_MIB} MiB stream intact in {elapsed:.1f} s ({rate:.2f} MB/s)"
+        f"{IMPAIRMENTS[impairment] or 'no impairment'}: {STREAM_MIB} MiB stream intact "
+        f"in {elapsed:.1f} s ({rate:.2f} MB/s)"
     )
     record_property("stream_MBps", round(rate, 3))
     record_property("stream_s", round(elapsed, 2))
