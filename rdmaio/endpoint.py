@@ -146,6 +146,7 @@ class Endpoint:
             name=f"rdmaio keepalive qp {qp.qp_num}",
         )
         self._keepalive.start()
+        reactor.watch_port(transport.device.handle, cm_id.port_num, qp.qp_num, self._on_port_event)
 
     # --- information -------------------------------------------------------------------------------
 
@@ -762,6 +763,7 @@ class Endpoint:
         forked = self._generation != verbs.fork_generation()
         if not forked:
             self._reactor.unwatch_qp(*self._async_key)
+            self._reactor.unwatch_port(self._async_key[0], self._extra["port"], self._extra["qp_num"])
             if not self._disconnected:
                 with contextlib.suppress(VerbsError):  # the peer may have disconnected already
                     self._cm_id.disconnect()
@@ -792,6 +794,15 @@ class Endpoint:
             self._fail(ConnectionResetError("RDMA device removed", call="rdma_get_cm_event"))
         else:
             log.debug("rdmaio: ignoring %s on an established connection", event.event.name)
+
+    def _on_port_event(self, event: verbs.AsyncEvent) -> None:
+        """PORT_ERR: probe the peer at once (keepalive), so a port that stays down fails this connection
+        within the retry budget while a short flap is survived. PORT_ACTIVE is only counted."""
+        if event.event_type == verbs.EVENT_PORT_ERR:
+            self._stats["port_errors"] += 1
+            self._keepalive.probe_now()
+        else:
+            self._stats["port_active"] += 1
 
     def _on_async_event(self, event: verbs.AsyncEvent) -> None:
         self._fail(ConnectionAbortedError(f"device reported {event.description}", call="ibv_get_async_event"))

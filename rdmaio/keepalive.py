@@ -121,6 +121,14 @@ class Keepalive:
         self.outstanding = False
         self.probes_completed += 1
 
+    def probe_now(self) -> None:
+        """Probe at once unless a probe is in flight or this keepalive was stopped (used on a port error:
+        if the port stays down the probe fails within the retry budget, if it comes back in time the
+        connection survives). Works even when the interval is None: one probe on a real event."""
+        if self._stopped or self.outstanding:
+            return
+        self._post()
+
     def tick(self) -> None:
         """One timer expiry: probe if nothing happened since the previous one and no probe is in flight."""
         if self._stopped:
@@ -133,6 +141,9 @@ class Keepalive:
             return
         if self.outstanding:
             return  # its retry timer is running: it either completes or fails the connection
+        self._post()
+
+    def _post(self) -> None:
         self.outstanding = True
         self.probes_sent += 1
         try:

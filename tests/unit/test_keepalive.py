@@ -221,3 +221,18 @@ def test_off_keepalive_starts_no_task(backend: str) -> None:
         ka.stop()
 
     RUNNERS[backend](test)
+
+
+def test_probe_now_probes_once_even_with_the_interval_off() -> None:
+    conn = FakeConnection(acknowledge=False)
+    ka = conn.make(None, None)
+    ka.probe_now()
+    ka.probe_now()  # one in flight: no second
+    assert conn.posted == 1
+    ka.on_completion()
+    ka.probe_now()
+    assert conn.posted == 2
+    ka.stop()
+    ka.on_completion()
+    ka.probe_now()
+    assert conn.posted == 2
