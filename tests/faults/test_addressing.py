@@ -59,7 +59,7 @@ CLIENT = """
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("family", ["ipv4", "ipv6"])
+@pytest.mark.parametrize("family", ["ipv4", pytest.param("ipv6", marks=pytest.mark.long)])
 def test_host_names_from_etc_hosts_inside_the_test_host(pair: Pair, tmp_path: Path, family: str) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text(
