@@ -54,6 +54,30 @@ NODES = (
 """Node A and node B."""
 
 
+def routing_commands() -> list[str]:
+    """``ip -batch -force`` lines that (re)apply the pair's routing; safe to repeat.
+
+    Setting a veth down flushes its routes and setting it up puts its addresses back into the ``local``
+    table, which would make the kernel deliver A-to-B traffic internally again: after a link comes back
+    up, run these again (``ip -batch -force -``: a ``del`` of something already gone is not an error).
+    """
+    a, b = NODES
+    lines = []
+    for src, dst in ((a, b), (b, a)):
+        lines += [
+            f"route replace {dst.addr}/32 dev {src.netdev} src {src.addr}",
+            f"route replace {dst.addr6}/128 dev {src.netdev} src {src.addr6}",
+        ]
+    for n in NODES:
+        lines += [
+            f"route del local {n.addr} table local",
+            f"route del local {n.addr6} table local",
+            f"route replace local {n.addr} dev {n.netdev} table {n.table}",
+            f"route replace local {n.addr6} dev {n.netdev} table {n.table}",
+        ]
+    return lines
+
+
 def setup_script() -> str:
     """Bash lines that build the pair (run as root in the VM, after ``modprobe rdma_rxe``).
 

@@ -9,6 +9,8 @@ import textwrap
 import time
 from dataclasses import dataclass
 
+from rdmaio.testing.pair import routing_commands
+
 
 @dataclass(frozen=True)
 class Node:
@@ -83,8 +85,17 @@ def heal(pair: Pair) -> None:
 
 
 def set_link(netdev: str, up: bool) -> None:
-    """``ip link set NETDEV up|down``."""
+    """``ip link set NETDEV up|down``; after ``up``, the pair's routing is applied again (a link going
+    down flushed its routes, and coming up put its address back into the ``local`` table)."""
     sh("ip", "link", "set", netdev, "up" if up else "down")
+    if up:
+        reroute()
+
+
+def reroute() -> None:
+    """Re-apply the pair topology's routing (:func:`rdmaio.testing.pair.routing_commands`)."""
+    script = "\n".join(routing_commands()) + "\n"
+    subprocess.run(["ip", "-batch", "-force", "-"], input=script, text=True, capture_output=True, timeout=60)
 
 
 def rdma_devices() -> set[str]:
