@@ -59,7 +59,7 @@ def routing_commands() -> list[str]:
 
     Setting a veth down flushes its routes and setting it up puts its addresses back into the ``local``
     table, which would make the kernel deliver A-to-B traffic internally again: after a link comes back
-    up, run these again (``ip -batch -force -``: a ``del`` of something already gone is not an error).
+    up, run these again (``ip -force -batch -``: a ``del`` of something already gone is not an error).
     """
     a, b = NODES
     lines = []
@@ -87,7 +87,9 @@ def setup_script() -> str:
     a, b = NODES
     lines = [
         "sysctl -qw net.ipv4.conf.all.accept_local=1 net.ipv4.conf.all.rp_filter=0 "
-        "net.ipv4.conf.default.rp_filter=0 net.ipv4.conf.default.accept_local=1 >/dev/null "
+        "net.ipv4.conf.default.rp_filter=0 net.ipv4.conf.default.accept_local=1 "
+        # IPv6 would drop the static addresses of a veth set down (a port flap would lose its GID)
+        "net.ipv6.conf.all.keep_addr_on_down=1 net.ipv6.conf.default.keep_addr_on_down=1 >/dev/null "
         '|| fail "sysctl for the pair topology failed"',
         "ip -batch - <<'EOF_IP' || fail \"ip: cannot set up the veth pair\"",
         f"link add {a.netdev} type veth peer name {b.netdev}",

@@ -95,7 +95,7 @@ def set_link(netdev: str, up: bool) -> None:
 def reroute() -> None:
     """Re-apply the pair topology's routing (:func:`rdmaio.testing.pair.routing_commands`)."""
     script = "\n".join(routing_commands()) + "\n"
-    subprocess.run(["ip", "-batch", "-force", "-"], input=script, text=True, capture_output=True, timeout=60)
+    subprocess.run(["ip", "-force", "-batch", "-"], input=script, text=True, capture_output=True, timeout=60)
 
 
 def rdma_devices() -> set[str]:
