@@ -797,7 +797,8 @@ class Endpoint:
 
     def _on_port_event(self, event: verbs.AsyncEvent) -> None:
         """PORT_ERR: probe the peer at once (keepalive), so a port that stays down fails this connection
-        within the retry budget while a short flap is survived. PORT_ACTIVE is only counted."""
+        within the retry budget, busy or idle; a port back within the budget lets the probe complete.
+        PORT_ACTIVE is only counted."""
         if event.event_type == verbs.EVENT_PORT_ERR:
             self._stats["port_errors"] += 1
             self._keepalive.probe_now()
