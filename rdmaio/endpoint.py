@@ -29,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
@@ -42,6 +43,7 @@ from rdmaio.errors import (
     ProtocolError,
     VerbsError,
 )
+from rdmaio.keepalive import KEEPALIVE_WR_KIND, Keepalive
 from rdmaio.onesided import WR_KIND_ONESIDED, OneSidedEngine, RemoteKey, WriteNotice
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
@@ -49,7 +51,7 @@ from rdmaio.reactor import Reactor
 from rdmaio.rxbuffer import ReceiveBuffer
 from rdmaio.transport import Transport
 from rdmaio.txengine import SendEngine
-from rdmaio.verbs import WR_INDEX_MASK, CMEvent, CMEventType, CMId, WcStatus
+from rdmaio.verbs import WR_INDEX_MASK, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
 
 __all__ = ["Endpoint"]
 
@@ -63,6 +65,18 @@ _DATA_BATCH = FrameKind.DATA_BATCH
 _EOF = FrameKind.EOF
 _RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided (issue 11): a write notice
 _WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided (issue 11): a receive without it is a control message
+
+
+def _weak_call(method: Callable[[BaseException], None]) -> Callable[[BaseException], None]:
+    """``method`` through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(exc: BaseException) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(exc)
+
+    return call
 
 
 class Endpoint:
@@ -138,6 +152,20 @@ class Endpoint:
         transport.set_completion_handler(self._on_completions)
         # Completions may already be waiting (the peer can send as soon as it is established).
         self._io.call_soon(self._poll_completions)
+        # keepalive (rdmaio.keepalive): probes the peer when idle, so a vanished peer fails the connection
+        stats = self._stats
+        # The tag routes the probe's completion back here through the shared CQ.
+        keepalive_wr_id = make_wr_id(KEEPALIVE_WR_KIND, transport.tag or 0, 0)
+        self._keepalive = Keepalive(
+            self._io,
+            options.keepalive_interval,
+            lambda: stats["completions"] + stats["frames_posted"],
+            lambda: qp.post_empty_write(keepalive_wr_id),
+            _weak_call(self._fail),  # no endpoint <-> keepalive cycle: a closed endpoint is freed at once
+            name=f"rdmaio keepalive qp {qp.qp_num}",
+        )
+        self._keepalive.start()
+        reactor.watch_port(transport.device.handle, cm_id.port_num, qp.qp_num, self._on_port_event)
 
     # --- information -------------------------------------------------------------------------------
 
@@ -169,6 +197,7 @@ class Endpoint:
         stats["recv_held_slots"] = self._rxbuf.held
         stats["send_waiters"] = len(self._tx_waiters)
         stats["send_buffered"] = self.get_write_buffer_size()
+        stats["keepalive_probes"] = self._keepalive.probes_sent
         for key, value in self._session.statistics().items():
             stats[f"protocol_{key}"] = value
         return stats
@@ -257,6 +286,8 @@ class Endpoint:
                     repost.append(slot)
             elif wc.wr_id >> 56 == WR_KIND_ONESIDED:  # one-sided (issue 11)
                 self._onesided.on_completion(int(wc.wr_id), 0)
+            elif wc.wr_id >> 56 == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
+                self._keepalive.on_completion()
             else:
                 self._tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
         if repost:
@@ -768,6 +799,7 @@ class Endpoint:
             return
         self._torn_down = True
         self._closing = True
+        self._keepalive.stop()
         for handle in (self._flush_handle, self._post_handle):
             if handle is not None:
                 handle.cancel()
@@ -775,6 +807,7 @@ class Endpoint:
         forked = self._generation != verbs.fork_generation()
         if not forked:
             self._reactor.unwatch_qp(*self._async_key)
+            self._reactor.unwatch_port(self._async_key[0], self._extra["port"], self._extra["qp_num"])
             if not self._disconnected:
                 with contextlib.suppress(VerbsError):  # the peer may have disconnected already
                     self._cm_id.disconnect()
@@ -806,6 +839,16 @@ class Endpoint:
             self._fail(ConnectionResetError("RDMA device removed", call="rdma_get_cm_event"))
         else:
             log.debug("rdmaio: ignoring %s on an established connection", event.event.name)
+
+    def _on_port_event(self, event: verbs.AsyncEvent) -> None:
+        """PORT_ERR: probe the peer at once (keepalive), so a port that stays down fails this connection
+        within the retry budget, busy or idle; a port back within the budget lets the probe complete.
+        PORT_ACTIVE is only counted."""
+        if event.event_type == verbs.EVENT_PORT_ERR:
+            self._stats["port_errors"] += 1
+            self._keepalive.probe_now()
+        else:
+            self._stats["port_active"] += 1
 
     def _on_async_event(self, event: verbs.AsyncEvent) -> None:
         self._fail(ConnectionAbortedError(f"device reported {event.description}", call="ibv_get_async_event"))

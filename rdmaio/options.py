@@ -61,6 +61,17 @@ class Options:
     max_rdma_ops: int = 16
     """One-sided operations (READ, WRITE, atomics) in flight per connection; further calls wait. Added to
     the send queue and CQ sizes, and used as the READ/atomic depth negotiated with the peer."""
+    """Transport retries before a silent peer fails the QP (RETRY_EXC_ERR). Sent in the connect request;
+    the accepting side's QP uses the connecting side's value (rdma_cm/IB CM semantics)."""
+    ack_timeout: int | None = 17
+    """Local ACK timeout exponent of the QP: a transmission unacknowledged after ``4.096 us * 2**ack_timeout``
+    (17: 0.54 s) is retried, ``retry_count`` times (RDMA_OPTION_ID_ACK_TIMEOUT). None keeps rdma_cm's
+    default, derived from the path's packet lifetime."""
+    keepalive_interval: float | None = 10.0
+    """Seconds without any completion or post after which an idle connection probes its peer with a
+    zero-length RDMA WRITE (:mod:`rdmaio.keepalive`); None turns keepalive off. A peer that vanished is
+    detected within ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (23.3 s
+    with the defaults). A busy connection sends no probes."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -85,6 +96,11 @@ class Options:
             raise ValueError("max_rdma_ops must be between 1 and 1024")
         if not 0 <= self.rnr_retry_count <= 7 or not 0 <= self.retry_count <= 7:
             raise ValueError("rnr_retry_count and retry_count must be between 0 and 7")
+        if self.ack_timeout is not None and not 1 <= self.ack_timeout <= 31:
+            # 0 would mean an infinite timeout: a dead peer would never be detected.
+            raise ValueError("ack_timeout must be between 1 and 31 (or None for rdma_cm's default)")
+        if self.keepalive_interval is not None and not self.keepalive_interval > 0:
+            raise ValueError("keepalive_interval must be positive (or None to turn keepalive off)")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:

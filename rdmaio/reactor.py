@@ -57,6 +57,8 @@ class Reactor:
         # QP numbers are unique per device only: handlers are keyed by (device handle, QP number).
         self._qp_handlers: dict[tuple[int, int], QPEventHandler] = {}
         self._cq_handlers: dict[int, dict[tuple[int, int], QPEventHandler]] = {}  # by CQ handle
+        # Port state changes, by (device handle, port number), then by QP number (rdmaio.keepalive).
+        self._port_handlers: dict[tuple[int, int], dict[int, QPEventHandler]] = {}
         self.cm_events = 0
         self.async_events = 0
 
@@ -197,6 +199,18 @@ class Reactor:
             if not handlers:
                 del self._cq_handlers[cq]
 
+    def watch_port(self, device: int, port: int, qp_num: int, handler: QPEventHandler) -> None:
+        """Send PORT_ERR and PORT_ACTIVE of ``port`` on ``device`` (a device handle) to ``handler``."""
+        self._port_handlers.setdefault((device, port), {})[qp_num] = handler
+
+    def unwatch_port(self, device: int, port: int, qp_num: int) -> None:
+        """Forget the port-event handler of QP ``qp_num``."""
+        handlers = self._port_handlers.get((device, port))
+        if handlers is not None:
+            handlers.pop(qp_num, None)
+            if not handlers:
+                del self._port_handlers[(device, port)]
+
     def _on_async_readable(self, device: DeviceContext) -> None:
         while True:
             try:
@@ -222,6 +236,14 @@ class Reactor:
                 domain.cq_failed(event.obj)
         elif etype == verbs.EVENT_DEVICE_FATAL:
             handlers = [h for (dev, _qp), h in self._qp_handlers.items() if dev == device.handle]
+        elif etype in (verbs.EVENT_PORT_ERR, verbs.EVENT_PORT_ACTIVE):
+            log.info("rdmaio: device %s port %d: %s", device.name, event.element, event.description)
+            for port_handler in list(self._port_handlers.get((device.handle, event.element), {}).values()):
+                try:
+                    port_handler(event)
+                except Exception:
+                    log.exception("rdmaio: port event handler failed for %s", event.description)
+            return
         else:
             log.debug("rdmaio: device %s async event %s (%d)", device.name, event.description, event.element)
             return

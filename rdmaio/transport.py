@@ -67,6 +67,8 @@ class Transport:
             # bounds this QP's CQ occupancy.
             self.cq_reservation = self.completions.reserve(self.cq_entries)
             self.cq: CompletionQueue = self.cq_reservation.cq
+            if options.ack_timeout is not None:  # before connect/accept: rdma_cm applies it at RTS
+                cm_id.set_ack_timeout(options.ack_timeout)
             self.qp = self._create_qp(options)
             # Registered before anything is posted: completions that come before the endpoint's handler
             # is set are kept for it, not dropped.
@@ -83,7 +85,7 @@ class Transport:
     @property
     def cq_entries(self) -> int:
         """CQ entries this connection reserves: every WR it can have outstanding completes at most once."""
-        return self.send_depth + self.max_rdma_ops + self.recv_depth + CQ_MARGIN
+        return self.send_depth + self.max_rdma_ops + 1 + self.recv_depth + CQ_MARGIN  # +1: keepalive probe
 
     def _register(self, view: memoryview) -> MemoryRegion:
         # Local access only: the slot rings are never remotely accessible.
@@ -114,7 +116,8 @@ class Transport:
                     self.pd,
                     self.cq,
                     self.cq,
-                    max_send_wr=self.send_depth + options.max_rdma_ops,  # + one-sided ops (issue 11)
+                    # + one-sided ops (issue 11), +1 the keepalive probe (rdmaio.keepalive)
+                    max_send_wr=self.send_depth + options.max_rdma_ops + 1,
                     max_recv_wr=self.recv_depth,
                     max_inline_data=inline,
                 )

@@ -29,6 +29,8 @@ __all__ = [
     "EVENT_COMM_EST",
     "EVENT_CQ_ERR",
     "EVENT_DEVICE_FATAL",
+    "EVENT_PORT_ACTIVE",
+    "EVENT_PORT_ERR",
     "EVENT_QP_ACCESS_ERR",
     "EVENT_QP_FATAL",
     "EVENT_QP_REQ_ERR",
@@ -151,6 +153,8 @@ EVENT_QP_FATAL: int = lib.IBV_EVENT_QP_FATAL
 EVENT_QP_REQ_ERR: int = lib.IBV_EVENT_QP_REQ_ERR
 EVENT_QP_ACCESS_ERR: int = lib.IBV_EVENT_QP_ACCESS_ERR
 EVENT_COMM_EST: int = lib.IBV_EVENT_COMM_EST
+EVENT_PORT_ERR: int = lib.IBV_EVENT_PORT_ERR
+EVENT_PORT_ACTIVE: int = lib.IBV_EVENT_PORT_ACTIVE
 
 
 # --- wr_id layout ------------------------------------------------------------------------------------
@@ -425,6 +429,23 @@ class CMId(_Resource):
             ),
             "rdma_set_option",
             "REUSEADDR",
+        )
+
+    def set_ack_timeout(self, exponent: int) -> None:
+        """Set RDMA_OPTION_ID_ACK_TIMEOUT: the QP's local ACK timeout is 4.096 us * 2**exponent.
+
+        Must be called before ``connect``/``accept`` (rdma_cm applies it when moving the QP to RTS).
+        """
+        self._check_usable()
+        if not 0 <= exponent <= 31:
+            raise ValueError("ack timeout exponent must be between 0 and 31")
+        value = ffi.new("uint8_t *", exponent)
+        _check(
+            lib.rdma_set_option(
+                self._ptr, lib.RDMA_OPTION_ID, lib.RDMA_OPTION_ID_ACK_TIMEOUT, value, ffi.sizeof("uint8_t")
+            ),
+            "rdma_set_option",
+            "ACK_TIMEOUT",
         )
 
     def resolve_addr(
@@ -972,6 +993,9 @@ class QueuePair(_Resource):
         self._slots = ffi.new("uint32_t[]", max(self.max_recv_wr, 1))
         self._sends = ffi.new("struct rdmaio_send[]", max(self.max_send_wr, 1))
         self._bad = ffi.new("int *")
+        # Its own one-entry array: the send engine stages frames in _sends and posts them later in the
+        # loop iteration, so a probe written there could overwrite a staged frame.
+        self._probe = ffi.new("struct rdmaio_send[1]")
 
     def post_recv_slots(
         self, mr: MemoryRegion, slot_size: int, slots: list[int], wr_id_base: int = 0
@@ -1037,6 +1061,40 @@ class QueuePair(_Resource):
         acc, rd, drd = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
         _check(lib.rdmaio_qp_access(self._ptr, acc, rd, drd), "ibv_query_qp")
         return int(acc[0]), int(rd[0]), int(drd[0])
+
+    def post_empty_write(self, wr_id: int) -> None:
+        """Post one signalled zero-length RDMA WRITE (a liveness probe, see :mod:`rdmaio.keepalive`).
+
+        It carries no data, needs no remote key (IBTA C9-88: a zero-length RDMA operation checks none),
+        consumes no receive at the peer and produces no completion there. Its completion here is
+        success once the peer's RC transport acknowledged it, or ``RETRY_EXC_ERR`` after the QP's ACK
+        timeout and retry count ran out.
+        """
+        self._check_usable()
+        wr = self._probe[0]
+        wr.wr_id = wr_id
+        wr.addr = 0
+        wr.length = 0
+        wr.lkey = 0
+        wr.imm_data = 0
+        wr.opcode = lib.IBV_WR_RDMA_WRITE
+        wr.send_flags = lib.IBV_SEND_SIGNALED
+        wr.rkey = 0
+        wr.remote_addr = 0
+        rc = lib.rdmaio_post_sends(self._ptr, self._probe, 1, self._bad)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_send", -rc, "zero-length RDMA WRITE")
+
+    def query_timeouts(self) -> tuple[int, int]:
+        """``(timeout, retry_cnt)`` of the QP as the device holds them (``ibv_query_qp``)."""
+        self._check_usable()
+        attr = ffi.new("struct ibv_qp_attr *")
+        init = ffi.new("struct ibv_qp_init_attr *")
+        _check(
+            lib.ibv_query_qp(self._ptr, attr, lib.IBV_QP_TIMEOUT | lib.IBV_QP_RETRY_CNT, init),
+            "ibv_query_qp",
+        )
+        return int(attr.timeout), int(attr.retry_cnt)
 
     def to_error(self) -> None:
         """Move the QP to the error state: outstanding work requests complete with WR_FLUSH_ERR."""

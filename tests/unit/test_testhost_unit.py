@@ -596,3 +596,30 @@ def test_checker_rejects(
 def test_checker_missing_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert load_checker().main([str(tmp_path / "none.xml")]) == 1
     assert "does not exist" in capsys.readouterr().out
+
+
+def test_guest_script_pair_topology_sets_up_two_rxe_devices_on_a_veth_pair() -> None:
+    tmp = Path("/w")
+    script = host.guest_script(
+        ["true"], workdir=tmp, run_dir=tmp / ".testhost" / "run-1", env={}, topology="pair"
+    )
+    assert "link add veth0 type veth peer name veth1" in script
+    assert "rdma link add rxe0 type rxe netdev veth0" in script
+    assert "rdma link add rxe1 type rxe netdev veth1" in script
+    assert "link add dum0" not in script
+    # Each address stops being local to the routing of the other end, so traffic crosses the veth.
+    assert "route del local 198.18.0.2 table local" in script
+    assert "rule add pref 101 iif veth1 lookup 101" in script
+    assert "rdma link show rxe0/1" in script and "rdma link show rxe1/1" in script
+    assert "export RDMAIO_TOPOLOGY=pair" in script
+    assert "export RDMAIO_TEST_DEVICE2=rxe1" in script
+    assert "export RDMAIO_TEST_ADDR6_2=fd00:198:18::2" in script
+    assert script.index("rdma link add rxe1") < script.index("\ntrue </dev/null")
+    done = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_guest_script_refuses_an_unknown_topology() -> None:
+    tmp = Path("/w")
+    with pytest.raises(ValueError, match="topology"):
+        host.guest_script(["true"], workdir=tmp, run_dir=tmp, env={}, topology="ring")

@@ -1,0 +1,170 @@
+"""Keepalive: detect a vanished peer on an idle connection.
+
+RC transport only notices a dead peer when it has something unacknowledged to retransmit: an endpoint
+idle in ``recv()`` has only posted receives, which never time out, so without a probe it would wait
+forever for a peer whose host crashed or whose network went away (no DREQ ever arrives).
+
+:class:`Keepalive` watches a connection's progress (completions and posted frames). When a whole
+``interval`` passed without any, it posts one probe: a signalled zero-length RDMA WRITE
+(:meth:`rdmaio.verbs.QueuePair.post_empty_write`). It consumes no receive and no credit at the peer and
+produces no completion there; the peer's RC transport just acknowledges it. If the peer is gone the
+probe's retry timer runs out (``retry_count + 1`` ACK timeouts of ``4.096 us * 2**ack_timeout``) and the
+probe completes with ``IBV_WC_RETRY_EXC_ERR``, which fails the endpoint like any other failed work
+request: every pending and later call raises :class:`~rdmaio.ConnectionResetError`.
+
+A busy connection sends no probe (its traffic is the probe: unacknowledged sends are retransmitted and
+time out the same way), and an idle one sends at most one per interval, one at a time.
+
+Detection bound on an idle connection: the idleness is sampled once per ``interval``, so a probe goes out
+between one and two intervals after the last activity; then the retry budget runs. See
+:func:`detection_bound`.
+
+The probe's work request id carries operation kind :data:`KEEPALIVE_WR_KIND` in its top 8 bits
+(``wr_id >> 56``), so the endpoint routes its completion here instead of to the send engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from rdmaio.backend import Backend, Event
+
+__all__ = ["KEEPALIVE_WR_ID", "KEEPALIVE_WR_KIND", "Keepalive", "ack_timeout_seconds", "detection_bound"]
+
+log = logging.getLogger("rdmaio")
+
+KEEPALIVE_WR_KIND = 3
+"""Operation kind of control/keepalive work requests (``wr_id >> 56``; 0 is a send slot)."""
+KEEPALIVE_WR_ID = KEEPALIVE_WR_KIND << 56
+"""The ``wr_id`` of a keepalive probe."""
+
+
+def ack_timeout_seconds(exponent: int) -> float:
+    """The local ACK timeout an exponent stands for: ``4.096 us * 2**exponent`` (IBTA 9.7.6.1.3)."""
+    return 4.096e-6 * (1 << exponent)
+
+
+def detection_bound(interval: float, ack_timeout: int, retry_count: int) -> float:
+    """Worst-case seconds from a peer vanishing to an idle endpoint failing, by the specification.
+
+    Two intervals (idleness is sampled once per interval) plus the retry budget: the first transmission
+    and ``retry_count`` retransmissions, each given one ACK timeout. Real devices may wait up to four
+    times longer per timeout than nominal (IBTA allows it); rxe uses the nominal value.
+    """
+    return 2 * interval + (retry_count + 1) * ack_timeout_seconds(ack_timeout)
+
+
+class Keepalive:
+    """Probe the peer of one connection when it has been idle for ``interval`` seconds.
+
+    ``progress()`` returns a counter that grows with the connection's activity (it may include this
+    keepalive's own completions: they are subtracted). ``probe()`` posts one probe whose completion must
+    be reported with :meth:`on_completion`; an exception from it is passed to ``on_error`` and stops the
+    keepalive. ``interval`` None makes a keepalive that never probes. Driven by a background task of the
+    backend (asyncio, uvloop or trio) that sleeps on a timeout scope; :meth:`stop` ends it at once.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        interval: float | None,
+        progress: Callable[[], int],
+        probe: Callable[[], None],
+        on_error: Callable[[BaseException], None],
+        *,
+        name: str = "rdmaio keepalive",
+    ) -> None:
+        if interval is not None and not interval > 0:
+            raise ValueError("keepalive interval must be positive (or None to turn keepalive off)")
+        self._io = backend
+        self._interval = interval
+        self._progress = progress
+        self._probe = probe
+        self._on_error = on_error
+        self._name = name
+        self._stop: Event | None = None
+        self._stopped = False
+        self._last = -1  # never equal to a first sample: the first tick after start never probes
+        self.outstanding = False
+        """True while a probe is posted and not yet completed."""
+        self.probes_sent = 0
+        """Probes posted so far."""
+        self.probes_completed = 0
+        """Probes the peer acknowledged so far."""
+
+    @property
+    def interval(self) -> float | None:
+        """Seconds of idleness before a probe; None when keepalive is off."""
+        return self._interval
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop` (always False when the interval is None)."""
+        return self._stop is not None and not self._stopped
+
+    def start(self) -> None:
+        """Start the timer task (no effect when the interval is None, or when started or stopped)."""
+        if self._interval is None or self._stop is not None or self._stopped:
+            return
+        self._stop = self._io.event()
+        self._io.spawn(self._run(self._stop, self._interval), name=self._name)
+
+    def stop(self) -> None:
+        """Stop probing; the timer task ends at once. Idempotent; a probe in flight is left to its QP."""
+        self._stopped = True
+        if self._stop is not None:
+            self._stop.set()
+
+    def on_completion(self) -> None:
+        """The peer acknowledged the probe in flight (a successful completion of :data:`KEEPALIVE_WR_ID`)."""
+        self.outstanding = False
+        self.probes_completed += 1
+
+    def probe_now(self) -> None:
+        """Probe at once unless a probe is in flight or this keepalive was stopped (used on a port error:
+        if the port stays down the probe fails within the retry budget, if it comes back in time the
+        connection survives). Works even when the interval is None: one probe on a real event."""
+        if self._stopped or self.outstanding:
+            return
+        self._post()
+
+    def tick(self) -> None:
+        """One timer expiry: probe if nothing happened since the previous one and no probe is in flight."""
+        if self._stopped:
+            return
+        # The probe's own completion is activity to progress() but not to us: without subtracting it
+        # an idle connection would be probed only every other interval.
+        sample = self._progress() - self.probes_completed
+        if sample != self._last:
+            self._last = sample
+            return
+        if self.outstanding:
+            return  # its retry timer is running: it either completes or fails the connection
+        self._post()
+
+    def _post(self) -> None:
+        self.outstanding = True
+        self.probes_sent += 1
+        try:
+            self._probe()
+        except Exception as exc:
+            self.outstanding = False
+            self.stop()
+            self._on_error(exc)
+
+    async def _run(self, stop: Event, interval: float) -> None:
+        while not self._stopped:
+            try:
+                async with self._io.timeout(interval):
+                    await stop.wait()
+            except TimeoutError:
+                try:
+                    self.tick()
+                except Exception:  # a bug in a callback: log it, never kill the loop's task silently
+                    log.exception("rdmaio: keepalive tick failed")
+                    return
+
+    def __repr__(self) -> str:
+        state = "off" if self._interval is None else "running" if self.running else "stopped"
+        return f"<rdmaio.Keepalive {state} interval={self._interval} sent={self.probes_sent}>"

@@ -1,0 +1,179 @@
+"""Impaired links (tc netem on both veths): loss, delay, duplication, and reordering.
+
+For loss, delay and duplication, a byte stream (SHA-256 checked at the receiver) and a message echo
+(every message compared): data intact, nothing hangs, throughput printed and recorded. The stream is
+4 MiB (``RDMAIO_FAULT_STREAM_MIB``; the issue asks for 256 MiB, which at the VM's 0.4-1 MB/s would take
+far longer than CI's budget), and CI's bounded run (``-m "not long"``) runs the echo for a subset.
+
+Reordering is different: RoCE assumes in-order delivery. rxe's requester answers an out-of-sequence NAK
+by going back to the missing packet, and counts each such retry of a work request against
+``retry_count``; a 64 KiB frame is 64 packets at rxe's 1024-byte MTU, so under steady reordering a
+frame never gets through ``retry_count + 1`` times in order, and the connection fails with
+``ConnectionResetError`` ("transport retry counter exceeded"). netem's jitter (``delay 5ms 1ms``)
+reorders too. Those cases check that the failure is typed, bounded, and that a new connection works
+once the reordering stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import time
+from collections.abc import Callable
+
+import pytest
+from netfault import ECHO_SERVER, SINK_SERVER, Pair, clear_netem, netem, peer, wait_ready
+
+import rdmaio
+
+STREAM_MIB = int(os.environ.get("RDMAIO_FAULT_STREAM_MIB", "4"))
+IMPAIRMENTS = {
+    "none": "",  # the baseline the others compare with (VM times only mean something as ratios)
+    "loss1": "loss 1%",
+    "loss10": "loss 10%",
+    "delay5ms": "delay 5ms",
+    "duplicate": "duplicate 5%",
+}
+REORDERING = {
+    "jitter": "delay 5ms 1ms distribution normal",
+    "reorder": "delay 5ms reorder 25% 50%",
+}
+# What CI's bounded run includes (loss 10 % is slow in the VM; the echo repeats what the stream shows).
+STREAM_BOUNDED = {"none", "loss1", "delay5ms"}
+ECHO_BOUNDED = {"loss1"}
+REORDERING_BOUNDED = {"jitter"}
+
+
+def _cases(bounded: set[str]) -> list[object]:
+    return [pytest.param(n, id=n, marks=() if n in bounded else pytest.mark.long) for n in IMPAIRMENTS]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impairment", _cases(STREAM_BOUNDED))
+def test_stream_intact_under(
+    impairment: str, pair: Pair, record_property: Callable[[str, object], None]
+) -> None:
+    size = STREAM_MIB << 20
+    proc = peer(SINK_SERVER, pair.b.addr)
+    try:
+        port = int(wait_ready(proc).split()[1])
+
+        async def main() -> float:
+            ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
+            rng = random.Random(impairment)
+            digest = hashlib.sha256()
+            if IMPAIRMENTS[impairment]:
+                netem(pair, IMPAIRMENTS[impairment])
+            started = time.monotonic()
+            sent = 0
+            while sent < size:
+                chunk = rng.randbytes(min(1 << 20, size - sent))
+                digest.update(chunk)
+                ep.write(chunk)
+                await ep.drain()
+                sent += len(chunk)
+            ep.write_eof()
+            answer = await ep.recv()
+            elapsed = time.monotonic() - started
+            assert answer is not None and len(answer) == 40
+            assert int.from_bytes(answer[32:], "big") == size
+            assert answer[:32] == digest.digest(), "stream corrupted"
+            await ep.aclose()
+            return elapsed
+
+        elapsed = asyncio.run(asyncio.wait_for(main(), 540))
+    finally:
+        proc.kill()
+        proc.wait()
+    rate = size / elapsed / 1e6
+    print(
+        f"{IMPAIRMENTS[impairment] or 'no impairment'}: {STREAM_MIB} MiB stream intact "
+        f"in {elapsed:.1f} s ({rate:.2f} MB/s)"
+    )
+    record_property("stream_MBps", round(rate, 3))
+    record_property("stream_s", round(elapsed, 2))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("impairment", _cases(ECHO_BOUNDED))
+def test_message_echo_intact_under(
+    impairment: str, pair: Pair, record_property: Callable[[str, object], None]
+) -> None:
+    proc = peer(ECHO_SERVER, pair.b.addr)
+    try:
+        port = int(wait_ready(proc).split()[1])
+
+        async def main() -> tuple[int, float]:
+            ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
+            rng = random.Random(impairment)
+            if IMPAIRMENTS[impairment]:
+                netem(pair, IMPAIRMENTS[impairment])
+            started = time.monotonic()
+            total = 0
+            for i in range(100):
+                message = rng.randbytes(rng.choice((0, 1, 100, 4096, 65536, 200_000)))
+                await ep.send(message)
+                echoed = await ep.recv()
+                assert echoed == message, f"message {i} of {len(message)} bytes differs"
+                total += 2 * len(message)
+            elapsed = time.monotonic() - started
+            await ep.aclose()
+            return total, elapsed
+
+        total, elapsed = asyncio.run(asyncio.wait_for(main(), 540))
+    finally:
+        proc.kill()
+        proc.wait()
+    print(
+        f"{IMPAIRMENTS[impairment] or 'no impairment'}: 100 messages echoed intact in {elapsed:.1f} s "
+        f"({total / elapsed / 1e6:.2f} MB/s)"
+    )
+    record_property("echo_s", round(elapsed, 2))
+    record_property("echo_MBps", round(total / elapsed / 1e6, 3))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "impairment",
+    [pytest.param(n, id=n, marks=() if n in REORDERING_BOUNDED else pytest.mark.long) for n in REORDERING],
+)
+def test_reordering_fails_the_connection_typed_and_bounded(
+    impairment: str, pair: Pair, record_property: Callable[[str, object], None]
+) -> None:
+    proc = peer(ECHO_SERVER, pair.b.addr)
+    try:
+        port = int(wait_ready(proc).split()[1])
+
+        async def main() -> tuple[float, int]:
+            ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
+            netem(pair, REORDERING[impairment])
+            started = time.monotonic()
+            rounds = 0
+            with pytest.raises(ConnectionResetError) as failed:
+                for _ in range(200):  # 200 round trips of 64 KiB: never completes under reordering
+                    block = os.urandom(65536)
+                    await ep.send(block)
+                    assert await ep.recv() == block  # what does arrive is never corrupted
+                    rounds += 1
+            elapsed = time.monotonic() - started
+            assert isinstance(failed.value, rdmaio.RdmaError)
+            with pytest.raises(ConnectionResetError):
+                await ep.send(b"later")  # later calls fail too
+            await ep.aclose()
+            # Once the reordering stops, a new connection works.
+            clear_netem(pair)
+            ep2 = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
+            await ep2.send(b"again")
+            assert await ep2.recv() == b"again"
+            await ep2.aclose()
+            return elapsed, rounds
+
+        elapsed, rounds = asyncio.run(asyncio.wait_for(main(), 240))
+    finally:
+        proc.kill()
+        proc.wait()
+    print(f"{REORDERING[impairment]}: ConnectionResetError after {elapsed:.1f} s ({rounds} round trips)")
+    record_property("failed_after_s", round(elapsed, 2))
+    record_property("round_trips", rounds)
