@@ -35,6 +35,8 @@ echo "== asyncio streams echo over RDMA =="
 "$PY" examples/streams_echo.py --transport rdma --host "$ADDR"
 echo "== anyio echo over RDMA on trio =="
 "$PY" examples/anyio_echo.py --transport rdma --host "$ADDR" --backend trio
+echo "== one-sided key-value store: compare_swap / fetch_add / rdma_write puts, rdma_read gets =="
+"$PY" examples/onesided_kv.py "$ADDR" --clients 4
 echo "== rdmaio ping =="
 "$PY" -m rdmaio ping --server "$ADDR" 7479 > .testhost/ping_server.log 2>&1 &
 ping_server=$!
