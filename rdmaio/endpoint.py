@@ -51,7 +51,7 @@ from rdmaio.reactor import Reactor
 from rdmaio.rxbuffer import ReceiveBuffer
 from rdmaio.transport import Transport
 from rdmaio.txengine import SendEngine
-from rdmaio.verbs import WR_INDEX_MASK, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
+from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
 
 __all__ = ["Endpoint"]
 
@@ -246,7 +246,7 @@ class Endpoint:
         for i in range(start, start + count):
             wc = records[i]
             if wc.status:
-                if wc.wr_id >> 56 == WR_KIND_ONESIDED:  # one-sided (issue 11)
+                if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided (issue 11)
                     self._onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
                 self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
                 if self._torn_down:
@@ -284,12 +284,14 @@ class Endpoint:
                 data_frames += 1
                 if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
                     repost.append(slot)
-            elif wc.wr_id >> 56 == WR_KIND_ONESIDED:  # one-sided (issue 11)
-                self._onesided.on_completion(int(wc.wr_id), 0)
-            elif wc.wr_id >> 56 == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
-                self._keepalive.on_completion()
             else:
-                self._tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
+                op_kind = wc.wr_id >> WR_KIND_SHIFT
+                if op_kind == WR_KIND_ONESIDED:  # one-sided (issue 11)
+                    self._onesided.on_completion(int(wc.wr_id), 0)
+                elif op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
+                    self._keepalive.on_completion()
+                else:
+                    self._tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
         if repost:
             self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))

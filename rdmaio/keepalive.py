@@ -29,15 +29,16 @@ import logging
 from collections.abc import Callable
 
 from rdmaio.backend import Backend, Event
+from rdmaio.verbs import WR_KIND_CONTROL
 
 __all__ = ["KEEPALIVE_WR_ID", "KEEPALIVE_WR_KIND", "Keepalive", "ack_timeout_seconds", "detection_bound"]
 
 log = logging.getLogger("rdmaio")
 
-KEEPALIVE_WR_KIND = 3
-"""Operation kind of control/keepalive work requests (``wr_id >> 56``; 0 is a send slot)."""
+KEEPALIVE_WR_KIND = WR_KIND_CONTROL
+"""Operation kind of control/keepalive work requests (``wr_id >> 56``; the verbs layer's wr_id layout)."""
 KEEPALIVE_WR_ID = KEEPALIVE_WR_KIND << 56
-"""The ``wr_id`` of a keepalive probe."""
+"""The ``wr_id`` of a keepalive probe with tag and index 0 (the endpoint adds its connection tag)."""
 
 
 def ack_timeout_seconds(exponent: int) -> float:

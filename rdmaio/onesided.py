@@ -92,9 +92,8 @@ KEY_VERSION = 1
 _KEY = struct.Struct("!BBHIQQQ")
 MAX_OP_BYTES = 1 << 30
 """Largest single READ or WRITE (1 GiB; rxe's limit is 2 GiB - 1)."""
-WR_KIND_ONESIDED = 2
-"""``wr_id >> 56`` of one-sided work requests."""
-_WR_KIND = WR_KIND_ONESIDED << 56
+WR_KIND_ONESIDED = verbs.WR_KIND_ONESIDED
+"""``wr_id >> 56`` of one-sided work requests (the verbs layer's wr_id layout)."""
 _INDEX_MASK = verbs.WR_INDEX_MASK  # bits 32..55 are the connection's tag (shared-CQ dispatch)
 _STAGING_SLOT = 64 * 1024  # bytes of rdmaio-owned registered memory per op; larger ops get their own MR
 
