@@ -81,6 +81,9 @@ class Backend(Protocol):
     def call_soon(self, callback: Callable[[], None]) -> Handle:
         """Run ``callback`` soon on the loop, after the currently runnable tasks."""
 
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Handle:
+        """Run ``callback`` on the loop after ``delay`` seconds (cancellable)."""
+
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         """Run ``coro`` in the background; an exception is logged (it is a bug)."""
 
@@ -151,6 +154,10 @@ class AsyncioBackend:
     def call_soon(self, callback: Callable[[], None]) -> Handle:
         """``loop.call_soon``."""
         return self.loop.call_soon(callback)
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Handle:
+        """``loop.call_later`` (a closed loop drops its timers, so a pending one keeps nothing alive)."""
+        return self.loop.call_later(delay, callback)
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         """A task the backend keeps a reference to until it ends."""
@@ -273,6 +280,19 @@ class TrioBackend:
         if self._soon_parked:
             self._soon_parked = False
             self._trio.lowlevel.reschedule(self._soon_task)
+        return handle
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Handle:
+        """A system task that sleeps ``delay`` seconds, then queues ``callback`` with :meth:`call_soon`
+        unless the handle was cancelled (the run's end cancels the sleep)."""
+        handle = _TrioHandle(callback)
+
+        async def later() -> None:
+            await self._trio.sleep(delay)
+            if not handle.cancelled:
+                self.call_soon(callback)
+
+        self.spawn(later(), name="rdmaio call_later")
         return handle
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:

@@ -12,6 +12,9 @@ caller until it is released; unused registrations stay cached (registration pins
 system call plus a page walk, as UCX's rcache notes) until the pinned total exceeds ``max_pinned``, when
 the least recently used unused ones are deregistered. A cached registration keeps its Python buffer alive,
 so the memory cannot be freed (and its address reused by another buffer) while it is registered.
+
+The ring pool (:class:`~rdmaio.rings.ArenaPool`) keeps the slot-ring memory of closed connections
+registered for the next ones, bounded in bytes and released after a short idle time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rdmaio.completions import DEFAULT_BATCH, DEFAULT_CQ_CAPACITY, CompletionDispatcher
+from rdmaio.rings import ArenaPool
 from rdmaio.verbs import (
     CompletionBatch,
     CompletionChannel,
@@ -203,10 +207,15 @@ class Domain:
         watch: Callable[[int, Callable[[], None]], None] = _unwatched,
         unwatch: Callable[[int], None] | None = None,
         cq_capacity: int = DEFAULT_CQ_CAPACITY,
+        call_later: Callable[[float, Callable[[], None]], Any] | None = None,
     ) -> None:
         self.device = device
         self.pd = ProtectionDomain(device)
         self.registrations = RegistrationCache(self._register, _buffer_address, max_pinned)
+        # Slot-ring memory of closed connections, kept registered (local access only) for the next ones:
+        # registration is the dearest step of a connection's setup (rdmaio.rings). Without a timer to
+        # release it when idle (no loop), the pool keeps nothing.
+        self.rings = ArenaPool(self._register_local, call_later=call_later)
         self._watch = watch
         self._unwatch = unwatch if unwatch is not None else (lambda fd: None)
         self._cq_capacity = cq_capacity
@@ -231,6 +240,9 @@ class Domain:
             )
         return self._completions
 
+    def _register_local(self, view: memoryview) -> MemoryRegion:
+        return MemoryRegion(self.pd, view)
+
     def _register(self, buffer: Any, access: int) -> MemoryRegion:
         # Local access unless asked: nothing is remotely accessible that was not exported on purpose.
         return MemoryRegion(
@@ -241,10 +253,14 @@ class Domain:
         )
 
     def statistics(self) -> dict[str, dict[str, int]]:
-        """``{"registrations": ..., "completions": ...}``: the registration cache's and the completion
-        dispatcher's counters (the latter empty before the first connection)."""
+        """``{"registrations": ..., "completions": ..., "rings": ...}``: the registration cache's, the
+        completion dispatcher's (empty before the first connection) and the ring pool's counters."""
         completions = self._completions.statistics() if self._completions is not None else {}
-        return {"registrations": self.registrations.statistics(), "completions": completions}
+        return {
+            "registrations": self.registrations.statistics(),
+            "completions": completions,
+            "rings": self.rings.statistics(),
+        }
 
     def cq_failed(self, handle: int) -> None:
         """The device reported an error on CQ ``handle``: no new connection is placed on it."""
@@ -264,6 +280,7 @@ class Domain:
             return
         completions = self._completions
         try:
+            self.rings.close()
             self.registrations.close()
             self.pd.close()
         finally:

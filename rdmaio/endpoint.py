@@ -112,7 +112,6 @@ class Endpoint:
             "device": transport.device.name,
             "port": cm_id.port_num,
             "qp_num": qp.qp_num,
-            "mtu": transport.device.query_port(cm_id.port_num).active_mtu,
             "max_inline": self._max_inline,
             "options": options,
         }
@@ -171,6 +170,13 @@ class Endpoint:
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ... by name."""
+        if name == "mtu" and "mtu" not in self._extra:
+            # Queried on first use, not in every connection's setup (ibv_query_port is a system call; the
+            # device context is rdma_cm's, open as long as the process).
+            try:
+                self._extra["mtu"] = self._transport.device.query_port(self._extra["port"]).active_mtu
+            except VerbsError:
+                return default
         return self._extra.get(name, default)
 
     def statistics(self) -> dict[str, float]:

@@ -228,14 +228,23 @@ def query_caps(device: verbs.DeviceContext) -> OneSidedCaps:
     )
 
 
+_DEPTH_LIMITS: dict[tuple[int, str], int] = {}
+"""Per device (context handle, name): the READ/atomic depth limit, queried once per process (device
+attributes do not change, and ``ibv_query_device`` is a system call in every connection's setup path)."""
+
+
 def rd_atomic_depth(device: verbs.DeviceContext, wanted: int) -> int:
     """The READ/atomic depth to negotiate (``responder_resources``/``initiator_depth``): ``wanted``, capped
     by the device's limits. rdma_cm grants the QP remote READ/atomic access only when it is above 0."""
-    try:
-        caps = query_caps(device)
-    except VerbsError:
-        return 1
-    return max(1, min(wanted, caps.max_qp_rd_atom, caps.max_qp_init_rd_atom, 255))
+    key = (device.handle, device.name)
+    limit = _DEPTH_LIMITS.get(key)
+    if limit is None:
+        try:
+            caps = query_caps(device)
+        except VerbsError:
+            return 1
+        limit = _DEPTH_LIMITS[key] = min(caps.max_qp_rd_atom, caps.max_qp_init_rd_atom, 255)
+    return max(1, min(wanted, limit))
 
 
 # --- what the engine needs of the connection (the unit tests give fakes) --------------------------------

@@ -85,7 +85,9 @@ class Reactor:
         """The :class:`~rdmaio.domain.Domain` of ``device`` on this loop (created on first use)."""
         domain = self._domains.get(device.handle)
         if domain is None or domain.closed:
-            domain = self._domains[device.handle] = Domain(device, watch=self.watch, unwatch=self.unwatch)
+            domain = self._domains[device.handle] = Domain(
+                device, watch=self.watch, unwatch=self.unwatch, call_later=self.backend.call_later
+            )
         return domain
 
     def _close_at_loop_end(self, loop_alive: bool) -> None:

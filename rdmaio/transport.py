@@ -59,8 +59,11 @@ class Transport:
         self.recv_wr_base = 0
         self.cq_reservation: CQReservation | None = None
         initial = self.recv_depth if initial_recv is None else initial_recv
-        self.recv_ring = SlotRing(self.slot_size, self.recv_depth, self._register)
-        self.send_ring = SlotRing(self.slot_size, self.send_depth, self._register)
+        # The rings' memory comes from (and goes back to) the domain's pool: no registration per connection
+        # while connections come and go (rdmaio.rings).
+        pool = self.domain.rings
+        self.recv_ring = SlotRing(self.slot_size, self.recv_depth, self._register, pool=pool)
+        self.send_ring = SlotRing(self.slot_size, self.send_depth, self._register, pool=pool)
         try:
             self.recv_ring.grow(initial)
             # Every posted WR completes at most once: the reservation (for both rings at their largest)

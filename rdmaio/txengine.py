@@ -38,11 +38,20 @@ Payload = bytes | bytearray | memoryview
 class SendRing(Protocol):
     """What the engine needs of its slot ring (:class:`~rdmaio.rings.SlotRing`)."""
 
-    view: memoryview
-    addr: int
-    lkeys: Any
     slots: int
     max_slots: int
+
+    @property
+    def view(self) -> memoryview:
+        """The ring's bytes (once it has slots)."""
+
+    @property
+    def addr(self) -> int:
+        """Address of slot 0 (once it has slots)."""
+
+    @property
+    def lkeys(self) -> Any:
+        """Local key of each registered slot (once it has slots)."""
 
     def grow(self, n: int) -> range:
         """Register up to ``n`` more slots; return their indices."""
@@ -86,9 +95,11 @@ class SendEngine:
         self._qp = qp
         self._sends = qp.send_array
         self._slot_ring = ring
-        self._ring = ring.view
-        self._addr = ring.addr
-        self._lkeys = ring.lkeys
+        # The ring's memory (view, address, keys) exists once it has slots: a pooled ring gets it at its
+        # first grow (rdmaio.rings), so these are read again by _grow().
+        self._ring = ring.view if ring.slots else memoryview(b"")
+        self._addr = ring.addr if ring.slots else 0
+        self._lkeys: Any = ring.lkeys if ring.slots else None
         self._initial = initial
         self._slot_size = slot_size
         self._max_inline = max_inline
@@ -241,6 +252,10 @@ class SendEngine:
         added = ring.grow(max(self._initial, ring.slots))
         if not added:
             return False
+        if added.start == 0:  # the ring's first slots: its memory was just attached
+            self._ring = ring.view
+            self._addr = ring.addr
+            self._lkeys = ring.lkeys
         self.free_slots.extend(reversed(added))  # pop() takes the lowest index first
         self._stats["send_ring_grown"] += 1
         return True

@@ -21,21 +21,19 @@ class FakeQP:
 
     def __init__(self, depth: int, ring: SlotRing) -> None:
         self.send_array = [SimpleNamespace() for _ in range(depth)]
-        self.ring = ring.view
-        self.addr = ring.addr
-        self.lkeys = ring.lkeys
-        self.registered = lambda: ring.slots
+        self._ring = ring  # its memory exists from its first grow (the engine's first frame)
         self.posts: list[list[tuple[int, bytes, int, int]]] = []
 
     def post_sends(self, count: int) -> None:
         chain = []
+        ring = self._ring
         for wr in self.send_array[:count]:
-            off = wr.addr - self.addr
+            off = wr.addr - ring.addr
+            # Every posted slot is registered, with the key of its chunk.
+            assert verbs.wr_index(wr.wr_id) < ring.slots
             if wr.length:
-                # The slot must be registered, with the key of its chunk.
-                assert verbs.wr_index(wr.wr_id) < self.registered()
-                assert wr.lkey == self.lkeys[verbs.wr_index(wr.wr_id)] >= 100
-            chain.append((wr.wr_id, bytes(self.ring[off : off + wr.length]), wr.imm_data, wr.send_flags))
+                assert wr.lkey == ring.lkeys[verbs.wr_index(wr.wr_id)] >= 100
+            chain.append((wr.wr_id, bytes(ring.view[off : off + wr.length]), wr.imm_data, wr.send_flags))
         self.posts.append(chain)
 
 
