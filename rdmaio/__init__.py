@@ -6,6 +6,7 @@ helper that drains completion queues in batches.
 """
 
 from rdmaio.client import connect
+from rdmaio.core.onesided import RemoteKey, WriteNotice
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import (
     AddressError,
@@ -28,7 +29,6 @@ from rdmaio.errors import (
     UnreachableError,
     VerbsError,
 )
-from rdmaio.onesided import RemoteKey, WriteNotice
 from rdmaio.options import Options
 from rdmaio.server import StreamServer, listen, serve
 from rdmaio.streams import open_connection, start_server

@@ -10,7 +10,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from rdmaio.backend import Backend, Waiter
+from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.onesided import rd_atomic_depth
+from rdmaio.core.reactor import Reactor
+from rdmaio.core.transport import Transport
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import (
     AddressError,
@@ -19,11 +22,8 @@ from rdmaio.errors import (
     TimeoutError,
     UnreachableError,
 )
-from rdmaio.onesided import rd_atomic_depth
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, Handshake, Session
-from rdmaio.reactor import Reactor
-from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType
 
 __all__ = ["connect", "local_handshake", "resolve_host"]

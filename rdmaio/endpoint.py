@@ -2,13 +2,13 @@
 
 Data path. Every frame travels as one SEND-with-immediate from a registered send slot into a registered
 receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
-(:mod:`rdmaio.protocol`). Completions come from the domain's shared CQs (:mod:`rdmaio.completions`): one
+(:mod:`rdmaio.protocol`). Completions come from the domain's shared CQs (:mod:`rdmaio.core.completions`): one
 wake-up of its completion channel polls a whole batch through the C helper, grouped by connection, and
 this endpoint's handler gets its own group of it; receive completions are copied out of their slot (one
 copy) and the slot is re-posted at once, in one chained post per batch, unless the receive buffer
-(:mod:`rdmaio.rxbuffer`) holds it back for back-pressure: then the peer gets no credit for it, and the
-sender waits. A send never meets an empty receive queue. The send side's queue, coalescing, slots and
-posting are :mod:`rdmaio.txengine`'s; this class decides when to stage and post, who waits, and the
+(:mod:`rdmaio.protocol.rxbuffer`) holds it back for back-pressure: then the peer gets no credit for it,
+and the sender waits. A send never meets an empty receive queue. The send side's queue, coalescing, slots and
+posting are :mod:`rdmaio.core.txengine`'s; this class decides when to stage and post, who waits, and the
 connection's lifetime.
 
 Sends copy the caller's data into send slots before they are posted, so the caller's buffer is free the
@@ -34,7 +34,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
 from rdmaio import verbs
-from rdmaio.backend import Event, Handle, Waiter
+from rdmaio.core.backend import Event, Handle, Waiter
+from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive
+from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine, RemoteKey, WriteNotice
+from rdmaio.core.reactor import Reactor
+from rdmaio.core.transport import Transport
+from rdmaio.core.txengine import SendEngine
 from rdmaio.errors import (
     ConnectionAbortedError,
     ConnectionResetError,
@@ -43,14 +48,9 @@ from rdmaio.errors import (
     ProtocolError,
     VerbsError,
 )
-from rdmaio.keepalive import KEEPALIVE_WR_KIND, Keepalive
-from rdmaio.onesided import WR_KIND_ONESIDED, OneSidedEngine, RemoteKey, WriteNotice
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
-from rdmaio.reactor import Reactor
-from rdmaio.rxbuffer import ReceiveBuffer
-from rdmaio.transport import Transport
-from rdmaio.txengine import SendEngine
+from rdmaio.protocol.rxbuffer import ReceiveBuffer
 from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
 
 __all__ = ["Endpoint"]
@@ -151,7 +151,8 @@ class Endpoint:
         transport.set_completion_handler(self._on_completions)
         # Completions may already be waiting (the peer can send as soon as it is established).
         self._io.call_soon(self._poll_completions)
-        # keepalive (rdmaio.keepalive): probes the peer when idle, so a vanished peer fails the connection
+        # keepalive (rdmaio.core.keepalive): probes the peer when idle, so a vanished peer fails the
+        # connection
         stats = self._stats
         # The tag routes the probe's completion back here through the shared CQ.
         keepalive_wr_id = make_wr_id(KEEPALIVE_WR_KIND, transport.tag or 0, 0)
@@ -861,7 +862,7 @@ class Endpoint:
     def _on_async_event(self, event: verbs.AsyncEvent) -> None:
         self._fail(ConnectionAbortedError(f"device reported {event.description}", call="ibv_get_async_event"))
 
-    # --- one-sided RDMA (issue 11; the work is rdmaio.onesided.OneSidedEngine's) ---------------------------
+    # --- one-sided RDMA (issue 11; the work is rdmaio.core.onesided.OneSidedEngine's) -----------------
 
     def export(
         self, buffer: Any, offset: int = 0, length: int | None = None, access: str = "rw"

@@ -69,7 +69,7 @@ class Options:
     default, derived from the path's packet lifetime."""
     keepalive_interval: float | None = 10.0
     """Seconds without any completion or post after which an idle connection probes its peer with a
-    zero-length RDMA WRITE (:mod:`rdmaio.keepalive`); None turns keepalive off. A peer that vanished is
+    zero-length RDMA WRITE (:mod:`rdmaio.core.keepalive`); None turns keepalive off. A peer that vanished is
     detected within ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (23.3 s
     with the defaults). A busy connection sends no probes."""
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self
 
-from rdmaio.backend import AsyncioBackend, Waiter
 from rdmaio.client import local_handshake, resolve_host
+from rdmaio.core.backend import AsyncioBackend, Waiter
+from rdmaio.core.onesided import rd_atomic_depth
+from rdmaio.core.reactor import Reactor
+from rdmaio.core.transport import Transport
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
-from rdmaio.onesided import rd_atomic_depth
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_GROW, Handshake, Session
-from rdmaio.reactor import Reactor
-from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType, CMId
 
 __all__ = ["Handler", "StreamServer", "listen", "serve"]
@@ -54,14 +54,18 @@ class StreamServer:
     registered memory.
     """
 
-    def __init__(self, handler: Handler | None, options: Options, backlog: int) -> None:
+    def __init__(
+        self, handler: Handler | None, options: Options, backlog: int, *, start_serving: bool = True
+    ) -> None:
         self._handler = handler
         self._options = options
         self._backlog = backlog
         self._reactor = Reactor.current()
         self._io = self._reactor.backend
-        self._listener: CMId | None = None
-        self._serving = False
+        self._listeners: list[CMId] = []
+        self._open = False  # listening (until close())
+        self._serving = False  # handing connections to the handler (start_serving(); False once closed)
+        self._start_serving = start_serving
         self._pending: dict[int, _Pending] = {}
         self._clients: set[Endpoint] = set()
         self._handlers_running = 0
@@ -79,19 +83,26 @@ class StreamServer:
         self.connections_refused_backlog = 0
         self._peak_waiting = 0
 
-    def _listen(self, host: str, port: int) -> None:
-        listener = self._reactor.create_id(self._on_listener_event)
+    def _listen(self, hosts: list[str], port: int) -> None:
+        """Listen on every address of ``hosts`` (numeric) at ``port``; on failure none stays open."""
         try:
-            listener.set_reuseaddr()
-            listener.bind_addr(host, port)
-            listener.listen(self._backlog)
+            for host in hosts:
+                listener = self._reactor.create_id(self._on_listener_event)
+                self._listeners.append(listener)
+                listener.set_reuseaddr()
+                listener.bind_addr(host, port)
+                listener.listen(self._backlog)
+                address = listener.local_address
+                if address:
+                    self.addresses.append(address)
         except BaseException:
-            self._reactor.release_id(listener)
+            listeners, self._listeners = self._listeners, []
+            for listener in listeners:
+                self._reactor.release_id(listener)
+            self.addresses = []
             raise
-        self._listener = listener
-        address = listener.local_address
-        self.addresses = [address] if address else []
-        self._serving = True
+        self._open = True
+        self._serving = self._start_serving
 
     def _state_changed(self) -> None:
         waiters, self._state_waiters = self._state_waiters, {}
@@ -138,7 +149,7 @@ class StreamServer:
 
     def _on_connect_request(self, event: CMEvent) -> None:
         cm_id = self._reactor.adopt_id(event, self._on_pending_event)
-        if not self._serving:
+        if not self._open:
             self._reject(cm_id, "server is closed")
             return
         if self._waiting() >= self._backlog:
@@ -195,13 +206,17 @@ class StreamServer:
         self.connections_accepted += 1
         self._clients.add(endpoint)
         endpoint._add_close_callback(self._forget)
-        if self._handler is None:
+        if self._handler is None or not self._serving:
+            # listen(), or serving not started yet: the connection waits (counted against the backlog).
             self._accepted.append(endpoint)
             if self._accept_waiter is not None:
                 self._accept_waiter.set()
             return
+        self._spawn_handler(self._handler, endpoint)
+
+    def _spawn_handler(self, handler: Handler, endpoint: Endpoint) -> None:
         self._handlers_running += 1
-        self._io.spawn(self._run_handler(self._handler, endpoint), name=f"rdmaio handler {endpoint!r}")
+        self._io.spawn(self._run_handler(handler, endpoint), name=f"rdmaio handler {endpoint!r}")
 
     def _forget(self, endpoint: Endpoint) -> None:
         self._clients.discard(endpoint)
@@ -232,7 +247,7 @@ class StreamServer:
         if self._handler is not None:
             raise RuntimeError("accept() is for servers made by rdmaio.listen(); this one runs a handler")
         while not self._accepted:
-            if self._listener is None:
+            if not self._open:
                 raise EndpointClosedError(f"server {self!r} is closed")
             if self._accept_waiter is not None and not self._accept_waiter.is_set():
                 raise RuntimeError("another task is already waiting in accept()")
@@ -246,8 +261,14 @@ class StreamServer:
 
     # --- asyncio.Server surface -------------------------------------------------------------------
 
+    @property
+    def listening(self) -> bool:
+        """True from the first listener until :meth:`close` (serving or not)."""
+        return self._open
+
     def is_serving(self) -> bool:
-        """True while the server accepts new connections."""
+        """True while the server hands new connections to its handler (or to accept()): from :func:`serve`
+        (or :meth:`start_serving` when made with ``start_serving=False``) until :meth:`close`."""
         return self._serving
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
@@ -261,11 +282,12 @@ class StreamServer:
 
         Connections of a :func:`listen` server that were established but never accepted are aborted.
         """
-        if self._listener is None:
+        if not self._open:
             return
-        self._serving = False
-        listener, self._listener = self._listener, None
-        self._reactor.release_id(listener)
+        self._open = self._serving = False
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            self._reactor.release_id(listener)
         for pending in list(self._pending.values()):
             pending.transport.close()
             self._reactor.release_id(pending.cm_id)
@@ -288,21 +310,34 @@ class StreamServer:
 
     async def wait_closed(self) -> None:
         """Wait until the server is closed and every connection and handler has finished."""
-        while self._listener is not None or self._handlers_running or self._clients:
+        while self._open or self._handlers_running or self._clients:
             await self._wait_state_change()
 
     async def start_serving(self) -> None:
-        """Start accepting connections (already done by :func:`serve` unless ``start_serving=False``)."""
+        """Start handing connections to the handler (already done unless made with
+        ``start_serving=False``): the connections that waited are handed over first, in arrival order.
+        No effect once closed."""
+        self._begin_serving()
+
+    def _begin_serving(self) -> None:
+        if self._serving or not self._open:
+            return
+        self._serving = True
+        if self._handler is not None:
+            while self._accepted:
+                self._spawn_handler(self._handler, self._accepted.popleft())
+        self._state_changed()
 
     async def serve_forever(self) -> None:
         """Serve until :meth:`close` is called (then return) or the caller is cancelled (then close)."""
         if self._serve_forever_running:
             raise RuntimeError(f"server {self!r} is already being awaited on serve_forever()")
-        if self._listener is None:
+        if not self._open:
             raise EndpointClosedError(f"server {self!r} is closed")
+        self._begin_serving()
         self._serve_forever_running = True
         try:
-            while self._listener is not None:
+            while self._open:
                 await self._wait_state_change()
         except BaseException:  # cancelled: close, and wait for the handlers where the backend allows it
             try:
@@ -323,32 +358,48 @@ class StreamServer:
         await self.wait_closed()
 
     def __repr__(self) -> str:
-        state = "serving" if self._serving else "closed"
+        state = "serving" if self._serving else "listening" if self._open else "closed"
         return f"<rdmaio.StreamServer {state} {self.addresses} clients={len(self._clients)}>"
+
+
+async def _start(
+    handler: Handler | None,
+    host: str | Sequence[str] | None,
+    port: int,
+    backlog: int,
+    options: Options | dict[str, Any] | None,
+    start_serving: bool,
+) -> StreamServer:
+    opts = Options.coerce(options)
+    hosts = [host or ""] if host is None or isinstance(host, str) else [h or "" for h in host]
+    addresses = [await resolve_host(h, port, passive=True) for h in hosts]
+    server = StreamServer(handler, opts, backlog, start_serving=start_serving)
+    server._listen(addresses, port)
+    return server
 
 
 async def serve(
     handler: Handler,
-    host: str | None,
+    host: str | Sequence[str] | None,
     port: int,
     *,
     backlog: int = 128,
     options: Options | dict[str, Any] | None = None,
+    start_serving: bool = True,
 ) -> StreamServer:
     """Listen on ``host``:``port`` and run ``handler(endpoint)`` for each connection; return the server.
 
-    ``host`` is an address or name of an RDMA-capable interface (``None``/``""``: all), ``port`` 0 picks
-    a free port (see :attr:`StreamServer.addresses`).
+    ``host`` is an address or name of an RDMA-capable interface, a sequence of them (one listener each,
+    sharing the backlog), or ``None``/``""`` for all; ``port`` 0 picks a free port (see
+    :attr:`StreamServer.addresses`). With ``start_serving=False`` the server listens at once, and the
+    connections established before :meth:`StreamServer.start_serving` wait for it (at most ``backlog``;
+    later requests are refused), as with :func:`asyncio.start_server`.
     """
-    opts = Options.coerce(options)
-    address = await resolve_host(host or "", port, passive=True)
-    server = StreamServer(handler, opts, backlog)
-    server._listen(address, port)
-    return server
+    return await _start(handler, host, port, backlog, options, start_serving)
 
 
 async def listen(
-    host: str | None,
+    host: str | Sequence[str] | None,
     port: int,
     *,
     backlog: int = 128,
@@ -364,8 +415,4 @@ async def listen(
             endpoint = await server.accept()
             task_group.start_soon(handle, endpoint)
     """
-    opts = Options.coerce(options)
-    address = await resolve_host(host or "", port, passive=True)
-    server = StreamServer(None, opts, backlog)
-    server._listen(address, port)
-    return server
+    return await _start(None, host, port, backlog, options, True)

@@ -450,11 +450,13 @@ class ListenerInfo:
 class Server(asyncio.AbstractServer):
     """What :func:`start_server` returns; the interface of :class:`asyncio.Server`.
 
-    ``close()`` stops listening and leaves connections open; ``wait_closed()`` waits until the server is
-    closed and every connection has ended (asyncio 3.12+ semantics); ``close_clients()`` /
-    ``abort_clients()`` (asyncio 3.13) close or abort the connections; ``async with`` closes the server
-    and waits. :attr:`sockets` holds :class:`ListenerInfo` objects; :attr:`addresses` the ``(host, port)``
-    pairs.
+    A thin adapter over the server core (:class:`~rdmaio.StreamServer`, which listens, applies the
+    backlog, holds connections back until serving starts and tracks handlers): it runs an
+    :class:`RdmaTransport` and the protocol for each connection. ``close()`` stops listening and leaves
+    connections open; ``wait_closed()`` waits until the server is closed and every connection has ended
+    (asyncio 3.12+ semantics); ``close_clients()`` / ``abort_clients()`` (asyncio 3.13) close or abort
+    the connections' transports; ``async with`` closes the server and waits. :attr:`sockets` holds
+    :class:`ListenerInfo` objects; :attr:`addresses` the ``(host, port)`` pairs.
     """
 
     def __init__(
@@ -464,43 +466,34 @@ class Server(asyncio.AbstractServer):
     ) -> None:
         self._loop = loop
         self._protocol_factory = protocol_factory
-        self._listeners: list[StreamServer] | None = []  # None once closed (as asyncio's _sockets)
-        self._all_listeners: list[StreamServer] = []
+        self._core: StreamServer | None = None
         self._transports: set[RdmaTransport] = set()
-        self._waiters: list[asyncio.Future[None]] | None = []
-        self._serving = False
         self._serving_forever_fut: asyncio.Future[None] | None = None
-        self._gate = asyncio.Event()  # set once serving started (or the server closed)
-        self._gated = 0  # connections waiting at the gate
-        self._backlog = 0
 
     async def _listen(
-        self, hosts: Sequence[str | None], port: int, backlog: int, options: Options | dict[str, Any] | None
+        self,
+        hosts: Sequence[str | None],
+        port: int,
+        backlog: int,
+        options: Options | dict[str, Any] | None,
+        start_serving: bool,
     ) -> None:
-        self._backlog = backlog
-        for host in hosts:
-            listener = await serve(self._on_endpoint, host, port, backlog=backlog, options=options)
-            self._all_listeners.append(listener)
-            if self._listeners is not None:
-                self._listeners.append(listener)
+        self._core = await serve(
+            self._on_endpoint,
+            [host or "" for host in hosts],
+            port,
+            backlog=backlog,
+            options=options,
+            start_serving=start_serving,
+        )
+
+    @property
+    def _server(self) -> StreamServer:
+        assert self._core is not None, "start_server() sets the core up before returning"
+        return self._core
 
     async def _on_endpoint(self, endpoint: Endpoint) -> None:
-        """Handler of the underlying StreamServer: run one connection's transport until it ends."""
-        if not self._serving and self._listeners is not None:
-            # start_serving=False: rdma_cm listens at once; connections wait here, at most ``backlog`` of
-            # them (as in a listen backlog): the others are dropped rather than pinning memory unbounded.
-            if self._gated >= self._backlog:
-                log.info("rdmaio: %d connections already wait for start_serving(); dropping one", self._gated)
-                endpoint.abort()
-                return
-            self._gated += 1
-            try:
-                await self._gate.wait()
-            finally:
-                self._gated -= 1
-        if self._listeners is None:
-            endpoint.abort()
-            return
+        """The core's handler: run one connection's transport and protocol until the connection ends."""
         try:
             protocol = self._protocol_factory()
         except Exception as exc:
@@ -522,29 +515,15 @@ class Server(asyncio.AbstractServer):
 
     def _detach(self, transport: RdmaTransport) -> None:
         self._transports.discard(transport)
-        if not self._transports and self._listeners is None:
-            self._wakeup()
-
-    def _wakeup(self) -> None:
-        waiters, self._waiters = self._waiters, None
-        for waiter in waiters or ():
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _start_serving(self) -> None:
-        if self._serving or self._listeners is None:
-            return
-        self._serving = True
-        self._gate.set()
 
     # --- asyncio.Server surface -------------------------------------------------------------------------
 
     @property
     def sockets(self) -> tuple[ListenerInfo, ...]:
         """The listening addresses as :class:`ListenerInfo` (``getsockname()``); empty once closed."""
-        if self._listeners is None:
+        if self._core is None or not self._core.listening:
             return ()
-        return tuple(ListenerInfo(address) for lst in self._listeners for address in lst.addresses)
+        return tuple(ListenerInfo(address) for address in self._core.addresses)
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -557,23 +536,16 @@ class Server(asyncio.AbstractServer):
 
     def is_serving(self) -> bool:
         """True while the server accepts connections."""
-        return self._serving
+        return self._core is not None and self._core.is_serving()
 
     def close(self) -> None:
-        """Stop listening. Existing connections stay open (see :meth:`close_clients`)."""
-        listeners = self._listeners
-        if listeners is None:
-            return
-        self._listeners = None
-        for listener in listeners:
-            listener.close()
-        self._serving = False
-        self._gate.set()  # connections held back by start_serving=False are aborted
+        """Stop listening. Existing connections stay open (see :meth:`close_clients`); connections still
+        waiting for :meth:`start_serving` are dropped."""
+        if self._core is not None:
+            self._core.close()
         if self._serving_forever_fut is not None and not self._serving_forever_fut.done():
             self._serving_forever_fut.cancel()
             self._serving_forever_fut = None
-        if not self._transports:
-            self._wakeup()
 
     def close_clients(self) -> None:
         """Close every connection gracefully (``transport.close()``)."""
@@ -587,16 +559,16 @@ class Server(asyncio.AbstractServer):
 
     async def start_serving(self) -> None:
         """Start accepting connections (idempotent)."""
-        self._start_serving()
+        await self._server.start_serving()
         await asyncio.sleep(0)
 
     async def serve_forever(self) -> None:
         """Accept connections until cancelled; then close the server and wait for it."""
         if self._serving_forever_fut is not None:
             raise RuntimeError(f"server {self!r} is already being awaited on serve_forever()")
-        if self._listeners is None:
+        if self._core is None or not self._core.listening:
             raise RuntimeError(f"server {self!r} is closed")
-        self._start_serving()
+        await self._server.start_serving()
         self._serving_forever_fut = self._loop.create_future()
         try:
             await self._serving_forever_fut
@@ -611,12 +583,8 @@ class Server(asyncio.AbstractServer):
 
     async def wait_closed(self) -> None:
         """Wait until :meth:`close` was called and every connection has ended."""
-        if self._waiters is not None:
-            waiter: asyncio.Future[None] = self._loop.create_future()
-            self._waiters.append(waiter)
-            await waiter
-        for listener in self._all_listeners:
-            await listener.wait_closed()
+        if self._core is not None:
+            await self._core.wait_closed()
 
     def __repr__(self) -> str:
         return f"<rdmaio.streams.Server sockets={self.sockets!r}>"
@@ -666,8 +634,9 @@ async def start_server(
     sequence of them, or ``None``/``""`` for all; ``port`` 0 or ``None`` picks a free port (see
     ``server.sockets[0].getsockname()``). ``opts``: ``options`` (an :class:`~rdmaio.Options` or a dict).
     With ``start_serving=False`` the listener is created at once, and connections that arrive before
-    :meth:`Server.start_serving` wait (established, not yet handed to the callback) instead of being
-    refused. TLS arguments raise :class:`NotImplementedError`.
+    :meth:`Server.start_serving` wait (established, not yet handed to the callback; at most ``backlog``
+    of them, later ones are refused as a full listen backlog would). TLS arguments raise
+    :class:`NotImplementedError`.
     """
     _check_tcp_only(opts, ("options",), "start_server")
     loop = asyncio.get_running_loop()
@@ -678,11 +647,7 @@ async def start_server(
 
     hosts: list[str | None] = [host] if host is None or isinstance(host, str) else list(host)
     server = Server(loop, factory)
-    try:
-        await server._listen(hosts, port or 0, backlog, opts.get("options"))
-    except BaseException:
-        server.close()
-        raise
+    await server._listen(hosts, port or 0, backlog, opts.get("options"), start_serving)
     if start_serving:
-        await server.start_serving()
+        await asyncio.sleep(0)
     return server

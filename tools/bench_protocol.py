@@ -3,7 +3,7 @@
 
 Usage::
 
-    .venv/bin/python tools/bench_protocol.py                        # the working tree's rdmaio/protocol.py
+    .venv/bin/python tools/bench_protocol.py                        # the working tree's rdmaio.protocol
     .venv/bin/python tools/bench_protocol.py --module /tmp/old_protocol.py   # any other version of it
 
     git show HEAD:rdmaio/protocol.py > /tmp/protocol_head.py

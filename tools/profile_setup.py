@@ -39,8 +39,8 @@ import rdmaio
 from rdmaio import client as client_mod
 from rdmaio import endpoint as endpoint_mod
 from rdmaio import server as server_mod
-from rdmaio import transport as transport_mod
 from rdmaio import verbs
+from rdmaio.core import transport as transport_mod
 
 # (object, attribute, label): the synchronous calls whose time is accounted separately.
 _TIMED: list[tuple[Any, str, str]] = [

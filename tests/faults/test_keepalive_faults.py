@@ -5,7 +5,7 @@ kernel sends no disconnect) and the wire drops everything (netem 100 % loss both
 link stays up (no port event to notice). Only a probe can tell, so the tests also check that without
 keepalive the same recv() is still pending long after the bound.
 
-Bounds are checked against :func:`rdmaio.keepalive.detection_bound` plus a slack for the emulated VM's
+Bounds are checked against :func:`rdmaio.core.keepalive.detection_bound` plus a slack for the emulated VM's
 timer and scheduling delays (``VM_SLACK``); the measured times are printed and recorded in the report.
 """
 
@@ -22,7 +22,7 @@ import trio
 from netfault import ECHO_SERVER, Pair, partition, peer, wait_ready
 
 import rdmaio
-from rdmaio.keepalive import detection_bound
+from rdmaio.core.keepalive import detection_bound
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 VM_SLACK = 10.0  # seconds: timers and the scheduler of a 1-vCPU emulated VM lag, never by more than this

@@ -14,7 +14,7 @@ import pytest
 from netfault import ECHO_SERVER, Pair, heal, partition, peer, wait_ready
 
 import rdmaio
-from rdmaio.keepalive import ack_timeout_seconds, detection_bound
+from rdmaio.core.keepalive import ack_timeout_seconds, detection_bound
 
 Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 VM_SLACK = 10.0  # seconds of timer and scheduling lag the emulated 1-vCPU VM may add

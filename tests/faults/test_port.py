@@ -15,7 +15,7 @@ import pytest
 from netfault import ECHO_SERVER, Pair, peer, set_link, wait_ready
 
 import rdmaio
-from rdmaio.keepalive import ack_timeout_seconds, detection_bound
+from rdmaio.core.keepalive import ack_timeout_seconds, detection_bound
 
 VM_SLACK = 10.0  # seconds of timer and scheduling lag the emulated 1-vCPU VM may add
 

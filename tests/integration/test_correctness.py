@@ -22,8 +22,8 @@ from rdma_state import open_fds, rdma_resources
 
 import rdmaio
 import rdmaio.client
-import rdmaio.transport
-from rdmaio.reactor import Reactor
+import rdmaio.core.transport
+from rdmaio.core.reactor import Reactor
 
 __all__ = ["arun"]
 
@@ -359,7 +359,7 @@ def test_failed_transport_setup_closes_its_fd_and_cq(
     """QP creation fails after the completion channel and CQ exist: both are closed at once, not left to the
     cyclic garbage collector (disabled here, so a leak shows as an open fd and a CQ)."""
 
-    def fail(self: rdmaio.transport.Transport, options: rdmaio.Options) -> Any:
+    def fail(self: rdmaio.core.transport.Transport, options: rdmaio.Options) -> Any:
         raise rdmaio.VerbsError("injected rdma_create_qp failure", errno=12, call="rdma_create_qp")
 
     async def nothing(ep: rdmaio.Endpoint) -> None:
@@ -376,7 +376,7 @@ def test_failed_transport_setup_closes_its_fd_and_cq(
             gc.disable()
             try:
                 with monkeypatch.context() as patch:
-                    patch.setattr(rdmaio.transport.Transport, "_create_qp", fail)
+                    patch.setattr(rdmaio.core.transport.Transport, "_create_qp", fail)
                     for _ in range(3):
                         with pytest.raises(rdmaio.VerbsError):
                             await rdmaio.connect(rdma_addr, port, timeout=20)
@@ -514,7 +514,8 @@ def test_cancelled_waits_do_not_pile_up(arun: Runner[Any], rdma_addr: str) -> No
 
 def test_streams_server_not_serving_bounds_waiting_connections(arun: Runner[Any], rdma_addr: str) -> None:
     """start_server(start_serving=False, backlog=3): at most 3 established connections wait for
-    start_serving(); the others are dropped at once (their reads end) instead of queueing without bound."""
+    start_serving(); the others are refused at once (as a full listen backlog would) instead of queueing
+    without bound."""
 
     async def main() -> None:
         served: list[bytes] = []
@@ -528,7 +529,15 @@ def test_streams_server_not_serving_bounds_waiting_connections(arun: Runner[Any]
         server = await rdmaio.start_server(handle, rdma_addr, 0, backlog=3, start_serving=False)
         async with server:
             port = server.sockets[0].getsockname()[1]
-            clients = [await rdmaio.open_connection(rdma_addr, port, timeout=20) for _ in range(8)]
+            clients = []
+            refused = 0
+            for _ in range(8):
+                try:
+                    clients.append(await rdmaio.open_connection(rdma_addr, port, timeout=20))
+                except ConnectionRefusedError:
+                    refused += 1
+            assert (len(clients), refused) == (3, 5)
+            assert server.is_serving() is False
             await asyncio.sleep(1)
             for _reader, writer in clients:
                 writer.write(b"hi\n")

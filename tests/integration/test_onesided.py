@@ -23,7 +23,7 @@ from rdma_state import rdma_resources
 
 import rdmaio
 from rdmaio._ffi import lib
-from rdmaio.onesided import RemoteKey
+from rdmaio.core.onesided import RemoteKey
 
 REMOTE_FLAGS = lib.IBV_ACCESS_REMOTE_READ | lib.IBV_ACCESS_REMOTE_WRITE | lib.IBV_ACCESS_REMOTE_ATOMIC
 

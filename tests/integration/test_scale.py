@@ -35,7 +35,7 @@ from rdma_state import rdma_resources
 
 import rdmaio
 from rdmaio.bench.memory import mem_available, rss_bytes, trim_heap
-from rdmaio.transport import Transport
+from rdmaio.core.transport import Transport
 
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
 CONNS = int(os.environ.get("RDMAIO_SCALE_CONNS", "100"))
@@ -60,7 +60,7 @@ SERVER = textwrap.dedent(
     import uvloop
     import rdmaio
     from rdmaio.bench.memory import trim_heap
-    from rdmaio.transport import Transport
+    from rdmaio.core.transport import Transport
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -17,7 +17,7 @@ from loops import Runner, arun
 from rdma_state import open_fds, rdma_resources
 
 import rdmaio
-from rdmaio.reactor import Reactor
+from rdmaio.core.reactor import Reactor
 
 __all__ = ["arun"]
 

@@ -1,4 +1,4 @@
-"""rdmaio.backend on asyncio, uvloop and trio (native: fd watching is tested with a pipe)."""
+"""rdmaio.core.backend on asyncio, uvloop and trio (native: fd watching is tested with a pipe)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import trio
 import uvloop
 
-from rdmaio.backend import AsyncioBackend, Backend, TrioBackend, current_backend
+from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend, current_backend
 
 Runner = Callable[[Callable[[Backend], Coroutine[Any, Any, None]]], None]
 

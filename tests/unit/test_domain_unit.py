@@ -1,4 +1,4 @@
-"""Unit tests of the registration cache (rdmaio.domain.RegistrationCache) with a fake registrar."""
+"""Unit tests of the registration cache (rdmaio.core.domain.RegistrationCache) with a fake registrar."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from rdmaio.domain import RegistrationCache
+from rdmaio.core.domain import RegistrationCache
 
 
 class FakeRegion:

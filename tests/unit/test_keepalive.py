@@ -1,4 +1,4 @@
-"""rdmaio.keepalive with fake connections: tick logic directly, the timer task on asyncio, uvloop, trio."""
+"""rdmaio.core.keepalive with fake connections: tick logic, the timer task on asyncio, uvloop, trio."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import trio
 import uvloop
 
-from rdmaio.backend import AsyncioBackend, Backend, TrioBackend
-from rdmaio.keepalive import (
+from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend
+from rdmaio.core.keepalive import (
     KEEPALIVE_WR_ID,
     KEEPALIVE_WR_KIND,
     Keepalive,

@@ -12,8 +12,8 @@ import pytest
 
 import rdmaio
 from rdmaio._ffi import ffi, lib
-from rdmaio.backend import AsyncioBackend
-from rdmaio.onesided import (
+from rdmaio.core.backend import AsyncioBackend
+from rdmaio.core.onesided import (
     ACCESS_ATOMIC,
     ACCESS_READ,
     ACCESS_WRITE,

@@ -45,7 +45,7 @@ from rdmaio.protocol import (
     pack_batch_into,
     unpack_batch,
 )
-from rdmaio.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rxbuffer import ReceiveBuffer
 
 HEADER = struct.Struct("!4sBBH")
 BODY = struct.Struct("!IIQ")
@@ -1250,7 +1250,7 @@ class Side:
             self.rx.append((kind, [payload], held))
 
     def _deliver_limited(self, kind: FrameKind, payload: bytes, data: bool) -> None:
-        # The receive buffer and hold rule of Endpoint itself (rdmaio.rxbuffer.ReceiveBuffer).
+        # The receive buffer and hold rule of Endpoint itself (rdmaio.protocol.rxbuffer.ReceiveBuffer).
         if not data:
             self.repost(1)  # CREDIT/EOF: never held
             return

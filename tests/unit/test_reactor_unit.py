@@ -1,4 +1,4 @@
-"""Unit tests of rdmaio.reactor without a device: async-event routing and the per-loop registry."""
+"""Unit tests of rdmaio.core.reactor without a device: async-event routing and the per-loop registry."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import trio
 import uvloop
 
 from rdmaio import verbs
-from rdmaio.reactor import Reactor
+from rdmaio.core.reactor import Reactor
 
 
 class FakeDevice:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rdmaio.rings import ArenaPool, SlotRing
+from rdmaio.core.rings import ArenaPool, SlotRing
 
 SLOT = 64
 

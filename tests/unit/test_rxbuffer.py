@@ -1,10 +1,10 @@
-"""Unit tests of rdmaio.rxbuffer.ReceiveBuffer: buffering, reads and the back-pressure (hold) rule."""
+"""Unit tests of rdmaio.protocol.rxbuffer.ReceiveBuffer: buffering, reads, the back-pressure (hold) rule."""
 
 from __future__ import annotations
 
 import pytest
 
-from rdmaio.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rxbuffer import ReceiveBuffer
 
 
 def test_messages_and_stream_reads_share_one_buffer() -> None:

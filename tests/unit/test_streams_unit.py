@@ -563,31 +563,56 @@ def test_protocol_errors_close_the_transport(arun: Any) -> None:
 
 
 class FakeListener:
-    """Stands in for rdmaio.StreamServer: runs the handler for each fake endpoint a test connects."""
+    """Stands in for the server core (rdmaio.StreamServer): runs the handler for each fake endpoint a test
+    connects, holding connections back until start_serving() and aborting those still held at close()."""
 
     next_port = 40000
 
-    def __init__(self, handler: Callable[[Any], Awaitable[None]], host: str | None, port: int) -> None:
+    def __init__(
+        self, handler: Callable[[Any], Awaitable[None]], hosts: list[str], port: int, start_serving: bool
+    ) -> None:
         if not port:
             port = FakeListener.next_port
             FakeListener.next_port += 1
         self.handler = handler
-        self.addresses = [(host or "0.0.0.0", port)]
-        self.closed = False
+        self.addresses = [(host or "0.0.0.0", port) for host in hosts]
+        self.listening = True
+        self.serving = start_serving
+        self.held: list[FakeEndpoint] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
     def connect(self) -> FakeEndpoint:
-        """A client connects: return its endpoint; the server side goes to the handler."""
-        assert not self.closed, "connection refused"
+        """A client connects: return its endpoint; the server side goes to the handler (or waits)."""
+        assert self.listening, "connection refused"
         client, server_side = fake_pair()
-        task = asyncio.get_running_loop().create_task(self.handler(server_side))
-        self.tasks.add(task)
+        if self.serving:
+            self._run(server_side)
+        else:
+            self.held.append(server_side)
         return client
 
+    def _run(self, endpoint: FakeEndpoint) -> None:
+        self.tasks.add(asyncio.get_running_loop().create_task(self.handler(endpoint)))
+
+    def is_serving(self) -> bool:
+        return self.serving
+
+    async def start_serving(self) -> None:
+        if self.listening and not self.serving:
+            self.serving = True
+            for endpoint in self.held:
+                self._run(endpoint)
+            self.held.clear()
+
     def close(self) -> None:
-        self.closed = True
+        self.listening = self.serving = False
+        for endpoint in self.held:
+            endpoint.abort()
+        self.held.clear()
 
     async def wait_closed(self) -> None:
+        while self.listening:
+            await asyncio.sleep(0.01)
         await asyncio.gather(*self.tasks)
 
 
@@ -595,15 +620,17 @@ class FakeListener:
 def fake_rdma(monkeypatch: pytest.MonkeyPatch) -> list[FakeListener]:
     listeners: list[FakeListener] = []
 
-    async def fake_serve(handler: Any, host: str | None, port: int, **kw: Any) -> FakeListener:
-        listener = FakeListener(handler, host, port)
+    async def fake_serve(
+        handler: Any, hosts: list[str], port: int, *, start_serving: bool = True, **kw: Any
+    ) -> FakeListener:
+        listener = FakeListener(handler, hosts, port, start_serving)
         listeners.append(listener)
         return listener
 
     async def fake_connect(host: str, port: int, **kw: Any) -> FakeEndpoint:
         assert set(kw) <= {"timeout", "local_addr", "options"}
         for listener in listeners:
-            if listener.addresses[0][1] == port:
+            if listener.listening and listener.addresses[0][1] == port:
                 return listener.connect()
         raise rdmaio.ConnectionRefusedError("no listener", errno=111)
 

@@ -1,4 +1,4 @@
-"""Unit tests of rdmaio.txengine.SendEngine against a fake queue pair and a peer Session (no device)."""
+"""Unit tests of rdmaio.core.txengine.SendEngine against a fake queue pair and a peer Session (no device)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from rdmaio import verbs
+from rdmaio.core.rings import SlotRing
+from rdmaio.core.txengine import SendEngine
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
-from rdmaio.rings import SlotRing
-from rdmaio.txengine import SendEngine
 
 SLOT = 64
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from rdmaio.backend import Backend, Event
+from rdmaio.core.backend import Backend, Event
 from rdmaio.verbs import WR_KIND_CONTROL
 
 __all__ = ["KEEPALIVE_WR_ID", "KEEPALIVE_WR_KIND", "Keepalive", "ack_timeout_seconds", "detection_bound"]

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 from rdmaio import verbs
 from rdmaio._ffi import ffi, lib
-from rdmaio.backend import Backend, Waiter
+from rdmaio.core.backend import Backend, Waiter
 from rdmaio.errors import (
     EndpointClosedError,
     InvalidRemoteKeyError,

@@ -11,9 +11,9 @@ Work requests: ``wr_id`` is ``make_wr_id(WR_KIND_SEND, tag, slot)`` (layout in :
 tag routes the completion to this connection through the domain's shared CQ), and
 :meth:`SendEngine.on_send_completion` takes the slot index (``wr_id & WR_INDEX_MASK``). A send slot is
 reused only after its completion; with selective signalling one signalled completion releases every slot
-posted before it (an RC queue completes in order). The slots live in a :class:`~rdmaio.rings.SlotRing` that
-starts empty: the first frame registers ``initial`` slots and the ring doubles whenever every slot is in
-flight and more is queued.
+posted before it (an RC queue completes in order). The slots live in a
+:class:`~rdmaio.core.rings.SlotRing` that starts empty: the first frame registers ``initial`` slots and
+the ring doubles whenever every slot is in flight and more is queued.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ Payload = bytes | bytearray | memoryview
 
 
 class SendRing(Protocol):
-    """What the engine needs of its slot ring (:class:`~rdmaio.rings.SlotRing`)."""
+    """What the engine needs of its slot ring (:class:`~rdmaio.core.rings.SlotRing`)."""
 
     slots: int
     max_slots: int
@@ -96,7 +96,7 @@ class SendEngine:
         self._sends = qp.send_array
         self._slot_ring = ring
         # The ring's memory (view, address, keys) exists once it has slots: a pooled ring gets it at its
-        # first grow (rdmaio.rings), so these are read again by _grow().
+        # first grow (rdmaio.core.rings), so these are read again by _grow().
         self._ring = ring.view if ring.slots else memoryview(b"")
         self._addr = ring.addr if ring.slots else 0
         self._lkeys: Any = ring.lkeys if ring.slots else None

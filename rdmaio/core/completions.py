@@ -1,7 +1,7 @@
 """Per-domain completion dispatch: one completion channel on the loop, a pool of shared CQs, completions
 routed to connections by QP number and connection tag.
 
-A :class:`CompletionDispatcher` belongs to a :class:`~rdmaio.domain.Domain` (one per device per loop). It
+A :class:`CompletionDispatcher` belongs to a :class:`~rdmaio.core.domain.Domain` (one per device per loop). It
 owns ONE completion channel, whose fd sits on the loop, and a pool of CQs on that channel. A CQ has a fixed
 capacity (the device's ``max_cqe`` bounds it), so a connection :meth:`~CompletionDispatcher.reserve`\\ s the
 entries it can have outstanding (send depth + receive depth + a margin for control and one-sided work

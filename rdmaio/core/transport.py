@@ -1,9 +1,10 @@
 """The verbs resources of one connection and their teardown order.
 
 A :class:`Transport` owns, for one connected cm id: a ring of receive slots and a ring of send slots
-(:class:`~rdmaio.rings.SlotRing`, registered in the device's shared protection domain chunk by chunk as
+(:class:`~rdmaio.core.rings.SlotRing`, registered in the device's shared protection domain chunk by chunk as
 load needs them), the RC queue pair, and a reservation of CQ entries (send depth + receive depth at their
-largest + a margin, so the CQ cannot overflow) on one of its domain's shared CQs (:mod:`rdmaio.completions`).
+largest + a margin, so the CQ cannot overflow) on one of its domain's shared CQs
+(:mod:`rdmaio.core.completions`).
 The protection domain and the CQs are the domain's. The transport registers its QP with the domain's
 completion dispatcher, which gives it the connection tag of its wr_ids, and unregisters before the QP is
 destroyed. It knows nothing about framing or credits.
@@ -11,10 +12,10 @@ destroyed. It knows nothing about framing or credits.
 
 from __future__ import annotations
 
-from rdmaio.completions import CompletionHandler, CQReservation
+from rdmaio.core.completions import CompletionHandler, CQReservation
+from rdmaio.core.reactor import Reactor
+from rdmaio.core.rings import SlotRing
 from rdmaio.options import Options
-from rdmaio.reactor import Reactor
-from rdmaio.rings import SlotRing
 from rdmaio.verbs import (
     WR_KIND_RECV,
     CMId,
@@ -60,7 +61,7 @@ class Transport:
         self.cq_reservation: CQReservation | None = None
         initial = self.recv_depth if initial_recv is None else initial_recv
         # The rings' memory comes from (and goes back to) the domain's pool: no registration per connection
-        # while connections come and go (rdmaio.rings).
+        # while connections come and go (rdmaio.core.rings).
         pool = self.domain.rings
         self.recv_ring = SlotRing(self.slot_size, self.recv_depth, self._register, pool=pool)
         self.send_ring = SlotRing(self.slot_size, self.send_depth, self._register, pool=pool)
@@ -119,7 +120,7 @@ class Transport:
                     self.pd,
                     self.cq,
                     self.cq,
-                    # + one-sided ops (issue 11), +1 the keepalive probe (rdmaio.keepalive)
+                    # + one-sided ops (issue 11), +1 the keepalive probe (rdmaio.core.keepalive)
                     max_send_wr=self.send_depth + options.max_rdma_ops + 1,
                     max_recv_wr=self.recv_depth,
                     max_inline_data=inline,

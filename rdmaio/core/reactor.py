@@ -3,11 +3,11 @@
 One :class:`Reactor` per event loop owns the shared rdma_cm :class:`~rdmaio.verbs.EventChannel` and
 dispatches each CM event to the handler registered for its cm id (a CONNECT_REQUEST goes to its
 listener). Completion-channel fds and device async-event fds are watched through the loop's
-:class:`~rdmaio.backend.Backend` (``loop.add_reader`` on asyncio, ``anyio.wait_readable`` on trio); a
+:class:`~rdmaio.core.backend.Backend` (``loop.add_reader`` on asyncio, ``anyio.wait_readable`` on trio); a
 readiness callback drains everything that is pending (the fds are edge-safe: callers drain until empty).
 Fds are always removed from the loop before they are closed.
 
-The event channel and the per-device :class:`~rdmaio.domain.Domain` (protection domain, registration
+The event channel and the per-device :class:`~rdmaio.core.domain.Domain` (protection domain, registration
 cache, and the completion dispatcher whose one completion channel fd serves every connection on the device)
 live as long as the loop: opening a channel costs a few hundred milliseconds under emulation, so
 connection setup reuses it. They are closed when the loop ends: at the end of the trio run, or when the
@@ -23,8 +23,8 @@ import weakref
 from collections.abc import Callable
 
 from rdmaio import verbs
-from rdmaio.backend import AsyncioBackend, Backend, TrioBackend, current_backend, trio_run_key
-from rdmaio.domain import Domain
+from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend, current_backend, trio_run_key
+from rdmaio.core.domain import Domain
 from rdmaio.verbs import CMEvent, CMEventType, CMId, DeviceContext, EventChannel
 
 __all__ = ["CMHandler", "Reactor"]
@@ -57,7 +57,7 @@ class Reactor:
         # QP numbers are unique per device only: handlers are keyed by (device handle, QP number).
         self._qp_handlers: dict[tuple[int, int], QPEventHandler] = {}
         self._cq_handlers: dict[int, dict[tuple[int, int], QPEventHandler]] = {}  # by CQ handle
-        # Port state changes, by (device handle, port number), then by QP number (rdmaio.keepalive).
+        # Port state changes, by (device handle, port number), then by QP number (rdmaio.core.keepalive).
         self._port_handlers: dict[tuple[int, int], dict[int, QPEventHandler]] = {}
         self.cm_events = 0
         self.async_events = 0
@@ -82,7 +82,7 @@ class Reactor:
         return reactor
 
     def domain(self, device: DeviceContext) -> Domain:
-        """The :class:`~rdmaio.domain.Domain` of ``device`` on this loop (created on first use)."""
+        """The :class:`~rdmaio.core.domain.Domain` of ``device`` on this loop (created on first use)."""
         domain = self._domains.get(device.handle)
         if domain is None or domain.closed:
             domain = self._domains[device.handle] = Domain(

@@ -1,408 +1,46 @@
-"""Sans-IO core of one rdmaio connection: handshake, frame encoding, credit flow control and close states.
-
-Nothing in this module does I/O. The I/O layer posts RDMA SEND-with-immediate work requests and receive
-buffers; it asks a :class:`Session` which 32-bit immediate value to attach to every frame it sends and feeds
-it every received ``(imm, byte_len)``. Keeping the rules here makes them testable without an RDMA device.
-
-Wire format
------------
-A frame is one SEND with immediate data. The immediate value (host order) is laid out as::
-
-    bits 31..28  kind      (FrameKind)
-    bits 27..16  reserved  (must be 0)
-    bits 15..0   credits   granted to the receiver of this frame
-
-Every SEND consumes one receive buffer ("slot") that the peer posted. The peer advertises ``recv_depth``
-slots of ``slot_size`` bytes each in the :class:`Handshake` (rdma_cm private data); a message larger than
-one slot travels as DATA_MORE fragments followed by one DATA_END.
-
-If both handshakes announce :data:`FEATURE_BATCH`, a DATA_BATCH frame may carry several complete messages in
-one slot: its payload is a sequence of records ``[u32 little-endian length][bytes]`` (see
-:func:`pack_batch_into` and :func:`unpack_batch`). A DATA_BATCH frame is a frame like any other (one slot,
-one credit, the two-credit rule of DATA frames) and may not arrive between a DATA_MORE and its DATA_END:
-messages are never interleaved.
-
-Flow control and liveness
--------------------------
-A sender holds one credit per peer slot it knows to be posted and free. Whenever the I/O layer reposts slots
-(:meth:`Session.on_recv_reposted`) they become *ungranted* credits; every frame we send piggybacks all of
-them, and a standalone CREDIT frame is sent once ``credit_threshold`` have accumulated.
-
-* No RNR: a frame is only sent while holding a credit, and a credit only exists for a posted slot.
-* Reserve: DATA frames need two credits, so one credit is always left for a control frame. A frame may use
-  the *last* credit only if it grants at least one credit itself (CREDIT frames always do; EOF must).
-* No deadlock: suppose nothing is in flight and both applications have consumed everything, so every slot
-  is reposted. Then ``peer.ungranted == peer.recv_depth - our.send_credits``. If we are stuck (fewer than
-  two credits), the peer owes us at least ``recv_depth - 1 >= threshold`` credits, so its CREDIT frame is
-  due as soon as it holds one credit. Both sides cannot hold zero: a side left with zero received no grant
-  after its last send, and that send, having taken the last credit, granted at least one. Whichever of
-  the two last sends came later delivers its grant after the other's last send - a contradiction. So one
-  side can always send a CREDIT frame, and the other side's answer (it then owes ``recv_depth``) unblocks.
-* No ping-pong: a CREDIT frame costs its sender at least ``threshold >= 2`` owed credits and makes the
-  receiver owe exactly one more (the slot it consumed, once reposted). While no data flows the total owed
-  by both sides therefore drops by at least one per CREDIT frame, so idle peers exchange at most
-  ``local.recv_depth + peer.recv_depth`` CREDIT frames and then stop. A threshold of 1 would allow an
-  endless exchange, a threshold of ``recv_depth`` could deadlock; hence ``2 <= threshold <= recv_depth-1``
-  and the default ``recv_depth // 2`` (``recv_depth >= 4``).
-
-Growing windows
----------------
-A side that announces :data:`FEATURE_GROW` posts only ``initial_depth`` receives at first (an idle
-connection then pins few buffers) and adds more up to its ``recv_depth`` when it sees load
-(:meth:`Session.grow_receives`); the new slots are granted like reposted ones. The peer starts with
-``initial_depth`` credits and rejects grants beyond ``recv_depth``. The argument above holds for the current
-window at every moment: growth raises the window and the owed credits by the same amount, and the default
-threshold is half the current window. ``tests/unit/test_protocol.py`` simulates growth at random moments.
-
-Hot path
---------
-:meth:`Session.take_data_frame`, :meth:`Session.on_frame`, :meth:`Session.on_recv_reposted`,
-:meth:`Session.can_send_data` and :meth:`Session.credit_frame_due` run once per frame. They work on plain
-ints (kinds are decoded with ``imm >> 28`` and compared with module-level constants; :meth:`Session.on_frame`
-returns a pre-bound :class:`FrameKind` member, no enum is constructed), validate a frame with one combined
-test and only fall back to the slower, message-building checks (``_frame_error``) when that test fails, and
-derive rarely-read statistics instead of counting them per frame. Every check of the straightforward version
-is still made, in the same order for the purpose of error messages; ``tools/bench_protocol.py`` measures it.
-"""
+"""The :class:`Session` of one established connection: credit flow control, fragmentation accounting,
+the close state machine and the one-sided credit hooks (sans-IO)."""
 
 from __future__ import annotations
 
 import enum
-import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Final, NoReturn, TypeAlias
+from typing import Final, NoReturn
 
 from rdmaio.errors import (
     ConnectionAbortedError,
     ConnectionResetError,
     EndpointClosedError,
     FrameError,
-    HandshakeError,
     MessageTooLargeError,
     ProtocolError,
 )
-
-__all__ = [
-    "BATCH_RECORD_HEADER",
-    "EOF",
-    "FEATURE_BATCH",
-    "FEATURE_GROW",
-    "HANDSHAKE_MAGIC",
-    "KNOWN_FEATURES",
-    "MAX_CREDITS",
-    "MAX_MESSAGE_SIZE",
-    "MAX_PRIVATE_DATA",
-    "MAX_RECV_DEPTH",
-    "MAX_SLOT_SIZE",
-    "MIN_MESSAGE_SIZE",
-    "MIN_RECV_DEPTH",
-    "MIN_SLOT_SIZE",
-    "PROTOCOL_VERSION",
-    "BytesLike",
-    "EOFType",
-    "FrameKind",
-    "Handshake",
-    "ReceivedMessageTooLargeError",
-    "Session",
-    "State",
-    "batch_record_size",
-    "decode_imm",
-    "encode_imm",
-    "pack_batch_into",
-    "unpack_batch",
-]
-
-PROTOCOL_VERSION: Final = 1
-HANDSHAKE_MAGIC: Final = b"RDIO"
-MAX_PRIVATE_DATA: Final = 56  # rdma_cm limit for RDMA_PS_TCP connect private data
-
-# recv_depth >= 4 so that the credit reserve (1) and a threshold in 2..recv_depth-1 both fit.
-MIN_RECV_DEPTH: Final = 4
-MAX_RECV_DEPTH: Final = 0xFFFF
-MIN_SLOT_SIZE: Final = 64
-MAX_SLOT_SIZE: Final = 16 * 1024 * 1024
-MIN_MESSAGE_SIZE: Final = 1
-MAX_MESSAGE_SIZE: Final = 2**40
-MAX_CREDITS: Final = 0xFFFF  # width of the credit field of the immediate value
-
-FEATURE_BATCH: Final = 0x01
-"""Handshake feature bit: this side accepts DATA_BATCH frames (several small messages in one frame)."""
-FEATURE_GROW: Final = 0x02
-"""Handshake feature bit: this side posts ``initial_depth`` receives at first (an extra body field) and may
-grow to ``recv_depth`` later, granting the new slots as credits; it also accepts such a peer."""
-KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW
-"""Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""
-
-BATCH_RECORD_HEADER: Final = 4
-"""Bytes of the length prefix (u32, little-endian) in front of every message of a DATA_BATCH payload."""
-
-BytesLike: TypeAlias = bytes | bytearray | memoryview
-"""A buffer of single bytes (a memoryview must have an item size of 1)."""
-
-# Header: magic, version, flags (feature bits, see KNOWN_FEATURES; unknown bits are ignored on receipt so
-# that a later version can add features compatibly), body length.
-_HEADER: Final = struct.Struct("!4sBBH")
-# Version 1 body: recv_depth, slot_size, max_message_size. Wider than the ranges so that decode can see
-# and reject out-of-range values instead of silently truncating them.
-_BODY_V1: Final = struct.Struct("!IIQ")
-# FEATURE_GROW extension, appended to the version 1 body: the receives posted at first.
-_BODY_GROW: Final = struct.Struct("!I")
-_BATCH_LEN: Final = struct.Struct("<I")
-
-_KIND_SHIFT: Final = 28
-_RESERVED_MASK: Final = 0x0FFF_0000
-_CREDIT_MASK: Final = 0xFFFF
-_U32_MAX: Final = 0xFFFF_FFFF
-# Every bit outside the kind and credit fields, including the (infinite) sign bits of a negative int: one
-# ``imm & _BAD_IMM_BITS`` rejects a negative, too wide or reserved-bit-carrying immediate value at once.
-_BAD_IMM_BITS: Final = ~(0xF000_0000 | _CREDIT_MASK)
-
-
-def _check_fields(recv_depth: int, slot_size: int, max_message_size: int) -> None:
-    """Raise HandshakeError if a handshake field is outside the range this version allows."""
-    for name, value, low, high in (
-        ("recv_depth", recv_depth, MIN_RECV_DEPTH, MAX_RECV_DEPTH),
-        ("slot_size", slot_size, MIN_SLOT_SIZE, MAX_SLOT_SIZE),
-        ("max_message_size", max_message_size, MIN_MESSAGE_SIZE, MAX_MESSAGE_SIZE),
-    ):
-        if not low <= value <= high:
-            raise HandshakeError(f"{name} {value} is out of range {low}..{high}")
-
-
-@dataclass(frozen=True, slots=True)
-class Handshake:
-    """Connection parameters one side announces in the rdma_cm private data.
-
-    ``recv_depth`` receive buffers of ``slot_size`` bytes each are posted for the peer; ``max_message_size``
-    is the largest message this side accepts. ``features`` is a set of feature bits (:data:`FEATURE_BATCH`,
-    :data:`FEATURE_GROW`) this side supports; a feature is used only if both sides announce it, except that a
-    side announcing :data:`FEATURE_GROW` posts only ``initial_depth`` receives at first (0 means
-    ``recv_depth``): its peer starts with that many credits and may be granted up to ``recv_depth``.
-    """
-
-    recv_depth: int
-    slot_size: int
-    max_message_size: int
-    version: int = PROTOCOL_VERSION
-    features: int = 0
-    initial_depth: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("recv_depth", "slot_size", "max_message_size", "version", "features", "initial_depth"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"Handshake.{name} must be an int, not {type(value).__name__}")
-        if self.initial_depth == 0 or not self.features & FEATURE_GROW:
-            object.__setattr__(self, "initial_depth", self.recv_depth)
-        elif not MIN_RECV_DEPTH <= self.initial_depth <= self.recv_depth:
-            raise HandshakeError(
-                f"initial_depth {self.initial_depth} is out of range {MIN_RECV_DEPTH}..{self.recv_depth}"
-            )
-        if self.version != PROTOCOL_VERSION:
-            raise HandshakeError(
-                f"unsupported protocol version {self.version} (this side supports {PROTOCOL_VERSION})"
-            )
-        _check_fields(self.recv_depth, self.slot_size, self.max_message_size)
-        if self.features & ~KNOWN_FEATURES:
-            raise HandshakeError(
-                f"unknown feature bits {self.features:#x} (this side knows {KNOWN_FEATURES:#x})"
-            )
-
-    def encode(self) -> bytes:
-        """Return the private-data bytes (at most :data:`MAX_PRIVATE_DATA`) announcing this handshake."""
-        body = _BODY_V1.pack(self.recv_depth, self.slot_size, self.max_message_size)
-        if self.features & FEATURE_GROW:
-            body += _BODY_GROW.pack(self.initial_depth)
-        return _HEADER.pack(HANDSHAKE_MAGIC, self.version, self.features, len(body)) + body
-
-    @classmethod
-    def decode(cls, data: bytes | bytearray | memoryview) -> Handshake:
-        """Parse a handshake received from an untrusted peer.
-
-        Bytes beyond the declared length are ignored: rdma_cm pads private data with zeros, and later
-        compatible extensions may append fields. Feature bits this version does not know are ignored too (a
-        peer that announces a feature we lack simply does not get to use it). Raises
-        :class:`HandshakeError` for anything malformed.
-        """
-        raw = bytes(data)
-        if len(raw) < _HEADER.size:
-            raise HandshakeError(
-                f"handshake too short: {len(raw)} bytes, the header alone needs {_HEADER.size}"
-            )
-        magic, version, flags, body_len = _HEADER.unpack_from(raw)
-        if magic != HANDSHAKE_MAGIC:
-            raise HandshakeError(
-                f"bad handshake magic {magic!r} (expected {HANDSHAKE_MAGIC!r}): the peer is not rdmaio"
-            )
-        if version != PROTOCOL_VERSION:
-            raise HandshakeError(
-                f"unsupported protocol version {version} from the peer "
-                f"(this side supports {PROTOCOL_VERSION})"
-            )
-        if body_len < _BODY_V1.size:
-            raise HandshakeError(
-                f"handshake declared length {body_len} is too small for version {version} "
-                f"(needs at least {_BODY_V1.size})"
-            )
-        if len(raw) < _HEADER.size + body_len:
-            raise HandshakeError(
-                f"handshake too short: {len(raw)} bytes, the declared length needs {_HEADER.size + body_len}"
-            )
-        recv_depth, slot_size, max_message_size = _BODY_V1.unpack_from(raw, _HEADER.size)
-        features = flags & KNOWN_FEATURES
-        initial_depth = 0
-        if features & FEATURE_GROW:
-            if body_len >= _BODY_V1.size + _BODY_GROW.size:
-                (initial_depth,) = _BODY_GROW.unpack_from(raw, _HEADER.size + _BODY_V1.size)
-            else:
-                features &= ~FEATURE_GROW  # the bit without its field: a peer that posted recv_depth
-        try:
-            _check_fields(recv_depth, slot_size, max_message_size)
-            return cls(recv_depth, slot_size, max_message_size, version, features, initial_depth)
-        except HandshakeError as exc:
-            raise HandshakeError(f"invalid handshake from the peer: {exc.message}") from None
-
-
-class FrameKind(enum.IntEnum):
-    """Kind of a frame, bits 31..28 of the immediate value."""
-
-    DATA_MORE = 1  # a fragment of a message; more fragments follow
-    DATA_END = 2  # the last (or only) fragment of a message; may be empty
-    CREDIT = 3  # no payload, only grants credits
-    EOF = 4  # no payload; the sender sends no more data (half-close)
-    DATA_BATCH = 5  # one or more complete messages as [u32 LE length][bytes] records (FEATURE_BATCH)
-
-
-# Plain-int kinds for the hot path (comparing ints, no enum lookup), the members on_frame returns (bound
-# once here, so returning one costs a global load), and the kind bits of the immediate values we send.
-_K_MORE: Final = 1
-_K_END: Final = 2
-_K_CREDIT: Final = 3
-_K_EOF: Final = 4
-_K_BATCH: Final = 5
-_DATA_MORE: Final = FrameKind.DATA_MORE
-_DATA_END: Final = FrameKind.DATA_END
-_CREDIT: Final = FrameKind.CREDIT
-_EOF_KIND: Final = FrameKind.EOF
-_DATA_BATCH: Final = FrameKind.DATA_BATCH
-_IMM_MORE: Final = _K_MORE << _KIND_SHIFT
-_IMM_END: Final = _K_END << _KIND_SHIFT
-_IMM_CREDIT: Final = _K_CREDIT << _KIND_SHIFT
-_IMM_EOF: Final = _K_EOF << _KIND_SHIFT
-_IMM_BATCH: Final = _K_BATCH << _KIND_SHIFT
-# FrameKind member by raw kind value (None: unknown kind), for decode_imm and the error path.
-_KIND_BY_VALUE: Final[tuple[FrameKind | None, ...]] = tuple(
-    {int(k): k for k in FrameKind}.get(v) for v in range(1 << (32 - _KIND_SHIFT))
+from rdmaio.protocol.frames import (
+    _BAD_IMM_BITS,
+    _CREDIT,
+    _CREDIT_MASK,
+    _DATA_BATCH,
+    _DATA_END,
+    _DATA_MORE,
+    _EOF_KIND,
+    _IMM_BATCH,
+    _IMM_CREDIT,
+    _IMM_END,
+    _IMM_EOF,
+    _IMM_MORE,
+    _K_BATCH,
+    _K_CREDIT,
+    _K_END,
+    _K_EOF,
+    _K_MORE,
+    _KIND_SHIFT,
+    BATCH_RECORD_HEADER,
+    BytesLike,
+    FrameKind,
+    ReceivedMessageTooLargeError,
+    decode_imm,
+    unpack_batch,
 )
-
-
-def encode_imm(kind: FrameKind, credits: int) -> int:
-    """Return the immediate value of a frame of ``kind`` that grants ``credits`` (0..65535)."""
-    kind = FrameKind(kind)
-    if not 0 <= credits <= MAX_CREDITS:
-        raise ValueError(f"credits {credits} out of range 0..{MAX_CREDITS}")
-    return (int(kind) << _KIND_SHIFT) | credits
-
-
-def decode_imm(imm: int) -> tuple[FrameKind, int]:
-    """Split a received immediate value into ``(kind, credits)``; :class:`FrameError` if malformed."""
-    if not 0 <= imm <= _U32_MAX:
-        raise FrameError(f"immediate value {imm:#x} is not an unsigned 32-bit value")
-    if imm & _RESERVED_MASK:
-        raise FrameError(f"immediate value {imm:#010x} has reserved bits set")
-    raw_kind = imm >> _KIND_SHIFT
-    kind = _KIND_BY_VALUE[raw_kind]
-    if kind is None:
-        raise FrameError(f"unknown frame kind {raw_kind} in immediate value {imm:#010x}")
-    return kind, imm & _CREDIT_MASK
-
-
-class ReceivedMessageTooLargeError(MessageTooLargeError, FrameError):
-    """The peer sent a message larger than our ``max_message_size``.
-
-    On the receive side this is a protocol violation (the sender must check the size first), so it is both
-    a :class:`MessageTooLargeError` and a :class:`~rdmaio.errors.ProtocolError`.
-    """
-
-
-# -- DATA_BATCH payloads ------------------------------------------------------------------------------------
-
-
-def batch_record_size(n: int) -> int:
-    """Bytes a message of ``n`` bytes takes in a DATA_BATCH payload: the 4-byte length prefix plus ``n``."""
-    return BATCH_RECORD_HEADER + n
-
-
-def pack_batch_into(buffer: memoryview | bytearray, offset: int, messages: Sequence[BytesLike]) -> int:
-    """Write ``messages`` as DATA_BATCH records into ``buffer`` at ``offset``; return the bytes written.
-
-    Every record is the message's length (u32, little-endian) followed by its bytes; empty messages are
-    allowed, an empty ``messages`` is not (a DATA_BATCH frame carries at least one message). Meant for
-    writing straight into a registered send slot.
-
-    Raises ValueError, before writing anything, if the batch does not fit between ``offset`` and the end
-    of ``buffer``. Pass a view that ends where the slot ends (``send_view[off : off + slot_size]``) so an
-    overflow cannot spill into the next slot; the frame size must also be at most
-    :attr:`Session.max_fragment` (checked again by :meth:`Session.take_batch_frame`).
-    """
-    # The records are joined first and copied into the buffer in one slice assignment: for small messages
-    # that is about twice as fast as a struct.pack_into plus a slice assignment per message, and the extra
-    # copy of at most one slot is cheap next to the per-message interpreter overhead it saves.
-    if not messages:
-        raise ValueError("a DATA_BATCH frame carries at least one message")
-    parts: list[BytesLike] = []
-    for message in messages:
-        parts += (len(message).to_bytes(BATCH_RECORD_HEADER, "little"), message)
-    data = b"".join(parts)
-    total = len(data)
-    end = offset + total
-    if offset < 0 or end > len(buffer):
-        raise ValueError(
-            f"a batch of {len(messages)} messages needs {total} bytes, "
-            f"{len(buffer) - offset} are available at offset {offset}"
-        )
-    buffer[offset:end] = data
-    return total
-
-
-def unpack_batch(view: BytesLike, max_message_size: int | None = None) -> list[bytes]:
-    """Split a received DATA_BATCH payload into its messages (copies, so the slot can be reused at once).
-
-    Raises :class:`FrameError` if the payload is empty, a record header is cut short or a record declares
-    more bytes than follow, and :class:`ReceivedMessageTooLargeError` if a message exceeds
-    ``max_message_size`` (when given).
-    """
-    data = bytes(view)  # one copy; slicing bytes is cheaper than slicing a memoryview and copying each slice
-    end = len(data)
-    if end < BATCH_RECORD_HEADER:
-        raise FrameError(f"DATA_BATCH payload of {end} bytes is too short for one record")
-    limit = _U32_MAX if max_message_size is None else max_message_size
-    unpack_len = _BATCH_LEN.unpack_from
-    messages: list[bytes] = []
-    append = messages.append
-    pos = 0
-    while pos < end:
-        start = pos + BATCH_RECORD_HEADER
-        if start > end:
-            raise FrameError(
-                f"DATA_BATCH payload truncated: {end - pos} bytes left at offset {pos}, "
-                f"a record header needs {BATCH_RECORD_HEADER}"
-            )
-        (n,) = unpack_len(data, pos)
-        pos = start + n
-        if pos > end:
-            raise FrameError(
-                f"DATA_BATCH record at offset {start - BATCH_RECORD_HEADER} declares {n} bytes, "
-                f"only {end - start} follow"
-            )
-        if n > limit:
-            raise ReceivedMessageTooLargeError(
-                f"peer sent a batched message of {n} bytes, more than our maximum message size "
-                f"of {limit} bytes"
-            )
-        append(data[start:pos])
-    return messages
+from rdmaio.protocol.handshake import FEATURE_BATCH, MAX_CREDITS, Handshake
 
 
 class EOFType(enum.Enum):

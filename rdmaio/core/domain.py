@@ -2,8 +2,8 @@
 
 A :class:`Domain` holds the protection domain (so that memory registered once can serve every connection on
 the device, which one-sided operations and zero-copy transfers need), a :class:`RegistrationCache`, and the
-completion dispatcher (:mod:`rdmaio.completions`): one completion channel on the loop and a pool of shared
-CQs whose completions are dispatched to the connections by QP number and connection tag, so that one
+completion dispatcher (:mod:`rdmaio.core.completions`): one completion channel on the loop and a pool
+of shared CQs whose completions are dispatched to the connections by QP number and connection tag, so that one
 wake-up serves every connection. One exists per device per loop (``Reactor.domain(device)``); it is closed
 with the loop (at the end of the trio run, or when the asyncio loop is garbage-collected) or explicitly.
 
@@ -13,7 +13,7 @@ system call plus a page walk, as UCX's rcache notes) until the pinned total exce
 the least recently used unused ones are deregistered. A cached registration keeps its Python buffer alive,
 so the memory cannot be freed (and its address reused by another buffer) while it is registered.
 
-The ring pool (:class:`~rdmaio.rings.ArenaPool`) keeps the slot-ring memory of closed connections
+The ring pool (:class:`~rdmaio.core.rings.ArenaPool`) keeps the slot-ring memory of closed connections
 registered for the next ones, bounded in bytes and released after a short idle time.
 """
 
@@ -23,8 +23,8 @@ import collections
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rdmaio.completions import DEFAULT_BATCH, DEFAULT_CQ_CAPACITY, CompletionDispatcher
-from rdmaio.rings import ArenaPool
+from rdmaio.core.completions import DEFAULT_BATCH, DEFAULT_CQ_CAPACITY, CompletionDispatcher
+from rdmaio.core.rings import ArenaPool
 from rdmaio.verbs import (
     CompletionBatch,
     CompletionChannel,
@@ -213,7 +213,7 @@ class Domain:
         self.pd = ProtectionDomain(device)
         self.registrations = RegistrationCache(self._register, _buffer_address, max_pinned)
         # Slot-ring memory of closed connections, kept registered (local access only) for the next ones:
-        # registration is the dearest step of a connection's setup (rdmaio.rings). Without a timer to
+        # registration is the dearest step of a connection's setup (rdmaio.core.rings). Without a timer to
         # release it when idle (no loop), the pool keeps nothing.
         self.rings = ArenaPool(self._register_local, call_later=call_later)
         self._watch = watch

@@ -1,0 +1,18 @@
+"""The core layer: what one event loop shares and what each connection owns, between the sans-IO protocol
+and the public API.
+
+* :mod:`~rdmaio.core.backend`: the event-loop backends (asyncio and uvloop; trio).
+* :mod:`~rdmaio.core.reactor`: per loop, the rdma_cm event channel and async-event routing; the domains.
+* :mod:`~rdmaio.core.domain`: per device and loop, the protection domain, the registration cache, the
+  ring-memory pool and the completion dispatcher.
+* :mod:`~rdmaio.core.completions`: the shared CQs on one completion channel, dispatched per connection.
+* :mod:`~rdmaio.core.rings`: slot rings registered chunk by chunk, and their pool.
+* :mod:`~rdmaio.core.transport`: one connection's verbs resources (QP, rings, CQ reservation) and their
+  teardown order.
+* :mod:`~rdmaio.core.txengine`: the send engine (queue, coalescing, send slots, work requests).
+* :mod:`~rdmaio.core.keepalive`: idle-connection probes.
+* :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
+
+The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`; nothing in
+it imports the public API.
+"""

@@ -1,0 +1,151 @@
+"""Queue pairs: :class:`QueuePair` (posting sends, receives, one-sided and control work requests)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rdmaio._ffi import ffi, lib
+from rdmaio.errors import VerbsError
+from rdmaio.verbs._base import _check, _Resource
+from rdmaio.verbs.cq import CompletionQueue
+from rdmaio.verbs.memory import MemoryRegion, ProtectionDomain
+
+if TYPE_CHECKING:
+    from rdmaio.verbs.cm import CMId
+
+
+# --- QP --------------------------------------------------------------------------------------------
+
+
+class QueuePair(_Resource):
+    """The RC queue pair of a :class:`CMId` (created by ``CMId.create_qp``)."""
+
+    _call_destroy = "rdma_destroy_qp"
+    _close_rank = 0
+
+    def __init__(
+        self, cm_id: CMId, pd: ProtectionDomain, send_cq: CompletionQueue, recv_cq: CompletionQueue, cap: Any
+    ) -> None:
+        super().__init__(cm_id, pd, send_cq, recv_cq)
+        self._cm_id = cm_id
+        self._ptr = cm_id._ptr.qp
+        self.qp_num: int = int(self._ptr.qp_num)
+        self.max_send_wr: int = int(cap.max_send_wr)
+        self.max_recv_wr: int = int(cap.max_recv_wr)
+        self.max_inline_data: int = int(cap.max_inline_data)
+        self._slots = ffi.new("uint32_t[]", max(self.max_recv_wr, 1))
+        self._sends = ffi.new("struct rdmaio_send[]", max(self.max_send_wr, 1))
+        self._bad = ffi.new("int *")
+        # Its own one-entry array: the send engine stages frames in _sends and posts them later in the
+        # loop iteration, so a probe written there could overwrite a staged frame.
+        self._probe = ffi.new("struct rdmaio_send[1]")
+
+    def post_recv_slots(
+        self, mr: MemoryRegion, slot_size: int, slots: list[int], wr_id_base: int = 0
+    ) -> None:
+        """Post one receive per slot index (chained, one call) at ``mr.addr + slot * slot_size``; its
+        ``wr_id`` is ``wr_id_base | slot`` (``wr_id_base``: ``make_wr_id(WR_KIND_RECV, tag, 0)``)."""
+        self._check_usable()
+        n = len(slots)
+        if n > len(self._slots):
+            raise ValueError(f"cannot post {n} receives on a queue of {len(self._slots)}")
+        self._slots[0:n] = slots
+        rc = lib.rdmaio_post_recv_slots(self._ptr, mr.lkey, mr.addr, slot_size, wr_id_base, self._slots, n)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_recv", -rc, f"{n} receives")
+
+    def post_ring_slots(
+        self, lkeys: Any, addr: int, slot_size: int, slots: list[int], wr_id_base: int = 0
+    ) -> None:
+        """Post one receive per slot of a ring registered chunk by chunk: slot ``s`` covers
+        ``addr + s * slot_size`` with local key ``lkeys[s]`` (a ``uint32_t[]``); ``wr_id`` is
+        ``wr_id_base | s`` (``wr_id_base``: ``make_wr_id(WR_KIND_RECV, tag, 0)``)."""
+        self._check_usable()
+        n = len(slots)
+        if n > len(self._slots):
+            raise ValueError(f"cannot post {n} receives on a queue of {len(self._slots)}")
+        self._slots[0:n] = slots
+        rc = lib.rdmaio_post_recv_ring(self._ptr, lkeys, addr, slot_size, wr_id_base, self._slots, n)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_recv", -rc, f"{n} receives")
+
+    @property
+    def send_array(self) -> Any:
+        """Scratch ``struct rdmaio_send[max_send_wr]`` to fill before :meth:`post_sends`."""
+        return self._sends
+
+    def post_sends(self, count: int) -> None:
+        """Post the first ``count`` entries of :attr:`send_array` as one chain."""
+        self._check_usable()
+        rc = lib.rdmaio_post_sends(self._ptr, self._sends, count, self._bad)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_send", -rc, f"request {self._bad[0]} of {count}")
+
+    # one-sided operations (issue 11): a scratch array of their own, so that posting one never clobbers
+    # the frames the send engine staged in send_array but has not posted yet.
+    @property
+    def rdma_array(self) -> Any:
+        """Scratch ``struct rdmaio_rdma_op[16]`` to fill before :meth:`post_rdma`."""
+        array = getattr(self, "_rdma_ops", None)
+        if array is None:
+            array = self._rdma_ops = ffi.new("struct rdmaio_rdma_op[]", 16)
+        return array
+
+    def post_rdma(self, count: int) -> None:
+        """Post the first ``count`` entries of :attr:`rdma_array` (one-sided requests) as one chain."""
+        self._check_usable()
+        rc = lib.rdmaio_post_rdma(self._ptr, self.rdma_array, count, self._bad)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_send", -rc, f"one-sided request {self._bad[0]} of {count}")
+
+    def remote_access(self) -> tuple[int, int, int]:
+        """``(qp_access_flags, max_rd_atomic, max_dest_rd_atomic)`` as the device reports them."""
+        self._check_usable()
+        acc, rd, drd = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
+        _check(lib.rdmaio_qp_access(self._ptr, acc, rd, drd), "ibv_query_qp")
+        return int(acc[0]), int(rd[0]), int(drd[0])
+
+    def post_empty_write(self, wr_id: int) -> None:
+        """Post one signalled zero-length RDMA WRITE (a liveness probe, see :mod:`rdmaio.keepalive`).
+
+        It carries no data, needs no remote key (IBTA C9-88: a zero-length RDMA operation checks none),
+        consumes no receive at the peer and produces no completion there. Its completion here is
+        success once the peer's RC transport acknowledged it, or ``RETRY_EXC_ERR`` after the QP's ACK
+        timeout and retry count ran out.
+        """
+        self._check_usable()
+        wr = self._probe[0]
+        wr.wr_id = wr_id
+        wr.addr = 0
+        wr.length = 0
+        wr.lkey = 0
+        wr.imm_data = 0
+        wr.opcode = lib.IBV_WR_RDMA_WRITE
+        wr.send_flags = lib.IBV_SEND_SIGNALED
+        wr.rkey = 0
+        wr.remote_addr = 0
+        rc = lib.rdmaio_post_sends(self._ptr, self._probe, 1, self._bad)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_send", -rc, "zero-length RDMA WRITE")
+
+    def query_timeouts(self) -> tuple[int, int]:
+        """``(timeout, retry_cnt)`` of the QP as the device holds them (``ibv_query_qp``)."""
+        self._check_usable()
+        attr = ffi.new("struct ibv_qp_attr *")
+        init = ffi.new("struct ibv_qp_init_attr *")
+        _check(
+            lib.ibv_query_qp(self._ptr, attr, lib.IBV_QP_TIMEOUT | lib.IBV_QP_RETRY_CNT, init),
+            "ibv_query_qp",
+        )
+        return int(attr.timeout), int(attr.retry_cnt)
+
+    def to_error(self) -> None:
+        """Move the QP to the error state: outstanding work requests complete with WR_FLUSH_ERR."""
+        self._check_usable()
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = lib.IBV_QPS_ERR
+        _check(lib.ibv_modify_qp(self._ptr, attr, lib.IBV_QP_STATE), "ibv_modify_qp", "to ERR")
+
+    def _destroy(self) -> None:
+        lib.rdma_destroy_qp(self._cm_id._ptr)
+        self._cm_id.qp = None
