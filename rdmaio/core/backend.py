@@ -124,6 +124,23 @@ class _FutureWaiter:
         return self._fut
 
 
+class _LaterHandle:
+    """A cancellable callback for ``loop.call_later`` that holds no reference to the loop."""
+
+    __slots__ = ("_callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback: Callable[[], None] | None = callback
+
+    def run(self) -> None:
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
+
+    def cancel(self) -> None:
+        self._callback = None
+
+
 class AsyncioBackend:
     """The running asyncio loop (any implementation: the default loop, uvloop)."""
 
@@ -156,8 +173,12 @@ class AsyncioBackend:
         return self.loop.call_soon(callback)
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Handle:
-        """``loop.call_later`` (a closed loop drops its timers, so a pending one keeps nothing alive)."""
-        return self.loop.call_later(delay, callback)
+        """``loop.call_later``, through a handle that does not refer to the loop: whoever keeps the handle
+        (a Domain's ring pool, held by the per-loop registry) must not keep the loop alive, or the loop
+        would never be collected and its reactor never closed."""
+        handle = _LaterHandle(callback)
+        self.loop.call_later(delay, handle.run)
+        return handle
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         """A task the backend keeps a reference to until it ends."""

@@ -73,6 +73,40 @@ def test_call_soon_runs_in_order_and_cancel_skips(run: Runner) -> None:
     run(test)
 
 
+def test_call_later_runs_after_the_delay_and_cancel_skips(run: Runner) -> None:
+    async def test(io: Backend) -> None:
+        seen: list[str] = []
+        io.call_later(0.05, lambda: seen.append("later"))
+        io.call_later(0.02, lambda: seen.append("sooner"))
+        io.call_later(0.01, lambda: seen.append("cancelled")).cancel()
+        assert seen == []  # never synchronously
+        await io.sleep(0.3)
+        assert seen == ["sooner", "later"]
+
+    run(test)
+
+
+@pytest.mark.parametrize("factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_a_pending_call_later_handle_does_not_keep_its_loop_alive(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """The per-loop registry holds domains whose ring pool holds a call_later handle: a handle that referred
+    to the loop would keep the registry's weak key alive for ever (the loop's reactor never closed)."""
+    import gc
+    import weakref
+
+    handles: list[Any] = []
+
+    async def main() -> None:
+        handles.append(AsyncioBackend(asyncio.get_running_loop()).call_later(3600, lambda: None))
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
+        loop_ref = weakref.ref(runner.get_loop())
+    gc.collect()
+    assert handles and loop_ref() is None
+
+
 def test_call_soon_callback_error_is_logged_not_fatal(run: Runner, caplog: pytest.LogCaptureFixture) -> None:
     async def test(io: Backend) -> None:
         seen: list[str] = []
