@@ -580,6 +580,7 @@ class FakeListener:
         self.serving = start_serving
         self.held: list[FakeEndpoint] = []
         self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = asyncio.Event()
 
     def connect(self) -> FakeEndpoint:
         """A client connects: return its endpoint; the server side goes to the handler (or waits)."""
@@ -606,13 +607,13 @@ class FakeListener:
 
     def close(self) -> None:
         self.listening = self.serving = False
+        self.closed.set()
         for endpoint in self.held:
             endpoint.abort()
         self.held.clear()
 
     async def wait_closed(self) -> None:
-        while self.listening:
-            await asyncio.sleep(0.01)
+        await self.closed.wait()
         await asyncio.gather(*self.tasks)
 
 
