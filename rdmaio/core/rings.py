@@ -31,7 +31,12 @@ from typing import Any, Protocol
 
 from rdmaio._ffi import ffi
 
-__all__ = ["ArenaPool", "RingArena", "SlotRing"]
+__all__ = ["POOL_LINGER", "POOL_MAX_BYTES", "ArenaPool", "RingArena", "SlotRing"]
+
+POOL_MAX_BYTES = 4 << 20
+"""Registered bytes a Domain's ring pool keeps at most (16 idle connections' first receive chunks)."""
+POOL_LINGER = 2.0
+"""Seconds without a connection opened or closed after which a Domain's ring pool releases what it holds."""
 
 
 class _Region(Protocol):
@@ -117,8 +122,8 @@ class ArenaPool:
         self,
         register: Register,
         *,
-        max_bytes: int = 4 << 20,
-        linger: float = 2.0,
+        max_bytes: int = POOL_MAX_BYTES,
+        linger: float = POOL_LINGER,
         call_later: Callable[[float, Callable[[], None]], _Handle] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

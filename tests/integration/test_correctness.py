@@ -24,6 +24,7 @@ import rdmaio
 import rdmaio.client
 import rdmaio.core.transport
 from rdmaio.core.reactor import Reactor
+from rdmaio.core.rings import POOL_LINGER
 
 __all__ = ["arun"]
 
@@ -371,6 +372,9 @@ def test_failed_transport_setup_closes_its_fd_and_cq(
             port = server.addresses[0][1]
             ep = await rdmaio.connect(rdma_addr, port, timeout=20)  # warm up: channel, device watch
             await ep.aclose()
+            # The domains' ring pools keep a closed connection's ring memory registered until they
+            # have been idle for POOL_LINGER seconds: measure without it, before and after.
+            await asyncio.sleep(POOL_LINGER + 1)
             gc.collect()
             fds, res = open_fds(), rdma_resources()
             gc.disable()
@@ -381,6 +385,7 @@ def test_failed_transport_setup_closes_its_fd_and_cq(
                         with pytest.raises(rdmaio.VerbsError):
                             await rdmaio.connect(rdma_addr, port, timeout=20)
                 assert open_fds() == fds
+                await asyncio.sleep(POOL_LINGER + 1)
                 after = rdma_resources()
                 assert after["cq"] == res["cq"] and after["mr"] == res["mr"] and after["pd"] == res["pd"]
             finally:

@@ -35,6 +35,7 @@ from rdma_state import rdma_resources
 
 import rdmaio
 from rdmaio.bench.memory import mem_available, rss_bytes, trim_heap
+from rdmaio.core.rings import POOL_LINGER
 from rdmaio.core.transport import Transport
 
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
@@ -293,6 +294,9 @@ def _run(host: str) -> dict[str, Any]:
             # both sides before the baseline (they live as long as the loop, by design).
             runner.run(_warm_up(host, server.port))
             assert server.wait_clients(0) == 0
+            # The domains' ring pools release what closed connections left them once idle (rdmaio.core.rings):
+            # let them, on both sides, before each measurement (the client's loop runs only in run()).
+            runner.run(asyncio.sleep(POOL_LINGER + 1))
             result["before"] = before = _state(server)
             endpoints = runner.run(_open(host, server.port, CONNS))
             assert server.wait_clients(CONNS) == CONNS
@@ -302,6 +306,7 @@ def _run(host: str) -> dict[str, Any]:
             assert all(ep.is_closing() for ep in endpoints)
             assert server.wait_clients(0) == 0
             del endpoints
+            runner.run(asyncio.sleep(POOL_LINGER + 1))
             result["after_untrimmed"] = _wait_released(server, before)
             server.trim()
             trim_heap()
