@@ -140,29 +140,33 @@ class Reactor:
         cm_id.close()
 
     def _on_cm_readable(self) -> None:
+        # One event per wake-up. The channel's fd is watched level-triggered on every backend (epoll
+        # without EPOLLET in asyncio's selector and libuv; trio re-arms each wait), so another pending
+        # event wakes us again on the next loop iteration, while reading until EAGAIN would cost one
+        # empty rdma_get_cm_event (a system call) per wake-up: events come one at a time during a
+        # connection's setup, so that was up to half of the calls.
         channel = self._channel
-        if channel is None:
+        if channel is None or channel.closed:
             return
-        while not channel.closed:
-            try:
-                event = channel.get_event()
-            except Exception:
-                log.exception("rdmaio: reading the rdma_cm event channel failed")
-                return
-            if event is None:
-                return
-            self.cm_events += 1
-            key = event.listen_id_handle if event.event == CMEventType.CONNECT_REQUEST else event.id_handle
-            handler = self._handlers.get(key)
-            if handler is None:
-                if event.event == CMEventType.CONNECT_REQUEST:
-                    # Listener already gone: the new id is ours to dispose of.
-                    CMId.from_event(channel, event).close()
-                continue
-            try:
-                handler(event)
-            except Exception:
-                log.exception("rdmaio: CM event handler failed for %s", event.event.name)
+        try:
+            event = channel.get_event()
+        except Exception:
+            log.exception("rdmaio: reading the rdma_cm event channel failed")
+            return
+        if event is None:
+            return
+        self.cm_events += 1
+        key = event.listen_id_handle if event.event == CMEventType.CONNECT_REQUEST else event.id_handle
+        handler = self._handlers.get(key)
+        if handler is None:
+            if event.event == CMEventType.CONNECT_REQUEST:
+                # Listener already gone: the new id is ours to dispose of.
+                CMId.from_event(channel, event).close()
+            return
+        try:
+            handler(event)
+        except Exception:
+            log.exception("rdmaio: CM event handler failed for %s", event.event.name)
 
     # --- completion channels -------------------------------------------------------------------------
 

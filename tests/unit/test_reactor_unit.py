@@ -129,3 +129,43 @@ def test_a_cq_error_on_a_shared_cq_reaches_every_connection_on_it_and_marks_it_f
     cq_err = verbs.AsyncEvent(verbs.EVENT_CQ_ERR, "CQ error", "device", 0, 100)
     reactor._on_async_readable(FakeDevice(1, cq_err))  # type: ignore[arg-type]
     assert seen == ["a", "b", "c"] and marked == [100]
+
+
+def test_cm_events_are_read_one_per_wake_up() -> None:
+    """A wake-up of the rdma_cm channel reads one event: the fd is level-triggered, so the next pending event
+    wakes the reactor again, and the empty read that ends a drain (a system call) is never made."""
+
+    class FakeChannel:
+        closed = False
+
+        def __init__(self, events: list[verbs.CMEvent]) -> None:
+            self.events = deque(events)
+            self.calls = 0
+
+        def get_event(self) -> verbs.CMEvent | None:
+            self.calls += 1
+            return self.events.popleft() if self.events else None
+
+    def event(handle: int) -> verbs.CMEvent:
+        return verbs.CMEvent(
+            event=verbs.CMEventType.ESTABLISHED,
+            status=0,
+            id_handle=handle,
+            listen_id_handle=0,
+            private_data=b"",
+            qp_num=0,
+            responder_resources=0,
+            initiator_depth=0,
+            rnr_retry_count=0,
+            raw_id=None,
+        )
+
+    reactor = Reactor(FakeBackend())  # type: ignore[arg-type]
+    channel = FakeChannel([event(1), event(2)])
+    reactor._channel = channel  # type: ignore[assignment]
+    seen: list[int] = []
+    reactor._handlers[1] = reactor._handlers[2] = lambda e: seen.append(e.id_handle)
+    reactor._on_cm_readable()
+    assert (seen, channel.calls) == ([1], 1)
+    reactor._on_cm_readable()
+    assert (seen, channel.calls) == ([1, 2], 2)
