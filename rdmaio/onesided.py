@@ -52,6 +52,7 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.backend import Backend, Waiter
 from rdmaio.errors import (
     EndpointClosedError,
+    FeatureNotSupportedError,
     InvalidRemoteKeyError,
     MessageTooLargeError,
     ProtocolError,
@@ -60,6 +61,7 @@ from rdmaio.errors import (
     RemoteKeyRevokedError,
     VerbsError,
 )
+from rdmaio.protocol import FEATURE_ONESIDED
 
 __all__ = [
     "ACCESS_ATOMIC",
@@ -353,6 +355,9 @@ class OneSidedEngine:
         atomics: bool = True,
         stats: collections.Counter[str] | None = None,
         tag: int = 0,
+        peer_onesided: bool = True,
+        notice_limit: int = 64,
+        repost: Callable[[int], None] | None = None,
     ) -> None:
         self._io = io
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -380,6 +385,13 @@ class OneSidedEngine:
         self._pending_acks: collections.deque[int] = collections.deque()
         self._notices: collections.deque[WriteNotice] = collections.deque()
         self._notice_waiter: Waiter | None = None
+        # The peer announced FEATURE_ONESIDED: it understands write notices and control messages.
+        self.peer_onesided = peer_onesided
+        # Write notices queued beyond notice_limit keep the receive they consumed (held_slots) until
+        # wait_write_notice() takes one: the writer's credit comes back only then (back-pressure).
+        self.notice_limit = notice_limit
+        self._held_slots: collections.deque[int] = collections.deque()
+        self._repost = repost
         self._error: BaseException | None = None
         self.closed = False
 
@@ -419,6 +431,17 @@ class OneSidedEngine:
             atomics = query_caps(transport.device).atomic_cap != "NONE"
         except VerbsError:
             atomics = False
+        endpoint_ref = weakref.ref(endpoint)
+
+        def repost(slot: int) -> None:
+            # A held receive (write-notice back-pressure) goes back to the NIC; its credit is granted.
+            ep = endpoint_ref()
+            if ep is not None and not ep._torn_down:
+                transport.post_receives([slot])
+                session.on_recv_reposted(1)  # type: ignore[attr-defined]
+                ep._pump()
+
+        peer = getattr(session, "peer", None)
         return cls(
             endpoint._io,
             transport.qp,
@@ -433,6 +456,9 @@ class OneSidedEngine:
             atomics=atomics,
             tag=transport.tag or 0,
             stats=endpoint._stats,
+            peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
+            notice_limit=options.max_write_notices,
+            repost=repost,
         )
 
     # --- export / revoke (exporter side) ------------------------------------------------------------------
@@ -469,7 +495,9 @@ class OneSidedEngine:
             raise ValueError(f"{key!r} is already being revoked")
         grant.revoked = True
         try:
-            if self._error is None and not self.closed and self._credits.flush_error() is None:
+            usable = self._error is None and not self.closed and self._credits.flush_error() is None
+            # A peer without FEATURE_ONESIDED would fail on a REVOKE: deregistering alone revokes at the NIC.
+            if usable and self.peer_onesided:
                 grant.ack = waiter = self._io.waiter()
                 self._send_control(_CTL_REVOKE, key.key_id)
                 async with self._io.timeout(self._revoke_timeout):
@@ -485,10 +513,12 @@ class OneSidedEngine:
 
     # --- notices and control messages (both sides) --------------------------------------------------------
 
-    def on_recv(self, opcode: int, imm: int, byte_len: int, payload: memoryview) -> None:
+    def on_recv(self, opcode: int, imm: int, byte_len: int, payload: memoryview, slot: int = -1) -> bool:
         """A receive completed that is not a frame: a write notice or a one-sided control message.
 
-        The caller reposts the slot; the credit it consumed was accounted for here.
+        Returns True when the caller should repost ``slot`` now; False when the engine holds it (a write
+        notice beyond ``notice_limit`` queued ones: it is reposted, through ``repost``, once
+        :meth:`wait_write_notice` takes a notice). The credit it consumed was accounted for here.
         """
         self._credits.on_slot_used()
         if opcode == _WC_RECV_RDMA_WITH_IMM:
@@ -496,7 +526,11 @@ class OneSidedEngine:
             self._stats["write_notices"] += 1
             if self._notice_waiter is not None:
                 self._notice_waiter.set()
-            return
+            if len(self._notices) > self.notice_limit and self._repost is not None and slot >= 0:
+                self._held_slots.append(slot)
+                self._stats["write_notice_slots_held"] += 1
+                return False
+            return True
         if byte_len != _CONTROL.size:
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
@@ -511,17 +545,27 @@ class OneSidedEngine:
             grant = self.grants.get(key_id)
             if grant is not None and grant.ack is not None:
                 grant.ack.set()
+        return True
 
     async def wait_write_notice(self) -> WriteNotice:
         """The next write notice; raises the connection's error once none is left and it failed."""
         while not self._notices:
             self._raise_if_failed()
+            if not self.peer_onesided:
+                raise FeatureNotSupportedError(
+                    "the peer's rdmaio does not support one-sided frames (no FEATURE_ONESIDED in its "
+                    "handshake): it cannot send write notices"
+                )
             waiter = self._notice_waiter = self._io.waiter()
             try:
                 await waiter.wait()
             finally:
                 self._notice_waiter = None
-        return self._notices.popleft()
+        notice = self._notices.popleft()
+        if self._held_slots and not self.closed and self._repost is not None:
+            # One queued notice fewer: the oldest held receive goes back, and with it one writer credit.
+            self._repost(self._held_slots.popleft())
+        return notice
 
     def _send_control(self, kind: int, key_id: int) -> None:
         """Queue a control SEND (it needs a credit and an op slot; the ACK may wait for either)."""
@@ -606,6 +650,11 @@ class OneSidedEngine:
         self._check_key(key, offset, length, ACCESS_WRITE)
         if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
             raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
+        if imm is not None and not self.peer_onesided:
+            raise FeatureNotSupportedError(
+                "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in its "
+                "handshake); this peer's rdmaio does not: write without imm and notify it with send()"
+            )
         if length > MAX_OP_BYTES:
             raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
         if length == 0 and imm is None:
@@ -883,6 +932,7 @@ class OneSidedEngine:
         for op in list(self.ops.values()):
             self._complete(op, _fresh(self._error))
         self._credit_queue.clear()
+        self._held_slots.clear()  # the QP and its receives are gone
         while self._slot_waiters:
             self._slot_waiters.popleft().set()
         for grant in list(self.grants.values()):
@@ -902,6 +952,7 @@ class OneSidedEngine:
             "rdma_ops_pending": len(self.ops),
             "grants": len(self.grants),
             "write_notices_queued": len(self._notices),
+            "write_notice_slots_held": len(self._held_slots),
             "keys_revoked_by_peer": len(self.revoked_ids),
         }
 

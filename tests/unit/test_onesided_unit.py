@@ -99,8 +99,17 @@ class FakeCredits:
 class Rig:
     """An engine on the running loop with fakes around it."""
 
-    def __init__(self, *, max_ops: int = 4, credits: int = 8, atomics: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        max_ops: int = 4,
+        credits: int = 8,
+        atomics: bool = True,
+        peer_onesided: bool = True,
+        notice_limit: int = 64,
+    ) -> None:
         self.qp = FakeQP()
+        self.reposted: list[int] = []
         self.credits = FakeCredits(credits)
         self.local: list[FakeRegion] = []
         self.grants: list[FakeRegion] = []
@@ -118,6 +127,9 @@ class Rig:
             max_inline=0,
             revoke_timeout=5.0,
             atomics=atomics,
+            peer_onesided=peer_onesided,
+            notice_limit=notice_limit,
+            repost=self.reposted.append,
         )
 
     def _local(self, buffer: Any) -> FakeRegion:
@@ -479,6 +491,78 @@ def test_write_notices_are_queued_in_order(arun: Run) -> None:
         assert rig.credits.used == 2
 
     arun(main())
+
+
+def test_notices_beyond_the_limit_hold_their_receive_until_taken(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(notice_limit=2)
+        repost_now = [
+            rig.engine.on_recv(RECV_RDMA_WITH_IMM, i, 8, memoryview(b""), slot=10 + i) for i in range(5)
+        ]
+        # The first two are queued with their receive reposted (credit back); the next three hold theirs.
+        assert repost_now == [True, True, False, False, False]
+        assert rig.engine.statistics()["write_notices_queued"] == 5
+        assert rig.engine.statistics()["write_notice_slots_held"] == 3
+        assert rig.reposted == []
+        for i in range(5):
+            assert await rig.engine.wait_write_notice() == rdmaio.WriteNotice(8, i)
+        # Each notice taken gave back the oldest held receive, in order; none is held any more.
+        assert rig.reposted == [12, 13, 14]
+        assert rig.engine.statistics()["write_notice_slots_held"] == 0
+        # A control message never holds its receive.
+        assert rig.engine.on_recv(RECV, 0, 16, memoryview(struct.pack("!BB6xQ", 1, 2, 99)), slot=3) is True
+
+    arun(main())
+
+
+def test_a_zero_limit_holds_every_notice_and_close_drops_the_held_slots(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(notice_limit=0)
+        assert rig.engine.on_recv(RECV_RDMA_WITH_IMM, 1, 0, memoryview(b""), slot=0) is False
+        rig.engine.close(None)
+        # Queued notices are still delivered after the close; the QP is gone, so nothing is reposted.
+        assert await rig.engine.wait_write_notice() == rdmaio.WriteNotice(0, 1)
+        assert rig.reposted == []
+
+    arun(main())
+
+
+def test_a_peer_without_the_onesided_feature(arun: Run) -> None:
+    """An older peer (no FEATURE_ONESIDED): notices and REVOKE are refused or skipped locally, nothing of
+    the one-sided frames reaches it; plain READ/WRITE/atomics need nothing of its software and work."""
+
+    async def main() -> None:
+        rig = Rig(peer_onesided=False)
+        k = key()
+        with pytest.raises(rdmaio.FeatureNotSupportedError) as info:
+            await rig.engine.write(k, 0, b"x", imm=1)
+        assert isinstance(info.value, NotImplementedError) and isinstance(info.value, rdmaio.RdmaError)
+        with pytest.raises(rdmaio.FeatureNotSupportedError):
+            await rig.engine.wait_write_notice()
+        assert rig.qp.posted == []
+        writing = asyncio.ensure_future(rig.engine.write(k, 0, b"x"))
+        await settle()
+        rig.complete()
+        await writing
+        # revoke: no REVOKE message (the peer would fail on it); deregistering alone revokes at the NIC.
+        own = rig.engine.export(bytearray(64))
+        await asyncio.wait_for(rig.engine.revoke(own), 1)
+        assert rig.grants[-1].closed and len(rig.qp.posted) == 1
+
+    arun(main())
+
+
+def test_the_handshake_announces_and_reads_the_onesided_feature() -> None:
+    from rdmaio.client import local_handshake
+    from rdmaio.protocol import FEATURE_ONESIDED, KNOWN_FEATURES
+
+    ours = local_handshake(rdmaio.Options())
+    assert ours.features & FEATURE_ONESIDED == FEATURE_ONESIDED == 0x04
+    assert KNOWN_FEATURES & FEATURE_ONESIDED
+    assert Handshake.decode(ours.encode()).features & FEATURE_ONESIDED
+    older = Handshake(32, 65536, 1 << 20, features=0)
+    assert not Handshake.decode(older.encode()).features & FEATURE_ONESIDED
+    assert not Session(ours, older).peer.features & FEATURE_ONESIDED
 
 
 def test_revoke_handshake_both_sides(arun: Run) -> None:
