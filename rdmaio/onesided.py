@@ -98,6 +98,9 @@ WR_KIND_ONESIDED = verbs.WR_KIND_ONESIDED
 """``wr_id >> 56`` of one-sided work requests (the verbs layer's wr_id layout)."""
 _INDEX_MASK = verbs.WR_INDEX_MASK  # bits 32..55 are the connection's tag (shared-CQ dispatch)
 _STAGING_SLOT = 64 * 1024  # bytes of rdmaio-owned registered memory per op; larger ops get their own MR
+# Larger ops' MRs are kept for reuse, in power-of-two size classes, up to this many bytes per connection:
+# registering (pinning) 1 MiB per op cost more than the op itself (docs/benchmarks.md, "One-sided").
+_LARGE_POOL_BYTES = 32 << 20
 
 # control messages: version u8, type u8, 6 bytes padding, key id u64
 _CONTROL = struct.Struct("!BB6xQ")
@@ -295,6 +298,7 @@ class _Op:
         "mr",
         "opcode",
         "orphan",
+        "pooled",
         "posted",
         "result",
         "staging",
@@ -311,12 +315,24 @@ class _Op:
         self.error: BaseException | None = None
         self.result: Any = None
         self.staging: int | None = None  # staging slot index, or None
-        self.mr: Any = None  # a dedicated local MR (large op) or a Registration (rdma_read_into)
+        self.mr: Any = None  # a Registration (rdma_read_into)
+        self.pooled: _Large | None = None  # a large op's registered memory, from the pool
         self.buffer: Any = None  # memoryview of the local memory the NIC reads or writes
         self.key_id: int | None = None
         self.length = 0
         self.opcode = 0
         self.wr: tuple[int, ...] = ()
+
+
+class _Large:
+    """A registered rdmaio-owned buffer for ops above the staging slot (reused through the pool)."""
+
+    __slots__ = ("region", "size", "view")
+
+    def __init__(self, region: Region, view: memoryview) -> None:
+        self.region = region
+        self.view = view
+        self.size = view.nbytes
 
 
 class _Grant:
@@ -380,6 +396,8 @@ class OneSidedEngine:
         self._staging: Any = None  # registered rdmaio-owned memory: max_ops slots of _STAGING_SLOT bytes
         self._staging_view: memoryview | None = None
         self._free_staging: list[int] = list(range(max_ops))
+        self._large_pool: dict[int, list[_Large]] = {}  # free large buffers by size class
+        self._large_pooled = 0  # bytes in _large_pool
         self.grants: dict[int, _Grant] = {}  # what we exported, by key id
         self.revoked_ids: set[int] = set()  # keys the peer revoked
         self._pending_acks: collections.deque[int] = collections.deque()
@@ -746,13 +764,24 @@ class OneSidedEngine:
             assert self._staging_view is not None
             op.buffer = self._staging_view[slot * _STAGING_SLOT : slot * _STAGING_SLOT + length]
         else:
-            buf = bytearray(length)
-            op.mr = self._register_local(buf)
-            op.buffer = memoryview(buf)
+            size = 1 << (length - 1).bit_length()  # size class: the next power of two
+            free = self._large_pool.get(size)
+            if free:
+                large = free.pop()
+                self._large_pooled -= size
+                self._stats["rdma_large_reused"] += 1
+            else:
+                buf = bytearray(size)
+                large = _Large(self._register_local(buf), memoryview(buf))
+                self._stats["rdma_large_registered"] += 1
+            op.pooled = large
+            op.buffer = large.view[:length]
 
     def _local_of(self, op: _Op) -> tuple[int, int]:
         if op.staging is not None:
             return self._staging.addr + op.staging * _STAGING_SLOT, self._staging.lkey
+        if op.pooled is not None:
+            return op.pooled.region.addr, op.pooled.region.lkey
         if op.mr is not None:
             return op.mr.addr, op.mr.lkey
         return 0, 0
@@ -894,6 +923,13 @@ class OneSidedEngine:
         if op.staging is not None:
             self._free_staging.append(op.staging)
             op.staging = None
+        if op.pooled is not None:
+            large, op.pooled = op.pooled, None
+            if not self.closed and self._large_pooled + large.size <= _LARGE_POOL_BYTES:
+                self._large_pool.setdefault(large.size, []).append(large)
+                self._large_pooled += large.size
+            else:
+                large.region.close()
         if op.mr is not None:
             mr, op.mr = op.mr, None
             if hasattr(mr, "release"):
@@ -945,6 +981,11 @@ class OneSidedEngine:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+        for pooled in self._large_pool.values():
+            for large in pooled:
+                large.region.close()
+        self._large_pool.clear()
+        self._large_pooled = 0
 
     def statistics(self) -> dict[str, int]:
         """Pending ops, grants, queued notices and revoked keys."""
