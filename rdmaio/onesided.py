@@ -119,6 +119,7 @@ _WC_REM_ACCESS_ERR = int(verbs.WcStatus.REM_ACCESS_ERR)
 _WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
 _WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
 _U64 = (1 << 64) - 1
+_DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
 
 
 def parse_access(access: str) -> int:
@@ -396,6 +397,8 @@ class OneSidedEngine:
         self._staging: Any = None  # registered rdmaio-owned memory: max_ops slots of _STAGING_SLOT bytes
         self._staging_view: memoryview | None = None
         self._free_staging: list[int] = list(range(max_ops))
+        self._doorbell: list[_Op] = []  # requests to post together at the end of this loop iteration
+        self._ring_handle: Any = None
         self._large_pool: dict[int, list[_Large]] = {}  # free large buffers by size class
         self._large_pooled = 0  # bytes in _large_pool
         self.grants: dict[int, _Grant] = {}  # what we exported, by key id
@@ -802,12 +805,59 @@ class OneSidedEngine:
         if op.opcode == _WR_WRITE_IMM:
             self._credit_queue.append(op)  # consumes a peer receive: needs a credit
             self.pump()
+        elif len(self.ops) == 1 and not self._doorbell:
+            self._post_now(op)  # alone in flight: post at once (nothing to share a doorbell with)
         else:
-            self._post_now(op)
+            # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
+            # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
+            # system call that runs the requester) for up to _DOORBELL requests.
+            self._doorbell.append(op)
+            if len(self._doorbell) >= _DOORBELL:
+                self._ring()
+            elif self._ring_handle is None:
+                self._ring_handle = self._io.call_soon(self._ring)
+
+    def _ring(self) -> None:
+        """Post the requests collected for one doorbell, as one chain."""
+        if self._ring_handle is not None:
+            self._ring_handle.cancel()
+            self._ring_handle = None
+        ops = [op for op in self._doorbell if not op.done]
+        self._doorbell.clear()
+        if not ops or self._error is not None or self.closed:
+            return
+        for i, op in enumerate(ops):
+            self._fill(i, op)
+        try:
+            self._qp.post_rdma(len(ops))
+        except Exception as exc:
+            # Requests before the failing one may have been posted; the connection fails either way
+            # (its QP is destroyed), which completes every op.
+            self._fail_connection(exc)
+            for op in ops:
+                self._complete(op, exc)
+            return
+        for op in ops:
+            op.posted = True
+        self._stats["rdma_ops_posted"] += len(ops)
+        self._stats["rdma_doorbells"] += 1
 
     def _post_now(self, op: _Op) -> None:
+        self._fill(0, op)
+        try:
+            self._qp.post_rdma(1)
+        except Exception as exc:
+            self._complete(op, exc)
+            self._fail_connection(exc)
+            return
+        op.posted = True
+        self._stats["rdma_ops_posted"] += 1
+        self._stats["rdma_doorbells"] += 1
+
+    def _fill(self, index: int, op: _Op) -> None:
+        """Write ``op``'s work request into entry ``index`` of the QP's scratch array."""
         addr, lkey, remote_addr, rkey, imm, compare_add, swap = op.wr
-        wr = self._qp.rdma_array[0]
+        wr = self._qp.rdma_array[index]
         wr.wr_id = self._wr_base | op.index
         wr.local_addr = addr
         wr.length = op.length
@@ -822,14 +872,6 @@ class OneSidedEngine:
         wr.remote_addr = remote_addr
         wr.compare_add = compare_add
         wr.swap = swap
-        try:
-            self._qp.post_rdma(1)
-        except Exception as exc:
-            self._complete(op, exc)
-            self._fail_connection(exc)
-            return
-        op.posted = True
-        self._stats["rdma_ops_posted"] += 1
 
     def pump(self) -> None:
         """Post what waits for a credit: control messages first, then writes with immediate data.
@@ -968,6 +1010,10 @@ class OneSidedEngine:
         for op in list(self.ops.values()):
             self._complete(op, _fresh(self._error))
         self._credit_queue.clear()
+        self._doorbell.clear()
+        if self._ring_handle is not None:
+            self._ring_handle.cancel()
+            self._ring_handle = None
         self._held_slots.clear()  # the QP and its receives are gone
         while self._slot_waiters:
             self._slot_waiters.popleft().set()

@@ -132,14 +132,16 @@ async def _read_via(importer: rdmaio.Endpoint, addr: int, rkey: int, length: int
         data = await asyncio.wait_for(importer.rdma_read(key, 0, length), 30)
     except Exception as exc:
         return f"failed: {type(exc).__name__}: {exc}"
-    return f"ok ({len(data)} bytes, {data[:4].hex()}...)"
+    runs = sorted({f"{b:#04x} x {data.count(b)}" for b in data})
+    return f"ok ({len(data)} bytes: {', '.join(runs)})"
 
 
 async def probe_bind(addr: str) -> None:
     """Type 2 memory windows for real: bind, READ inside, READ outside, invalidate, READ again."""
-    buf = bytearray(b"\xab" * 8192)
+    # 0x11 before the window, 0xab in it, 0xcd after it: what a READ returns shows where it read.
+    buf = bytearray(b"\x11" * 4096 + b"\xab" * 1024 + b"\xcd" * 3072)
     window = (4096, 1024)  # offset, length of the window inside the 8 KiB MR
-    for step in ("inside", "outside", "after LOCAL_INV"):
+    for step in ("inside", "straddling", "before", "after LOCAL_INV"):
         server, exporter, importer = await _pair(addr)
         try:
             status, mw, rkey = await _bind(exporter, buf, *window)
@@ -149,8 +151,10 @@ async def probe_bind(addr: str) -> None:
             base = int(ffi.cast("uintptr_t", exporter._probe_keep[0])) + window[0]  # type: ignore[attr-defined]
             if step == "inside":
                 print("  READ inside the window:", await _read_via(importer, base, rkey, window[1]))
-            elif step == "outside":
-                print("  READ past the window's end:", await _read_via(importer, base + 512, rkey, 1024))
+            elif step == "straddling":
+                print("  READ across the window's end:", await _read_via(importer, base + 512, rkey, 1024))
+            elif step == "before":
+                print("  READ before the window:", await _read_via(importer, base - 4096, rkey, 1024))
             else:
                 qp, inv_rkey = exporter._transport.qp._ptr, rkey
                 inv = await _post_and_wait(

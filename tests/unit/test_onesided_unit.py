@@ -64,10 +64,12 @@ class FakeQP:
         self.rdma_array = ffi.new("struct rdmaio_rdma_op[]", 16)
         self.posted: list[dict[str, int]] = []
         self.fail_next = False
+        self.calls: list[int] = []  # requests per post_rdma call (per doorbell)
 
     def post_rdma(self, count: int) -> None:
         if self.fail_next:
             raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
+        self.calls.append(count)
         for i in range(count):
             wr = self.rdma_array[i]
             fields = ("wr_id", "local_addr", "length", "lkey", "opcode", "send_flags", "imm_data", "rkey")
@@ -385,6 +387,43 @@ def test_write_copies_data_and_large_ops_get_pooled_registrations(arun: Run) -> 
         await t3
         rig.engine.close(None)
         assert private.closed  # deregistered with the connection
+
+    arun(main())
+
+
+def test_requests_of_one_loop_iteration_share_a_doorbell(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=8)
+        k = key()
+        # Alone in flight: posted at once, nothing waits for the end of the iteration.
+        first = asyncio.ensure_future(rig.engine.read(k, 0, 8))
+        await settle()
+        assert rig.qp.calls == [1]
+        # Five more started in one iteration while the first is in flight: one post of five.
+        more = [asyncio.ensure_future(rig.engine.fetch_add(k, 8 * i, 1)) for i in range(1, 6)]
+        await settle()
+        assert rig.qp.calls == [1, 5]
+        assert [wr["remote_addr"] for wr in rig.qp.posted[1:]] == [0x10000 + 8 * i for i in range(1, 6)]
+        for i in range(6):
+            rig.complete(i, data=i.to_bytes(8, "little"))
+        assert await first == (0).to_bytes(8, "little")
+        assert await asyncio.gather(*more) == [1, 2, 3, 4, 5]
+        assert rig.engine.statistics()["rdma_ops_pending"] == 0
+
+    arun(main())
+
+
+def test_a_failing_doorbell_fails_every_request_in_it(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=8)
+        k = key()
+        first = asyncio.ensure_future(rig.engine.read(k, 0, 8))
+        await settle()
+        rig.qp.fail_next = True
+        more = [asyncio.ensure_future(rig.engine.read(k, 0, 8)) for _ in range(3)]
+        results = await asyncio.gather(first, *more, return_exceptions=True)
+        assert all(isinstance(r, rdmaio.RdmaError) for r in results), results
+        assert len(rig.failures) == 1  # the connection failed once
 
     arun(main())
 
