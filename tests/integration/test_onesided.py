@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import random
@@ -359,6 +360,36 @@ def test_unconsumed_write_notices_stop_the_writer(rdma_addr: str) -> None:
             assert exp.statistics()["write_notice_slots_held"] == 0
             await imp.send(b"still alive")  # the credits all came back
             assert await exp.recv() == b"still alive"
+
+    asyncio.run(main())
+
+
+def test_a_server_without_the_onesided_feature(rdma_addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server side plays an older rdmaio (no FEATURE_ONESIDED in its handshake): the client refuses
+    write notices locally, and everything that needs nothing of the peer's software still works."""
+    import rdmaio.server
+    from rdmaio.protocol import FEATURE_ONESIDED
+
+    def older(options: rdmaio.Options, *, grow: bool = True) -> Any:
+        handshake = rdmaio.client.local_handshake(options, grow=grow)
+        return dataclasses.replace(handshake, features=handshake.features & ~FEATURE_ONESIDED)
+
+    monkeypatch.setattr(rdmaio.server, "local_handshake", older)
+
+    async def main() -> None:
+        async with pair(rdma_addr) as (exp, imp):
+            assert exp._session.peer.features & FEATURE_ONESIDED  # the client announced it
+            assert not imp._session.peer.features & FEATURE_ONESIDED
+            buf = bytearray(4096)
+            key = await share(exp, imp, exp.export(buf, access="rw"))
+            with pytest.raises(rdmaio.FeatureNotSupportedError):
+                await imp.rdma_write(key, 0, b"x", imm=1)
+            with pytest.raises(NotImplementedError):
+                await imp.wait_write_notice()
+            await imp.rdma_write(key, 0, b"plain")
+            assert await imp.rdma_read(key, 0, 5) == b"plain" == buf[:5]
+            await imp.send(b"still fine")
+            assert await exp.recv() == b"still fine"
 
     asyncio.run(main())
 

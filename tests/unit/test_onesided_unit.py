@@ -391,6 +391,29 @@ def test_write_copies_data_and_large_ops_get_pooled_registrations(arun: Run) -> 
     arun(main())
 
 
+def test_the_large_buffer_pool_is_bounded(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rdmaio.onesided, "_LARGE_POOL_BYTES", 2 << 20)
+
+    async def main() -> None:
+        rig = Rig(max_ops=4)
+        k = key(1 << 22)
+        reads = [asyncio.ensure_future(rig.engine.read(k, 0, 1 << 20)) for _ in range(4)]
+        await settle()
+        assert len(rig.local) == 4  # four 1 MiB buffers registered, one per request in flight
+        for i in range(4):
+            rig.complete(i)
+        await asyncio.gather(*reads)
+        # Two fit in the 2 MiB pool and stay registered; the other two were deregistered.
+        assert sorted(r.closed for r in rig.local) == [False, False, True, True]
+        again = asyncio.ensure_future(rig.engine.read(k, 0, 1 << 20))
+        await settle()
+        rig.complete()
+        await again
+        assert len(rig.local) == 4  # served from the pool: nothing new registered
+
+    arun(main())
+
+
 def test_requests_of_one_loop_iteration_share_a_doorbell(arun: Run) -> None:
     async def main() -> None:
         rig = Rig(max_ops=8)
