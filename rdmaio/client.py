@@ -23,7 +23,7 @@ from rdmaio.errors import (
     UnreachableError,
 )
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, Handshake, Session
+from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, Handshake, Session
 from rdmaio.verbs import CMEvent, CMEventType
 
 __all__ = ["connect", "local_handshake", "resolve_host"]
@@ -63,7 +63,9 @@ def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
         recv_depth=options.recv_depth,
         slot_size=options.slot_size,
         max_message_size=options.max_message_size,
-        features=(FEATURE_BATCH if options.batch_limit else 0) | (FEATURE_GROW if grow else 0),
+        features=(FEATURE_BATCH if options.batch_limit else 0)
+        | (FEATURE_GROW if grow else 0)
+        | FEATURE_ONESIDED,
         initial_depth=initial if grow else 0,
     )
 

@@ -205,6 +205,7 @@ class Endpoint:
         stats["send_waiters"] = len(self._tx_waiters)
         stats["send_buffered"] = self.get_write_buffer_size()
         stats["keepalive_probes"] = self._keepalive.probes_sent
+        stats.update(self._onesided.statistics())  # issue 11: pending ops, grants, queued notices
         for key, value in self._session.statistics().items():
             stats[f"protocol_{key}"] = value
         return stats
@@ -264,8 +265,9 @@ class Endpoint:
                 length = wc.byte_len
                 off = slot * slot_size
                 if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided (issue 11)
-                    self._onesided.on_recv(wc.opcode, wc.imm_data, length, recv_view[off : off + length])
-                    repost.append(slot)
+                    view = recv_view[off : off + length]
+                    if self._onesided.on_recv(wc.opcode, wc.imm_data, length, view, slot):
+                        repost.append(slot)  # else held: write-notice back-pressure
                     continue
                 kind = session.on_frame(wc.imm_data, length)
                 if kind == _DATA_END:

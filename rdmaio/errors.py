@@ -21,6 +21,7 @@ __all__ = [
     "ConnectionResetError",
     "DeviceError",
     "EndpointClosedError",
+    "FeatureNotSupportedError",
     "ForkError",
     "FrameError",
     "HandshakeError",
@@ -159,6 +160,13 @@ class RemoteAccessError(RdmaError, PermissionError):
 
 class RemoteKeyRevokedError(RemoteAccessError):
     """The exporter revoked this :class:`~rdmaio.RemoteKey`; nothing was posted."""
+
+
+class FeatureNotSupportedError(RdmaError, NotImplementedError):
+    """The peer did not announce, in its handshake, a protocol feature this call needs (an older rdmaio).
+
+    Raised locally before anything is sent: the connection stays usable for everything else.
+    """
 
 
 class InvalidRemoteKeyError(RdmaError, ValueError):

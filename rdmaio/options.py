@@ -61,6 +61,11 @@ class Options:
     max_rdma_ops: int = 16
     """One-sided operations (READ, WRITE, atomics) in flight per connection; further calls wait. Added to
     the send queue and CQ sizes, and used as the READ/atomic depth negotiated with the peer."""
+    max_write_notices: int = 64
+    """Write notices (``rdma_write(..., imm=)`` of the peer) queued for ``wait_write_notice()`` with their
+    credit returned. Beyond it each further notice keeps the receive it consumed until a notice is taken,
+    so the writer's credits, and with them its writes with ``imm`` and its sends, run out and wait: at
+    most ``max_write_notices`` + ``recv_depth`` notices are ever queued (docs/one-sided.md)."""
     """Transport retries before a silent peer fails the QP (RETRY_EXC_ERR). Sent in the connect request;
     the accepting side's QP uses the connecting side's value (rdma_cm/IB CM semantics)."""
     ack_timeout: int | None = 17
@@ -94,6 +99,8 @@ class Options:
             raise ValueError("signal_interval must be between 1 and send_depth")
         if not 1 <= self.max_rdma_ops <= 1024:
             raise ValueError("max_rdma_ops must be between 1 and 1024")
+        if self.max_write_notices < 0:
+            raise ValueError("max_write_notices must be >= 0")
         if not 0 <= self.rnr_retry_count <= 7 or not 0 <= self.retry_count <= 7:
             raise ValueError("rnr_retry_count and retry_count must be between 0 and 7")
         if self.ack_timeout is not None and not 1 <= self.ack_timeout <= 31:

@@ -204,3 +204,8 @@ int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int co
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);
+struct ibv_mw;  /* memory-window probe (tools/probe_onesided.py) */
+int rdmaio_probe_bind_mw(struct ibv_qp *qp, struct ibv_pd *pd, struct ibv_mr *mr, uint64_t addr,
+                         uint64_t length, int access, uint64_t wr_id, struct ibv_mw **out, uint32_t *rkey);
+int rdmaio_probe_local_inv(struct ibv_qp *qp, uint32_t rkey, uint64_t wr_id);
+int rdmaio_probe_dealloc_mw(struct ibv_mw *mw);

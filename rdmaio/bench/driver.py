@@ -38,16 +38,19 @@ from rdmaio.bench.model import (
     CONTENDERS,
     FULL,
     MEMORY_COUNTS,
+    ONESIDED_WORKLOADS,
     QUICK,
     Budget,
     Figure,
     Sample,
     Workload,
+    expand_workloads,
     format_what,
     parse_size,
     resolve_contenders,
     sizes_of,
 )
+from rdmaio.bench.onesided import measure_onesided
 from rdmaio.bench.peers import loop_factory, measure, measure_memory, server_main
 from rdmaio.bench.plot import PlotError, check_plot_target, plot_figures
 from rdmaio.bench.report import build_report, render_table, validate_report
@@ -109,7 +112,7 @@ def plan_runs(
                 # One perftest run gives both the bandwidth and the message rate.
                 for size in sorted({s for w in covered for s in wanted(w)}):
                     which = tuple(w for w in covered if size in wanted(w))
-                    runs.append(Run(name, which, size, rep, budget.amount(Workload.STREAM, size)))
+                    runs.append(Run(name, which, size, rep, budget.amount(which[0], size)))
             else:
                 for workload in covered:
                     for size in wanted(workload):
@@ -239,9 +242,9 @@ def _describe(run: Run, samples: dict[Workload, Sample]) -> str:
             parts.append(f"{workload}: FAILED ({sample.error})")
             if sample.memory:
                 parts.append("of those opened: " + _describe_memory(sample.memory))
-        elif workload is Workload.STREAM:
+        elif workload in (Workload.STREAM, Workload.RDMA_WRITE, Workload.RDMA_READ):
             parts.append(f"{(sample.bytes_per_s or 0) / 2**20:.3g} MiB/s")
-        elif workload is Workload.MESSAGE:
+        elif workload in (Workload.MESSAGE, Workload.FETCH_ADD):
             parts.append(f"{(sample.msgs_per_s or 0) / 1000:.3g} kmsg/s")
         elif workload is Workload.SETUP:
             parts.append(f"{sample.conns_per_s or 0:.3g} conn/s over {sample.ops} connections")
@@ -348,6 +351,10 @@ class Bench:
         coro: Coroutine[Any, Any, Sample]
         if workload is Workload.MEMORY:
             coro = self._memory(int(port), run.amount)
+        elif workload in ONESIDED_WORKLOADS:  # issue 11: rdmaio.bench.onesided
+            coro = measure_onesided(
+                self.s.host, int(port), workload, run.size, run.amount, self.s.budget.time_cap
+            )
         else:
             coro = measure(
                 contender.kind,
@@ -464,8 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         default="stream,message,echo",
         help=(
-            "workloads to run: stream,message,echo,setup,memory (default stream,message,echo; "
-            "setup: connections/s against a native rdma_cm loop; memory: bytes per idle connection)"
+            "workloads to run: stream,message,echo,setup,memory,rdma_write,rdma_read,fetch_add,read_lat "
+            "or onesided (those four) (default stream,message,echo; setup: connections/s against a native "
+            "rdma_cm loop; memory: bytes per idle connection; onesided: against ib_write_bw, ib_read_bw, "
+            "ib_atomic_bw, ib_read_lat)"
         ),
     )
     parser.add_argument(
@@ -618,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         contenders = resolve_contenders(_csv(args.contenders))
-        workloads = [Workload(w) for w in _csv(args.only)]
+        workloads = expand_workloads(_csv(args.only))
         sizes = [parse_size(s) for s in _csv(args.sizes)] if args.sizes else None
         memory_counts = tuple(int(n) for n in _csv(args.conns))
     except ValueError as exc:
@@ -642,6 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         reps=args.reps if args.reps is not None else base.reps,
         setup_conns=base.setup_conns,
         setup_seconds=args.setup_seconds if args.setup_seconds is not None else base.setup_seconds,
+        onesided_bytes=base.onesided_bytes,
+        atomic_ops=base.atomic_ops,
+        read_lat_iters=base.read_lat_iters,
     )
     if budget.reps < 1:
         parser.error("--reps must be at least 1")

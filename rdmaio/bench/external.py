@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rdmaio.bench.model import Sample, Workload
+from rdmaio.bench.onesided import ONESIDED_TOOLS, parse_onesided_tool, perftest_args
 from rdmaio.bench.parsers import (
     ParseError,
     parse_cm_setup,
@@ -304,7 +305,7 @@ def run_pair(
 
 def perftest_command(tool: str, size: int, iters: int, port: int, device: str | None) -> list[str]:
     """Arguments of a perftest run (server form; the client appends the server address)."""
-    cmd = [tool, "-R", "-F", "-s", str(size), "-n", str(iters), "-p", str(port)]
+    cmd = [tool, "-R", "-F", *perftest_args(tool, size), "-n", str(iters), "-p", str(port)]
     if device:
         cmd += ["-d", device]
     return cmd
@@ -465,6 +466,8 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
             ),
             raw=raw,
         )
+    elif contender in ONESIDED_TOOLS:  # issue 11: ib_read_bw, ib_atomic_bw, ib_read_lat
+        samples = parse_onesided_tool(contender, size, out, raw)
     else:
         raise ParseError(f"no parser for {contender}")
     return samples

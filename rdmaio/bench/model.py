@@ -14,15 +14,19 @@ __all__ = [
     "ECHO_SIZES",
     "FULL",
     "MEMORY_COUNTS",
+    "ONESIDED_SIZES",
+    "ONESIDED_WORKLOADS",
     "QUICK",
     "SETUP_SIZE",
     "SIZES",
     "THROUGHPUT_WORKLOADS",
+    "WORKLOAD_GROUPS",
     "Budget",
     "Contender",
     "Figure",
     "Sample",
     "Workload",
+    "expand_workloads",
     "format_size",
     "format_what",
     "parse_size",
@@ -55,6 +59,27 @@ class Workload(StrEnum):
     """Sequential connect + one 16 B echo + close: connections/s."""
     MEMORY = "memory"
     """Registered bytes and RSS growth per idle connection, server and client side (lower is better)."""
+    RDMA_WRITE = "rdma_write"
+    """One-sided RDMA WRITE bandwidth, several in flight (issue 11; :mod:`rdmaio.bench.onesided`): bytes/s."""
+    RDMA_READ = "rdma_read"
+    """One-sided RDMA READ bandwidth, several in flight: bytes/s."""
+    FETCH_ADD = "fetch_add"
+    """Remote atomic fetch-and-add rate, several in flight: operations/s."""
+    READ_LAT = "read_lat"
+    """One RDMA READ at a time: round-trip time, p50 and p99."""
+
+
+ONESIDED_WORKLOADS: tuple[Workload, ...] = (
+    Workload.RDMA_WRITE,
+    Workload.RDMA_READ,
+    Workload.FETCH_ADD,
+    Workload.READ_LAT,
+)
+"""The one-sided workloads (``--only onesided``)."""
+WORKLOAD_GROUPS: dict[str, tuple[Workload, ...]] = {"onesided": ONESIDED_WORKLOADS}
+"""Names that ``--only`` expands to several workloads."""
+ONESIDED_SIZES: tuple[int, ...] = (64 * 1024, 1024 * 1024)
+"""Sizes of the one-sided bandwidth workloads (the fetch-and-add is 8 B, the READ round trip 64 B)."""
 
 
 THROUGHPUT_WORKLOADS: tuple[Workload, ...] = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO)
@@ -67,6 +92,10 @@ WORKLOAD_TITLES: dict[Workload, str] = {
     Workload.ECHO: "Echo round trip",
     Workload.SETUP: "Connection setup (connect + 16 B echo + close, sequential)",
     Workload.MEMORY: "Memory per idle connection",
+    Workload.RDMA_WRITE: "One-sided RDMA WRITE bandwidth (pipelined)",
+    Workload.RDMA_READ: "One-sided RDMA READ bandwidth (pipelined)",
+    Workload.FETCH_ADD: "Remote fetch-and-add rate (pipelined)",
+    Workload.READ_LAT: "RDMA READ round trip (one at a time)",
 }
 WORKLOAD_UNITS: dict[Workload, str] = {
     Workload.STREAM: "B/s",
@@ -74,6 +103,10 @@ WORKLOAD_UNITS: dict[Workload, str] = {
     Workload.ECHO: "us",
     Workload.SETUP: "conn/s",
     Workload.MEMORY: "B/conn",
+    Workload.RDMA_WRITE: "B/s",
+    Workload.RDMA_READ: "B/s",
+    Workload.FETCH_ADD: "op/s",
+    Workload.READ_LAT: "us",
 }
 HIGHER_IS_BETTER: dict[Workload, bool] = {
     Workload.STREAM: True,
@@ -81,6 +114,10 @@ HIGHER_IS_BETTER: dict[Workload, bool] = {
     Workload.ECHO: False,
     Workload.SETUP: True,
     Workload.MEMORY: False,
+    Workload.RDMA_WRITE: True,
+    Workload.RDMA_READ: True,
+    Workload.FETCH_ADD: True,
+    Workload.READ_LAT: False,
 }
 
 
@@ -92,6 +129,12 @@ def sizes_of(workload: Workload, memory_counts: tuple[int, ...] = MEMORY_COUNTS)
         return (SETUP_SIZE,)
     if workload is Workload.MEMORY:
         return memory_counts
+    if workload is Workload.FETCH_ADD:
+        return (8,)
+    if workload is Workload.READ_LAT:
+        return (64,)
+    if workload in ONESIDED_WORKLOADS:
+        return ONESIDED_SIZES
     return SIZES
 
 
@@ -115,7 +158,14 @@ class Contender:
         return self.kind in ("rdmaio", "tcp")
 
 
-_ALL = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO, Workload.SETUP, Workload.MEMORY)
+_ALL = (
+    Workload.STREAM,
+    Workload.MESSAGE,
+    Workload.ECHO,
+    Workload.SETUP,
+    Workload.MEMORY,
+    *ONESIDED_WORKLOADS,
+)
 _TCP = (Workload.STREAM, Workload.MESSAGE, Workload.ECHO, Workload.SETUP)
 
 CONTENDERS: dict[str, Contender] = {
@@ -137,9 +187,28 @@ CONTENDERS: dict[str, Contender] = {
             "ib_write_bw",
             "perftest",
             None,
-            (Workload.STREAM, Workload.MESSAGE),
+            (Workload.STREAM, Workload.MESSAGE, Workload.RDMA_WRITE),
             True,
             "perftest ib_write_bw -R (RDMA WRITE, rdma_cm)",
+        ),
+        Contender(
+            "ib_read_bw", "perftest", None, (Workload.RDMA_READ,), True, "perftest ib_read_bw -R (RDMA READ)"
+        ),
+        Contender(
+            "ib_read_lat",
+            "perftest",
+            None,
+            (Workload.READ_LAT,),
+            True,
+            "perftest ib_read_lat -R (one RDMA READ at a time)",
+        ),
+        Contender(
+            "ib_atomic_bw",
+            "perftest",
+            None,
+            (Workload.FETCH_ADD,),
+            True,
+            "perftest ib_atomic_bw -R (FETCH_AND_ADD)",
         ),
         Contender(
             "ib_send_lat", "perftest", None, (Workload.ECHO,), True, "perftest ib_send_lat -R (ping-pong)"
@@ -170,6 +239,14 @@ CONTENDER_GROUPS: dict[str, tuple[str, ...]] = {
     "python": ("rdmaio-asyncio", "rdmaio-uvloop", "tcp-asyncio", "tcp-uvloop"),
     "perftest": ("ib_send_bw", "ib_write_bw", "ib_send_lat"),
     "native": ("ib_send_bw", "ib_write_bw", "ib_send_lat", "rstream", "cm_setup"),
+    "onesided": (
+        "rdmaio-asyncio",
+        "rdmaio-uvloop",
+        "ib_write_bw",
+        "ib_read_bw",
+        "ib_read_lat",
+        "ib_atomic_bw",
+    ),
     "asyncio": ("rdmaio-asyncio", "tcp-asyncio"),
     "uvloop": ("rdmaio-uvloop", "tcp-uvloop"),
 }
@@ -190,6 +267,23 @@ def resolve_contenders(spec: Iterable[str]) -> list[str]:
             if name not in names:
                 names.append(name)
     return names
+
+
+def expand_workloads(spec: Iterable[str]) -> list[Workload]:
+    """Workload names and group names (``onesided``) as workloads, in order; ValueError when unknown."""
+    chosen: list[Workload] = []
+    for item in spec:
+        item = item.strip()
+        if not item:
+            continue
+        group = WORKLOAD_GROUPS.get(item)
+        try:
+            expanded = group if group is not None else (Workload(item),)
+        except ValueError:
+            known = ", ".join([*(str(w) for w in Workload), *WORKLOAD_GROUPS])
+            raise ValueError(f"unknown workload {item!r} (known: {known})") from None
+        chosen.extend(w for w in expanded if w not in chosen)
+    return chosen
 
 
 _SUFFIXES = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB}
@@ -241,6 +335,12 @@ class Budget:
     setup_seconds: float = 10.0
     """Seconds after which a setup measurement stops (every contender, the native one included): at
     about 10 connections/s under emulation the data-path time cap would leave too few to measure."""
+    onesided_bytes: int = 32 * MiB
+    """Bytes moved per one-sided READ or WRITE bandwidth measurement."""
+    atomic_ops: int = 5000
+    """Fetch-and-adds per atomic-rate measurement."""
+    read_lat_iters: int = 1000
+    """READs per READ round-trip measurement."""
 
     def amount(self, workload: Workload, size: int) -> int:
         """Operations of one measurement: writes, messages, round trips, connections (setup), or the
@@ -249,6 +349,12 @@ class Budget:
             return max(1, self.setup_conns)
         if workload is Workload.MEMORY:
             return size
+        if workload in (Workload.RDMA_WRITE, Workload.RDMA_READ):
+            return max(5, self.onesided_bytes // size)
+        if workload is Workload.FETCH_ADD:
+            return max(5, self.atomic_ops)
+        if workload is Workload.READ_LAT:
+            return max(5, self.read_lat_iters)
         if workload is Workload.ECHO:
             return max(5, self.echo_iters.get(size, 1000))
         table = self.stream_bytes if workload is Workload.STREAM else self.message_bytes
@@ -265,6 +371,9 @@ class Budget:
             "reps": self.reps,
             "setup_conns": self.setup_conns,
             "setup_seconds": self.setup_seconds,
+            "onesided_bytes": self.onesided_bytes,
+            "atomic_ops": self.atomic_ops,
+            "read_lat_iters": self.read_lat_iters,
         }
 
 
@@ -285,6 +394,9 @@ QUICK = Budget(
     reps=1,
     setup_conns=500,
     setup_seconds=5.0,
+    onesided_bytes=8 * MiB,
+    atomic_ops=1000,
+    read_lat_iters=300,
 )
 
 
@@ -329,9 +441,9 @@ class Sample:
             sides = [self.memory.get(f"registered_per_conn_{side}") for side in ("server", "client")]
             present = [v for v in sides if v is not None]
             return max(present) if present else None
-        if workload is Workload.STREAM:
+        if workload in (Workload.STREAM, Workload.RDMA_WRITE, Workload.RDMA_READ):
             return self.bytes_per_s
-        if workload is Workload.MESSAGE:
+        if workload in (Workload.MESSAGE, Workload.FETCH_ADD):
             return self.msgs_per_s
         return self.p50_us if self.p50_us is not None else self.mean_us
 

@@ -53,7 +53,7 @@ from rdmaio.bench.memory import (
     trim_heap,
     wait_for_clients,
 )
-from rdmaio.bench.model import Sample, Workload
+from rdmaio.bench.model import ONESIDED_WORKLOADS, Sample, Workload
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -141,6 +141,10 @@ async def _rdmaio_handler(ep: rdmaio.Endpoint) -> None:
                 await send(message)
                 count += 1
             result["messages"] = count
+        elif workload in ONESIDED_WORKLOADS:  # issue 11; imported here: that module imports this one
+            from rdmaio.bench.onesided import serve_onesided
+
+            result.update(await serve_onesided(ep, spec))
         else:
             result["error"] = f"unknown workload {workload!r}"
         result["stats"] = _pick_stats(ep.statistics())

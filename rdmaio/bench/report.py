@@ -361,6 +361,10 @@ def key_ratios(figures: Figures) -> list[Ratio]:
             )
         )
         ratios.extend(memory_ratios(figures, loop))
+    # Issue 11's one-sided targets; imported here because that module uses this one's _pair_ratio.
+    from rdmaio.bench.onesided import onesided_ratios
+
+    ratios.extend(onesided_ratios(figures, LOOPS))
     speedups = uvloop_speedups(figures)
     geomean = math.exp(sum(math.log(r["speedup"]) for r in speedups) / len(speedups)) if speedups else None
     ratios.append(
@@ -557,10 +561,10 @@ def _cell(figure: Figure | None, workload: Workload) -> str:
     if figure.status == "error":
         return "ERR"
     mark = "*" if figure.status == "partial" else ""
-    if workload is Workload.STREAM:
+    if workload in (Workload.STREAM, Workload.RDMA_WRITE, Workload.RDMA_READ):
         bps = figure.median_of("bytes_per_s")
         return _fmt(None if bps is None else bps / MiB) + mark
-    if workload is Workload.MESSAGE:
+    if workload in (Workload.MESSAGE, Workload.FETCH_ADD):
         rate = figure.median_of("msgs_per_s")
         return _fmt(None if rate is None else rate / 1000) + mark
     if workload is Workload.SETUP:
@@ -577,6 +581,10 @@ _UNITS_TEXT = {
     Workload.ECHO: "round trip p50/p99 in us (~ = mean only)",
     Workload.SETUP: "connections/s",
     Workload.MEMORY: "KiB per idle connection",
+    Workload.RDMA_WRITE: "MiB/s",
+    Workload.RDMA_READ: "MiB/s",
+    Workload.FETCH_ADD: "thousand op/s",
+    Workload.READ_LAT: "round trip p50/p99 in us",
 }
 
 
@@ -587,6 +595,10 @@ _RATIO_PREFIXES: tuple[tuple[str, Workload], ...] = (
     ("echo_", Workload.ECHO),
     ("setup_", Workload.SETUP),
     ("memory_", Workload.MEMORY),
+    ("rdma_write_", Workload.RDMA_WRITE),
+    ("rdma_read_", Workload.RDMA_READ),
+    ("fetch_add_", Workload.FETCH_ADD),
+    ("read_lat_", Workload.READ_LAT),
 )
 
 

@@ -52,6 +52,7 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.core.backend import Backend, Waiter
 from rdmaio.errors import (
     EndpointClosedError,
+    FeatureNotSupportedError,
     InvalidRemoteKeyError,
     MessageTooLargeError,
     ProtocolError,
@@ -60,6 +61,7 @@ from rdmaio.errors import (
     RemoteKeyRevokedError,
     VerbsError,
 )
+from rdmaio.protocol import FEATURE_ONESIDED
 
 __all__ = [
     "ACCESS_ATOMIC",
@@ -96,6 +98,9 @@ WR_KIND_ONESIDED = verbs.WR_KIND_ONESIDED
 """``wr_id >> 56`` of one-sided work requests (the verbs layer's wr_id layout)."""
 _INDEX_MASK = verbs.WR_INDEX_MASK  # bits 32..55 are the connection's tag (shared-CQ dispatch)
 _STAGING_SLOT = 64 * 1024  # bytes of rdmaio-owned registered memory per op; larger ops get their own MR
+# Larger ops' MRs are kept for reuse, in power-of-two size classes, up to this many bytes per connection:
+# registering (pinning) 1 MiB per op cost more than the op itself (docs/benchmarks.md, "One-sided").
+_LARGE_POOL_BYTES = 32 << 20
 
 # control messages: version u8, type u8, 6 bytes padding, key id u64
 _CONTROL = struct.Struct("!BB6xQ")
@@ -114,6 +119,7 @@ _WC_REM_ACCESS_ERR = int(verbs.WcStatus.REM_ACCESS_ERR)
 _WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
 _WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
 _U64 = (1 << 64) - 1
+_DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
 
 
 def parse_access(access: str) -> int:
@@ -302,6 +308,7 @@ class _Op:
         "mr",
         "opcode",
         "orphan",
+        "pooled",
         "posted",
         "result",
         "staging",
@@ -318,12 +325,24 @@ class _Op:
         self.error: BaseException | None = None
         self.result: Any = None
         self.staging: int | None = None  # staging slot index, or None
-        self.mr: Any = None  # a dedicated local MR (large op) or a Registration (rdma_read_into)
+        self.mr: Any = None  # a Registration (rdma_read_into)
+        self.pooled: _Large | None = None  # a large op's registered memory, from the pool
         self.buffer: Any = None  # memoryview of the local memory the NIC reads or writes
         self.key_id: int | None = None
         self.length = 0
         self.opcode = 0
         self.wr: tuple[int, ...] = ()
+
+
+class _Large:
+    """A registered rdmaio-owned buffer for ops above the staging slot (reused through the pool)."""
+
+    __slots__ = ("region", "size", "view")
+
+    def __init__(self, region: Region, view: memoryview) -> None:
+        self.region = region
+        self.view = view
+        self.size = view.nbytes
 
 
 class _Grant:
@@ -362,6 +381,9 @@ class OneSidedEngine:
         atomics: bool = True,
         stats: collections.Counter[str] | None = None,
         tag: int = 0,
+        peer_onesided: bool = True,
+        notice_limit: int = 64,
+        repost: Callable[[int], None] | None = None,
     ) -> None:
         self._io = io
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -384,11 +406,22 @@ class OneSidedEngine:
         self._staging: Any = None  # registered rdmaio-owned memory: max_ops slots of _STAGING_SLOT bytes
         self._staging_view: memoryview | None = None
         self._free_staging: list[int] = list(range(max_ops))
+        self._doorbell: list[_Op] = []  # requests to post together at the end of this loop iteration
+        self._ring_handle: Any = None
+        self._large_pool: dict[int, list[_Large]] = {}  # free large buffers by size class
+        self._large_pooled = 0  # bytes in _large_pool
         self.grants: dict[int, _Grant] = {}  # what we exported, by key id
         self.revoked_ids: set[int] = set()  # keys the peer revoked
         self._pending_acks: collections.deque[int] = collections.deque()
         self._notices: collections.deque[WriteNotice] = collections.deque()
         self._notice_waiter: Waiter | None = None
+        # The peer announced FEATURE_ONESIDED: it understands write notices and control messages.
+        self.peer_onesided = peer_onesided
+        # Write notices queued beyond notice_limit keep the receive they consumed (held_slots) until
+        # wait_write_notice() takes one: the writer's credit comes back only then (back-pressure).
+        self.notice_limit = notice_limit
+        self._held_slots: collections.deque[int] = collections.deque()
+        self._repost = repost
         self._error: BaseException | None = None
         self.closed = False
 
@@ -428,6 +461,17 @@ class OneSidedEngine:
             atomics = query_caps(transport.device).atomic_cap != "NONE"
         except VerbsError:
             atomics = False
+        endpoint_ref = weakref.ref(endpoint)
+
+        def repost(slot: int) -> None:
+            # A held receive (write-notice back-pressure) goes back to the NIC; its credit is granted.
+            ep = endpoint_ref()
+            if ep is not None and not ep._torn_down:
+                transport.post_receives([slot])
+                session.on_recv_reposted(1)  # type: ignore[attr-defined]
+                ep._pump()
+
+        peer = getattr(session, "peer", None)
         return cls(
             endpoint._io,
             transport.qp,
@@ -442,6 +486,9 @@ class OneSidedEngine:
             atomics=atomics,
             tag=transport.tag or 0,
             stats=endpoint._stats,
+            peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
+            notice_limit=options.max_write_notices,
+            repost=repost,
         )
 
     # --- export / revoke (exporter side) ------------------------------------------------------------------
@@ -478,7 +525,9 @@ class OneSidedEngine:
             raise ValueError(f"{key!r} is already being revoked")
         grant.revoked = True
         try:
-            if self._error is None and not self.closed and self._credits.flush_error() is None:
+            usable = self._error is None and not self.closed and self._credits.flush_error() is None
+            # A peer without FEATURE_ONESIDED would fail on a REVOKE: deregistering alone revokes at the NIC.
+            if usable and self.peer_onesided:
                 grant.ack = waiter = self._io.waiter()
                 self._send_control(_CTL_REVOKE, key.key_id)
                 async with self._io.timeout(self._revoke_timeout):
@@ -494,10 +543,12 @@ class OneSidedEngine:
 
     # --- notices and control messages (both sides) --------------------------------------------------------
 
-    def on_recv(self, opcode: int, imm: int, byte_len: int, payload: memoryview) -> None:
+    def on_recv(self, opcode: int, imm: int, byte_len: int, payload: memoryview, slot: int = -1) -> bool:
         """A receive completed that is not a frame: a write notice or a one-sided control message.
 
-        The caller reposts the slot; the credit it consumed was accounted for here.
+        Returns True when the caller should repost ``slot`` now; False when the engine holds it (a write
+        notice beyond ``notice_limit`` queued ones: it is reposted, through ``repost``, once
+        :meth:`wait_write_notice` takes a notice). The credit it consumed was accounted for here.
         """
         self._credits.on_slot_used()
         if opcode == _WC_RECV_RDMA_WITH_IMM:
@@ -505,7 +556,11 @@ class OneSidedEngine:
             self._stats["write_notices"] += 1
             if self._notice_waiter is not None:
                 self._notice_waiter.set()
-            return
+            if len(self._notices) > self.notice_limit and self._repost is not None and slot >= 0:
+                self._held_slots.append(slot)
+                self._stats["write_notice_slots_held"] += 1
+                return False
+            return True
         if byte_len != _CONTROL.size:
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
@@ -520,17 +575,27 @@ class OneSidedEngine:
             grant = self.grants.get(key_id)
             if grant is not None and grant.ack is not None:
                 grant.ack.set()
+        return True
 
     async def wait_write_notice(self) -> WriteNotice:
         """The next write notice; raises the connection's error once none is left and it failed."""
         while not self._notices:
             self._raise_if_failed()
+            if not self.peer_onesided:
+                raise FeatureNotSupportedError(
+                    "the peer's rdmaio does not support one-sided frames (no FEATURE_ONESIDED in its "
+                    "handshake): it cannot send write notices"
+                )
             waiter = self._notice_waiter = self._io.waiter()
             try:
                 await waiter.wait()
             finally:
                 self._notice_waiter = None
-        return self._notices.popleft()
+        notice = self._notices.popleft()
+        if self._held_slots and not self.closed and self._repost is not None:
+            # One queued notice fewer: the oldest held receive goes back, and with it one writer credit.
+            self._repost(self._held_slots.popleft())
+        return notice
 
     def _send_control(self, kind: int, key_id: int) -> None:
         """Queue a control SEND (it needs a credit and an op slot; the ACK may wait for either)."""
@@ -615,6 +680,11 @@ class OneSidedEngine:
         self._check_key(key, offset, length, ACCESS_WRITE)
         if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
             raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
+        if imm is not None and not self.peer_onesided:
+            raise FeatureNotSupportedError(
+                "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in its "
+                "handshake); this peer's rdmaio does not: write without imm and notify it with send()"
+            )
         if length > MAX_OP_BYTES:
             raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
         if length == 0 and imm is None:
@@ -706,13 +776,24 @@ class OneSidedEngine:
             assert self._staging_view is not None
             op.buffer = self._staging_view[slot * _STAGING_SLOT : slot * _STAGING_SLOT + length]
         else:
-            buf = bytearray(length)
-            op.mr = self._register_local(buf)
-            op.buffer = memoryview(buf)
+            size = 1 << (length - 1).bit_length()  # size class: the next power of two
+            free = self._large_pool.get(size)
+            if free:
+                large = free.pop()
+                self._large_pooled -= size
+                self._stats["rdma_large_reused"] += 1
+            else:
+                buf = bytearray(size)
+                large = _Large(self._register_local(buf), memoryview(buf))
+                self._stats["rdma_large_registered"] += 1
+            op.pooled = large
+            op.buffer = large.view[:length]
 
     def _local_of(self, op: _Op) -> tuple[int, int]:
         if op.staging is not None:
             return self._staging.addr + op.staging * _STAGING_SLOT, self._staging.lkey
+        if op.pooled is not None:
+            return op.pooled.region.addr, op.pooled.region.lkey
         if op.mr is not None:
             return op.mr.addr, op.mr.lkey
         return 0, 0
@@ -733,12 +814,59 @@ class OneSidedEngine:
         if op.opcode == _WR_WRITE_IMM:
             self._credit_queue.append(op)  # consumes a peer receive: needs a credit
             self.pump()
+        elif len(self.ops) == 1 and not self._doorbell:
+            self._post_now(op)  # alone in flight: post at once (nothing to share a doorbell with)
         else:
-            self._post_now(op)
+            # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
+            # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
+            # system call that runs the requester) for up to _DOORBELL requests.
+            self._doorbell.append(op)
+            if len(self._doorbell) >= _DOORBELL:
+                self._ring()
+            elif self._ring_handle is None:
+                self._ring_handle = self._io.call_soon(self._ring)
+
+    def _ring(self) -> None:
+        """Post the requests collected for one doorbell, as one chain."""
+        if self._ring_handle is not None:
+            self._ring_handle.cancel()
+            self._ring_handle = None
+        ops = [op for op in self._doorbell if not op.done]
+        self._doorbell.clear()
+        if not ops or self._error is not None or self.closed:
+            return
+        for i, op in enumerate(ops):
+            self._fill(i, op)
+        try:
+            self._qp.post_rdma(len(ops))
+        except Exception as exc:
+            # Requests before the failing one may have been posted; the connection fails either way
+            # (its QP is destroyed), which completes every op.
+            self._fail_connection(exc)
+            for op in ops:
+                self._complete(op, exc)
+            return
+        for op in ops:
+            op.posted = True
+        self._stats["rdma_ops_posted"] += len(ops)
+        self._stats["rdma_doorbells"] += 1
 
     def _post_now(self, op: _Op) -> None:
+        self._fill(0, op)
+        try:
+            self._qp.post_rdma(1)
+        except Exception as exc:
+            self._complete(op, exc)
+            self._fail_connection(exc)
+            return
+        op.posted = True
+        self._stats["rdma_ops_posted"] += 1
+        self._stats["rdma_doorbells"] += 1
+
+    def _fill(self, index: int, op: _Op) -> None:
+        """Write ``op``'s work request into entry ``index`` of the QP's scratch array."""
         addr, lkey, remote_addr, rkey, imm, compare_add, swap = op.wr
-        wr = self._qp.rdma_array[0]
+        wr = self._qp.rdma_array[index]
         wr.wr_id = self._wr_base | op.index
         wr.local_addr = addr
         wr.length = op.length
@@ -753,14 +881,6 @@ class OneSidedEngine:
         wr.remote_addr = remote_addr
         wr.compare_add = compare_add
         wr.swap = swap
-        try:
-            self._qp.post_rdma(1)
-        except Exception as exc:
-            self._complete(op, exc)
-            self._fail_connection(exc)
-            return
-        op.posted = True
-        self._stats["rdma_ops_posted"] += 1
 
     def pump(self) -> None:
         """Post what waits for a credit: control messages first, then writes with immediate data.
@@ -854,6 +974,13 @@ class OneSidedEngine:
         if op.staging is not None:
             self._free_staging.append(op.staging)
             op.staging = None
+        if op.pooled is not None:
+            large, op.pooled = op.pooled, None
+            if not self.closed and self._large_pooled + large.size <= _LARGE_POOL_BYTES:
+                self._large_pool.setdefault(large.size, []).append(large)
+                self._large_pooled += large.size
+            else:
+                large.region.close()
         if op.mr is not None:
             mr, op.mr = op.mr, None
             if hasattr(mr, "release"):
@@ -892,6 +1019,11 @@ class OneSidedEngine:
         for op in list(self.ops.values()):
             self._complete(op, _fresh(self._error))
         self._credit_queue.clear()
+        self._doorbell.clear()
+        if self._ring_handle is not None:
+            self._ring_handle.cancel()
+            self._ring_handle = None
+        self._held_slots.clear()  # the QP and its receives are gone
         while self._slot_waiters:
             self._slot_waiters.popleft().set()
         for grant in list(self.grants.values()):
@@ -904,6 +1036,11 @@ class OneSidedEngine:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+        for pooled in self._large_pool.values():
+            for large in pooled:
+                large.region.close()
+        self._large_pool.clear()
+        self._large_pooled = 0
 
     def statistics(self) -> dict[str, int]:
         """Pending ops, grants, queued notices and revoked keys."""
@@ -911,6 +1048,7 @@ class OneSidedEngine:
             "rdma_ops_pending": len(self.ops),
             "grants": len(self.grants),
             "write_notices_queued": len(self._notices),
+            "write_notice_slots_held": len(self._held_slots),
             "keys_revoked_by_peer": len(self.revoked_ids),
         }
 

@@ -81,6 +81,7 @@ from rdmaio.protocol.frames import (
 from rdmaio.protocol.handshake import (
     FEATURE_BATCH,
     FEATURE_GROW,
+    FEATURE_ONESIDED,
     HANDSHAKE_MAGIC,
     KNOWN_FEATURES,
     MAX_CREDITS,
@@ -101,6 +102,7 @@ __all__ = [
     "EOF",
     "FEATURE_BATCH",
     "FEATURE_GROW",
+    "FEATURE_ONESIDED",
     "HANDSHAKE_MAGIC",
     "KNOWN_FEATURES",
     "MAX_CREDITS",

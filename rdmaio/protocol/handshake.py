@@ -29,7 +29,11 @@ FEATURE_BATCH: Final = 0x01
 FEATURE_GROW: Final = 0x02
 """Handshake feature bit: this side posts ``initial_depth`` receives at first (an extra body field) and may
 grow to ``recv_depth`` later, granting the new slots as credits; it also accepts such a peer."""
-KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW
+FEATURE_ONESIDED: Final = 0x04
+"""Handshake feature bit: this side understands the one-sided frames (write notices, RDMA WRITEs with
+immediate data, and the REVOKE/REVOKE_ACK control messages; docs/one-sided.md). Without it in the peer's
+handshake, rdmaio sends none of them to that peer."""
+KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW | FEATURE_ONESIDED
 """Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""
 # Header: magic, version, flags (feature bits, see KNOWN_FEATURES; unknown bits are ignored on receipt so
 # that a later version can add features compatibly), body length.

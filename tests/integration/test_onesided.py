@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import random
@@ -106,7 +107,8 @@ def test_read_write_atomics_and_nothing_else_remote(arun: Runner[Any], rdma_addr
 
 
 def test_random_reads_and_writes_against_a_model(rdma_addr: str) -> None:
-    """Four tasks, each on its own stripe of a 64 MiB region; every read checked, then the whole region."""
+    """Four tasks, each on its own stripe of a 64 MiB region; every read checked, then the whole region,
+    locally and read back over RDMA in full."""
     size = 64 << 20
     tasks = 4
     ops = 150
@@ -136,7 +138,19 @@ def test_random_reads_and_writes_against_a_model(rdma_addr: str) -> None:
                         assert into == model[off : off + length]
 
             await asyncio.gather(*(worker(n) for n in range(tasks)))
-            assert region == model
+            assert region == model  # the exporter's memory, every byte
+            # ... and every byte again through the NIC: the whole region read back in 4 MiB READs,
+            # four in flight, into one buffer (each slice registered once through the Domain's cache).
+            chunk = 4 << 20
+            back = bytearray(size)
+            view = memoryview(back)
+
+            async def pull(first: int) -> None:
+                for off in range(first * chunk, size, tasks * chunk):
+                    assert await imp.rdma_read_into(key, off, view[off : off + chunk]) == chunk
+
+            await asyncio.gather(*(pull(n) for n in range(tasks)))
+            assert back == model
 
     asyncio.run(main())
 
@@ -300,6 +314,82 @@ def test_write_with_imm_gives_notices_and_uses_credits(rdma_addr: str) -> None:
                 assert await imp.recv() == b"m%d" % i
             stats = imp.statistics()
             assert stats["protocol_onesided_slots_sent"] == n + 1
+
+    asyncio.run(main())
+
+
+def test_unconsumed_write_notices_stop_the_writer(rdma_addr: str) -> None:
+    """Options.max_write_notices: past it, notices hold their receive, so the writer's credits run out and
+    its writes with imm wait; consuming the notices lets every write through, in order, none lost."""
+    limit, depth = 4, 8
+
+    async def main() -> None:
+        async with pair(rdma_addr, recv_depth=depth, initial_depth=depth, max_write_notices=limit) as (
+            exp,
+            imp,
+        ):
+            buf = bytearray(1 << 16)
+            key = await share(exp, imp, exp.export(buf, access="w"))
+            total = limit + 4 * depth
+            sent = 0
+
+            async def writer() -> None:
+                nonlocal sent
+                for i in range(total):
+                    await imp.rdma_write(key, i * 8, i.to_bytes(8, "little"), imm=i)
+                    sent += 1
+
+            task = asyncio.create_task(writer())
+            # Nobody consumes: the writer stalls once the held receives have eaten its credits.
+            stalled_at = -1
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if sent == stalled_at:
+                    break
+                stalled_at = sent
+            assert not task.done() and sent < total
+            stats = exp.statistics()
+            queued = stats["write_notices_queued"]
+            assert limit < queued <= limit + depth, stats
+            assert stats["write_notice_slots_held"] == queued - limit
+            for i in range(total):
+                notice = await asyncio.wait_for(exp.wait_write_notice(), 30)
+                assert notice == rdmaio.WriteNotice(8, i)
+                assert buf[i * 8 : i * 8 + 8] == i.to_bytes(8, "little")
+            await asyncio.wait_for(task, 30)
+            assert exp.statistics()["write_notice_slots_held"] == 0
+            await imp.send(b"still alive")  # the credits all came back
+            assert await exp.recv() == b"still alive"
+
+    asyncio.run(main())
+
+
+def test_a_server_without_the_onesided_feature(rdma_addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server side plays an older rdmaio (no FEATURE_ONESIDED in its handshake): the client refuses
+    write notices locally, and everything that needs nothing of the peer's software still works."""
+    import rdmaio.server
+    from rdmaio.protocol import FEATURE_ONESIDED
+
+    def older(options: rdmaio.Options, *, grow: bool = True) -> Any:
+        handshake = rdmaio.client.local_handshake(options, grow=grow)
+        return dataclasses.replace(handshake, features=handshake.features & ~FEATURE_ONESIDED)
+
+    monkeypatch.setattr(rdmaio.server, "local_handshake", older)
+
+    async def main() -> None:
+        async with pair(rdma_addr) as (exp, imp):
+            assert exp._session.peer.features & FEATURE_ONESIDED  # the client announced it
+            assert not imp._session.peer.features & FEATURE_ONESIDED
+            buf = bytearray(4096)
+            key = await share(exp, imp, exp.export(buf, access="rw"))
+            with pytest.raises(rdmaio.FeatureNotSupportedError):
+                await imp.rdma_write(key, 0, b"x", imm=1)
+            with pytest.raises(NotImplementedError):
+                await imp.wait_write_notice()
+            await imp.rdma_write(key, 0, b"plain")
+            assert await imp.rdma_read(key, 0, 5) == b"plain" == buf[:5]
+            await imp.send(b"still fine")
+            assert await exp.recv() == b"still fine"
 
     asyncio.run(main())
 

@@ -243,7 +243,7 @@ def test_resolve_contenders() -> None:
         "rdmaio-uvloop",
         "tcp-uvloop",
     ]
-    assert len(resolve_contenders(["all"])) == 9  # with the native setup loop cm_setup
+    assert len(resolve_contenders(["all"])) == 12  # with cm_setup and the one-sided perftest tools
     with pytest.raises(ValueError, match="unknown contender"):
         resolve_contenders(["iperf"])
 
@@ -395,7 +395,8 @@ def test_render_table() -> None:
     assert "Message rate" in text and "Echo round trip" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("size") and "ib_write_bw" in line)
-    assert header.split() == ["size", *[c for c in contenders if c not in ("ib_send_lat", "cm_setup")]]
+    others = ("ib_send_lat", "cm_setup", "ib_read_bw", "ib_read_lat", "ib_atomic_bw")  # not stream tools
+    assert header.split() == ["size", *[c for c in contenders if c not in others]]
     one_mib = next(line for line in lines if line.startswith("1 MiB"))
     assert "ERR" in one_mib  # the failed ib_write_bw
     assert "ib_write_bw stream 1 MiB: ib_write_bw not found on PATH" in text

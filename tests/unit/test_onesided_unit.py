@@ -64,10 +64,12 @@ class FakeQP:
         self.rdma_array = ffi.new("struct rdmaio_rdma_op[]", 16)
         self.posted: list[dict[str, int]] = []
         self.fail_next = False
+        self.calls: list[int] = []  # requests per post_rdma call (per doorbell)
 
     def post_rdma(self, count: int) -> None:
         if self.fail_next:
             raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
+        self.calls.append(count)
         for i in range(count):
             wr = self.rdma_array[i]
             fields = ("wr_id", "local_addr", "length", "lkey", "opcode", "send_flags", "imm_data", "rkey")
@@ -99,8 +101,17 @@ class FakeCredits:
 class Rig:
     """An engine on the running loop with fakes around it."""
 
-    def __init__(self, *, max_ops: int = 4, credits: int = 8, atomics: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        max_ops: int = 4,
+        credits: int = 8,
+        atomics: bool = True,
+        peer_onesided: bool = True,
+        notice_limit: int = 64,
+    ) -> None:
         self.qp = FakeQP()
+        self.reposted: list[int] = []
         self.credits = FakeCredits(credits)
         self.local: list[FakeRegion] = []
         self.grants: list[FakeRegion] = []
@@ -118,6 +129,9 @@ class Rig:
             max_inline=0,
             revoke_timeout=5.0,
             atomics=atomics,
+            peer_onesided=peer_onesided,
+            notice_limit=notice_limit,
+            repost=self.reposted.append,
         )
 
     def _local(self, buffer: Any) -> FakeRegion:
@@ -346,7 +360,7 @@ def test_atomics_post_their_operands_and_decode_the_old_value(arun: Run) -> None
     arun(main())
 
 
-def test_write_copies_data_and_large_ops_get_their_own_registration(arun: Run) -> None:
+def test_write_copies_data_and_large_ops_get_pooled_registrations(arun: Run) -> None:
     async def main() -> None:
         rig = Rig()
         data = bytearray(b"abc")
@@ -364,7 +378,75 @@ def test_write_copies_data_and_large_ops_get_their_own_registration(arun: Run) -
         assert rig.qp.posted[-1]["lkey"] == private.lkey and not private.closed
         rig.complete(data=b"\x01" * 200_000)
         assert await t2 == b"\x01" * 200_000
-        assert private.closed  # deregistered once the NIC is done with it
+        # Kept for reuse once the NIC is done with it: the next op of that size class (256 KiB) takes it.
+        assert not private.closed and len(private.cbuf) == 256 * 1024
+        t3 = asyncio.ensure_future(rig.engine.write(big, 0, b"\x02" * 150_000))
+        await settle()
+        assert rig.qp.posted[-1]["lkey"] == private.lkey and rig.local[-1] is private
+        rig.complete()
+        await t3
+        rig.engine.close(None)
+        assert private.closed  # deregistered with the connection
+
+    arun(main())
+
+
+def test_the_large_buffer_pool_is_bounded(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rdmaio.core.onesided, "_LARGE_POOL_BYTES", 2 << 20)
+
+    async def main() -> None:
+        rig = Rig(max_ops=4)
+        k = key(1 << 22)
+        reads = [asyncio.ensure_future(rig.engine.read(k, 0, 1 << 20)) for _ in range(4)]
+        await settle()
+        assert len(rig.local) == 4  # four 1 MiB buffers registered, one per request in flight
+        for i in range(4):
+            rig.complete(i)
+        await asyncio.gather(*reads)
+        # Two fit in the 2 MiB pool and stay registered; the other two were deregistered.
+        assert sorted(r.closed for r in rig.local) == [False, False, True, True]
+        again = asyncio.ensure_future(rig.engine.read(k, 0, 1 << 20))
+        await settle()
+        rig.complete()
+        await again
+        assert len(rig.local) == 4  # served from the pool: nothing new registered
+
+    arun(main())
+
+
+def test_requests_of_one_loop_iteration_share_a_doorbell(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=8)
+        k = key()
+        # Alone in flight: posted at once, nothing waits for the end of the iteration.
+        first = asyncio.ensure_future(rig.engine.read(k, 0, 8))
+        await settle()
+        assert rig.qp.calls == [1]
+        # Five more started in one iteration while the first is in flight: one post of five.
+        more = [asyncio.ensure_future(rig.engine.fetch_add(k, 8 * i, 1)) for i in range(1, 6)]
+        await settle()
+        assert rig.qp.calls == [1, 5]
+        assert [wr["remote_addr"] for wr in rig.qp.posted[1:]] == [0x10000 + 8 * i for i in range(1, 6)]
+        for i in range(6):
+            rig.complete(i, data=i.to_bytes(8, "little"))
+        assert await first == (0).to_bytes(8, "little")
+        assert await asyncio.gather(*more) == [1, 2, 3, 4, 5]
+        assert rig.engine.statistics()["rdma_ops_pending"] == 0
+
+    arun(main())
+
+
+def test_a_failing_doorbell_fails_every_request_in_it(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=8)
+        k = key()
+        first = asyncio.ensure_future(rig.engine.read(k, 0, 8))
+        await settle()
+        rig.qp.fail_next = True
+        more = [asyncio.ensure_future(rig.engine.read(k, 0, 8)) for _ in range(3)]
+        results = await asyncio.gather(first, *more, return_exceptions=True)
+        assert all(isinstance(r, rdmaio.RdmaError) for r in results), results
+        assert len(rig.failures) == 1  # the connection failed once
 
     arun(main())
 
@@ -479,6 +561,78 @@ def test_write_notices_are_queued_in_order(arun: Run) -> None:
         assert rig.credits.used == 2
 
     arun(main())
+
+
+def test_notices_beyond_the_limit_hold_their_receive_until_taken(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(notice_limit=2)
+        repost_now = [
+            rig.engine.on_recv(RECV_RDMA_WITH_IMM, i, 8, memoryview(b""), slot=10 + i) for i in range(5)
+        ]
+        # The first two are queued with their receive reposted (credit back); the next three hold theirs.
+        assert repost_now == [True, True, False, False, False]
+        assert rig.engine.statistics()["write_notices_queued"] == 5
+        assert rig.engine.statistics()["write_notice_slots_held"] == 3
+        assert rig.reposted == []
+        for i in range(5):
+            assert await rig.engine.wait_write_notice() == rdmaio.WriteNotice(8, i)
+        # Each notice taken gave back the oldest held receive, in order; none is held any more.
+        assert rig.reposted == [12, 13, 14]
+        assert rig.engine.statistics()["write_notice_slots_held"] == 0
+        # A control message never holds its receive.
+        assert rig.engine.on_recv(RECV, 0, 16, memoryview(struct.pack("!BB6xQ", 1, 2, 99)), slot=3) is True
+
+    arun(main())
+
+
+def test_a_zero_limit_holds_every_notice_and_close_drops_the_held_slots(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(notice_limit=0)
+        assert rig.engine.on_recv(RECV_RDMA_WITH_IMM, 1, 0, memoryview(b""), slot=0) is False
+        rig.engine.close(None)
+        # Queued notices are still delivered after the close; the QP is gone, so nothing is reposted.
+        assert await rig.engine.wait_write_notice() == rdmaio.WriteNotice(0, 1)
+        assert rig.reposted == []
+
+    arun(main())
+
+
+def test_a_peer_without_the_onesided_feature(arun: Run) -> None:
+    """An older peer (no FEATURE_ONESIDED): notices and REVOKE are refused or skipped locally, nothing of
+    the one-sided frames reaches it; plain READ/WRITE/atomics need nothing of its software and work."""
+
+    async def main() -> None:
+        rig = Rig(peer_onesided=False)
+        k = key()
+        with pytest.raises(rdmaio.FeatureNotSupportedError) as info:
+            await rig.engine.write(k, 0, b"x", imm=1)
+        assert isinstance(info.value, NotImplementedError) and isinstance(info.value, rdmaio.RdmaError)
+        with pytest.raises(rdmaio.FeatureNotSupportedError):
+            await rig.engine.wait_write_notice()
+        assert rig.qp.posted == []
+        writing = asyncio.ensure_future(rig.engine.write(k, 0, b"x"))
+        await settle()
+        rig.complete()
+        await writing
+        # revoke: no REVOKE message (the peer would fail on it); deregistering alone revokes at the NIC.
+        own = rig.engine.export(bytearray(64))
+        await asyncio.wait_for(rig.engine.revoke(own), 1)
+        assert rig.grants[-1].closed and len(rig.qp.posted) == 1
+
+    arun(main())
+
+
+def test_the_handshake_announces_and_reads_the_onesided_feature() -> None:
+    from rdmaio.client import local_handshake
+    from rdmaio.protocol import FEATURE_ONESIDED, KNOWN_FEATURES
+
+    ours = local_handshake(rdmaio.Options())
+    assert ours.features & FEATURE_ONESIDED == FEATURE_ONESIDED == 0x04
+    assert KNOWN_FEATURES & FEATURE_ONESIDED
+    assert Handshake.decode(ours.encode()).features & FEATURE_ONESIDED
+    older = Handshake(32, 65536, 1 << 20, features=0)
+    assert not Handshake.decode(older.encode()).features & FEATURE_ONESIDED
+    assert not Session(ours, older).peer.features & FEATURE_ONESIDED
 
 
 def test_revoke_handshake_both_sides(arun: Run) -> None:
