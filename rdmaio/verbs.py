@@ -62,6 +62,7 @@ __all__ = [
     "QueuePair",
     "WcOpcode",
     "WcStatus",
+    "cm_device_handles",
     "dispatch_key",
     "fork_generation",
     "list_devices",
@@ -700,6 +701,23 @@ def list_devices() -> list[DeviceInfo]:
             "no RDMA device found (is rdma_rxe or a NIC driver loaded?)", call="ibv_get_device_list"
         )
     return result
+
+
+def cm_device_handles() -> set[int]:
+    """Handles of the device contexts librdmacm offers now (``rdma_get_devices``).
+
+    Listing also makes librdmacm compare its devices with the kernel's: a device that was removed is
+    marked dead, and its context (with the device's uverbs fd, which the kernel's removal waits for) is
+    closed at once if no cm id uses it, else when the last one is destroyed.
+    """
+    count = ffi.new("int *")
+    contexts = lib.rdma_get_devices(count)
+    if contexts == ffi.NULL:
+        return set()
+    try:
+        return {int(ffi.cast("uintptr_t", contexts[i])) for i in range(count[0])}
+    finally:
+        lib.rdma_free_devices(contexts)
 
 
 @dataclass(frozen=True, slots=True)
