@@ -338,7 +338,10 @@ class Reactor:
         for cm_id in list(self._ids.values()):
             if not cm_id.closed and (dev := cm_id.device()) is not None:
                 in_use.add(dev.handle)
-        unused = [h for h in self._removed if h not in in_use]
+        # Not while device_removed() is still failing connections (each releases its id) and has not
+        # closed the Domain: librdmacm would close the context under the Domain's PD, CQs and channel.
+        busy = in_use | self._domains.keys() | self._devices.keys()
+        unused = [h for h in self._removed if h not in busy]
         if not unused:
             return
         listed = verbs.cm_device_handles()

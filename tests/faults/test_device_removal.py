@@ -32,6 +32,7 @@ from netfault import Pair
 from rdma_state import open_fds, rdma_resources
 
 import rdmaio
+from rdmaio import verbs
 from rdmaio.keepalive import detection_bound
 from rdmaio.reactor import Reactor
 
@@ -42,11 +43,49 @@ BOUND = detection_bound(2.0, 15, 3)  # 4.5 s: the peers of the removed device's 
 LEAK_KINDS = ("qp", "cq", "mr", "cm_id")
 
 
-async def _run(*args: str) -> tuple[int, float]:
-    """Run a command without blocking the loop; return its exit status and how long it took."""
+async def _run(
+    *args: str, limit: float = 120, diagnose: Callable[[int], str] | None = None
+) -> tuple[int, float]:
+    """Run a command without blocking the loop; return its exit status and how long it took. After
+    ``limit`` seconds fail with what ``diagnose(pid)`` says about why it is still running."""
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(*args)
-    return await proc.wait(), time.monotonic() - started
+    try:
+        rc = await asyncio.wait_for(asyncio.shield(proc.wait()), limit)
+    except TimeoutError:
+        why = diagnose(proc.pid) if diagnose else ""
+        raise AssertionError(f"{' '.join(args)} still running after {limit:.0f} s\n{why}") from None
+    return rc, time.monotonic() - started
+
+
+def _why_blocked(reactor: Reactor) -> Callable[[int], str]:
+    """What a hanging ``rdma link delete`` waits for: its kernel stack, our uverbs fds, librdmacm's
+    devices and the reactor's view."""
+
+    def diagnose(pid: int) -> str:
+        lines = []
+        try:
+            lines.append("kernel stack of rdma:\n" + Path(f"/proc/{pid}/stack").read_text())
+        except OSError as exc:
+            lines.append(f"no kernel stack: {exc}")
+        fds = Path("/proc/self/fd")
+        for fd in sorted(fds.iterdir(), key=lambda p: int(p.name)):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if "infiniband" in target or "uverbs" in target or "rdma_cm" in target:
+                lines.append(f"fd {fd.name} -> {target}")
+        lines.append(f"librdmacm lists: {sorted(verbs.cm_device_handles())}")
+        lines.append(f"reactor: removed {reactor._removed}, domains {reactor._domains}")
+        for key, other in list(Reactor._by_loop.items()):
+            lines.append(f"reactor of {key!r}: domains {other._domains}, devices {list(other._devices)}")
+        for cm_id in list(reactor._ids.values()):
+            device = None if cm_id.closed else cm_id.device()
+            lines.append(f"cm id {cm_id.handle:#x} closed={cm_id.closed} device={device and device.name}")
+        return "\n".join(lines)
+
+    return diagnose
 
 
 def _port_active(device: str) -> bool:
@@ -139,14 +178,16 @@ async def _removal(pair: Pair) -> dict[str, Any]:
     await asyncio.sleep(1.0)
     assert all(rounds.values()) and not failures, (rounds, failures)
     removed_at = time.monotonic()
-    delete = asyncio.create_task(_run("rdma", "link", "delete", pair.b.device))
+    delete = asyncio.create_task(
+        _run("rdma", "link", "delete", pair.b.device, limit=90, diagnose=_why_blocked(reactor))
+    )
     _done, pending = await asyncio.wait(tasks, timeout=BOUND + 60)
     assert not pending, f"clients still running {BOUND + 60:.0f} s after the removal: {failures}"
     for _ in range(int((BOUND + 60) / 0.1)):  # the server's two handlers
         if len(server_failures) >= 2:
             break
         await asyncio.sleep(0.1)
-    delete_rc, delete_s = await asyncio.wait_for(delete, 120)
+    delete_rc, delete_s = await delete
     tick.cancel()
     assert delete_rc == 0, f"rdma link delete {pair.b.device} failed ({delete_rc})"
     assert old_domain.closed and reactor.devices_removed == 1

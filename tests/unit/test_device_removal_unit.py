@@ -192,3 +192,29 @@ def test_removal_rechecks_while_librdmacm_still_lists_the_device(
     still_removed, left = asyncio.run(main())
     assert still_removed and left == 0
     assert listed.calls == [{1, 2}, {1, 2}, {2}]
+
+
+def test_connections_releasing_their_ids_while_failed_do_not_release_the_device_early(
+    listed: FakeLibrdmacm,
+) -> None:
+    """Each failed endpoint releases its cm id at once; the last one must not make librdmacm close the
+    device context before the Domain (PD, CQs, completion channel) is closed."""
+    reactor = Reactor(FakeBackend())  # type: ignore[arg-type]
+    device = FakeDevice(1)
+    domain = FakeDomain()
+    reactor._domains[1] = domain  # type: ignore[assignment]
+    order: list[str] = []
+    listed_then = FakeLibrdmacm()
+
+    def librdmacm() -> set[int]:
+        order.append(f"librdmacm asked, domain closed: {domain.closed}")
+        return listed_then()
+
+    verbs.cm_device_handles = librdmacm  # type: ignore[assignment] - restored by the fixture
+    for qp in (7, 8):
+        cm_id = FakeCMId(0xD0 + qp, device)
+        reactor._ids[cm_id.handle] = cm_id  # type: ignore[assignment]
+        reactor.watch_qp(1, qp, 10, lambda e, cm_id=cm_id: reactor.release_id(cm_id))  # type: ignore[misc]
+    reactor.device_removed(device)  # type: ignore[arg-type]
+    assert order == ["librdmacm asked, domain closed: True"]
+    assert reactor._removed == {}
