@@ -1,13 +1,15 @@
 """Port down/up (``ip link set veth1 down``: both veth ends lose carrier, so rxe0 and rxe1 both report
 ``IBV_EVENT_PORT_ERR``). The event reaches every endpoint on the port, which probes its peer at once:
 one that stays down fails every pending call within the retry budget instead of the (longer) keepalive
-bound. After a flap (down, 1 s, up; the pair's routing re-applied, see :func:`netfault.set_link`) new
-connections work; what the connection that was open meets is recorded. Both tests run last (this
-module sorts last): they change link state, which the other modules do not expect in the middle."""
+bound. The flap test (down, 1 s, up; the pair's routing re-applied, see :func:`netfault.set_link`) wants
+the open connection to survive or fail typed and a new connection to work; rxe here does not recover
+(long run, xfail; docs/testhost.md says what was seen). Both tests run last (this module sorts last):
+a link taken down leaves the pair unable to connect afterwards."""
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 from collections.abc import Callable
 
@@ -59,6 +61,14 @@ def test_port_down_fails_pending_calls_within_the_retry_budget(
     assert elapsed <= budget + VM_SLACK < keepalive_bound + VM_SLACK
 
 
+@pytest.mark.long
+@pytest.mark.xfail(
+    reason="rxe in the pair topology does not recover from a link flap: after a 1 s flap with an idle "
+    "connection open, its send returns but the echo never comes and nothing fails within 60 s; after the "
+    "port-down test, new connections time out although routes, rules, GIDs, neighbours and both GSI QPs "
+    "(RTS) look as before (rxe0's GSI sends the REQs, rxe1's sends nothing back); see docs/testhost.md",
+    strict=False,
+)
 @pytest.mark.timeout(180)
 def test_port_flap_new_connections_work_once_the_link_is_back(
     pair: Pair, record_property: Callable[[str, object], None]
@@ -88,6 +98,8 @@ def test_port_flap_new_connections_work_once_the_link_is_back(
             except ConnectionError as exc:
                 assert isinstance(exc, rdmaio.RdmaError), repr(exc)
                 existing = f"failed: {type(exc).__name__}: {exc}"
+            except builtins.TimeoutError:
+                raise AssertionError("the open connection neither recovered nor failed in 60 s") from None
             stats = ep.statistics()
             await ep.aclose()
             ep2 = await rdmaio.connect(
