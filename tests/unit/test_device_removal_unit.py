@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+import trio
 
 from rdmaio import reactor as reactor_module
 from rdmaio import verbs
-from rdmaio.backend import AsyncioBackend
+from rdmaio.backend import AsyncioBackend, TrioBackend
 from rdmaio.errors import DeviceError
 from rdmaio.reactor import Reactor
 from rdmaio.verbs import CMEvent, CMEventType
@@ -172,24 +174,37 @@ def test_librdmacm_is_asked_only_once_no_cm_id_is_left_on_the_device(listed: Fak
     assert len(listed.calls) == 1 and reactor._removed == {}
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_removal_rechecks_while_librdmacm_still_lists_the_device(
-    listed: FakeLibrdmacm, monkeypatch: pytest.MonkeyPatch
+    listed: FakeLibrdmacm, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
+    """The recheck sleeps on the backend's timeout scope: asyncio and trio."""
     monkeypatch.setattr(reactor_module, "_REMOVAL_RECHECK", 0.01)
     listed.answers = [{1, 2}, {1, 2}, {2}]  # the kernel lists it twice more, then it is gone
 
-    async def main() -> tuple[bool, int]:
-        reactor, _seen, _domains, device = setup(AsyncioBackend(asyncio.get_running_loop()))
+    async def main(sleep: Callable[[float], Awaitable[None]], io: Any) -> tuple[bool, int]:
+        reactor, _seen, _domains, device = setup(io)
         reactor._devices.clear()  # fake fds: nothing was added to the loop
         reactor.device_removed(device)  # type: ignore[arg-type]
         still_removed = 1 in reactor._removed
         for _ in range(100):
-            await asyncio.sleep(0.01)
+            await sleep(0.01)
             if not reactor._removed:
                 break
         return still_removed, len(reactor._removed)
 
-    still_removed, left = asyncio.run(main())
+    if backend == "asyncio":
+
+        async def on_asyncio() -> tuple[bool, int]:
+            return await main(asyncio.sleep, AsyncioBackend(asyncio.get_running_loop()))
+
+        still_removed, left = asyncio.run(on_asyncio())
+    else:
+
+        async def on_trio() -> tuple[bool, int]:
+            return await main(trio.sleep, TrioBackend())
+
+        still_removed, left = trio.run(on_trio)
     assert still_removed and left == 0
     assert listed.calls == [{1, 2}, {1, 2}, {2}]
 
