@@ -862,6 +862,9 @@ class Endpoint:
             self._stats["port_active"] += 1
 
     def _on_async_event(self, event: verbs.AsyncEvent) -> None:
+        if event.event_type == verbs.EVENT_DEVICE_FATAL:  # also the reactor's word for a removed device
+            self._fail(ConnectionResetError(event.description, call="ibv_get_async_event"))
+            return
         self._fail(ConnectionAbortedError(f"device reported {event.description}", call="ibv_get_async_event"))
 
     # --- one-sided RDMA (issue 11; the work is rdmaio.core.onesided.OneSidedEngine's) -----------------

@@ -132,6 +132,8 @@ void rdma_destroy_event_channel(struct rdma_event_channel *channel);
 int rdma_create_id(struct rdma_event_channel *channel, struct rdma_cm_id **id, void *context,
                    enum rdma_port_space ps);
 int rdma_destroy_id(struct rdma_cm_id *id);
+struct ibv_context **rdma_get_devices(int *num_devices);
+void rdma_free_devices(struct ibv_context **list);
 int rdma_bind_addr(struct rdma_cm_id *id, struct sockaddr *addr);
 int rdma_resolve_addr(struct rdma_cm_id *id, struct sockaddr *src_addr, struct sockaddr *dst_addr,
                       int timeout_ms);

@@ -12,11 +12,22 @@ cache, and the completion dispatcher whose one completion channel fd serves ever
 live as long as the loop: opening a channel costs a few hundred milliseconds under emulation, so
 connection setup reuses it. They are closed when the loop ends: at the end of the trio run, or when the
 asyncio loop is garbage-collected (``asyncio.run`` leaves nothing else referring to it).
+
+Device removal (``RDMA_CM_EVENT_DEVICE_REMOVAL`` on any cm id of the device, or
+``IBV_EVENT_DEVICE_FATAL``): :meth:`Reactor.device_removed` fails every connection on the device, closes
+its Domain (QPs, MRs, PD, CQs, completion channel), takes its async fd off the loop and drops both, so a
+connection on a device added later gets a fresh Domain. The kernel's removal then waits until the
+process closes the device context, which librdmacm owns: once none of this reactor's cm ids is left on
+the device (pending accepts and connects release theirs on their own DEVICE_REMOVAL event), the reactor
+lists librdmacm's devices (:func:`rdmaio.verbs.cm_device_handles`), which closes the dead context, and
+repeats that for a while if the kernel still reported the device.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
+import errno
 import functools
 import logging
 import weakref
@@ -25,6 +36,7 @@ from collections.abc import Callable
 from rdmaio import verbs
 from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend, current_backend, trio_run_key
 from rdmaio.core.domain import Domain
+from rdmaio.errors import DeviceError
 from rdmaio.verbs import CMEvent, CMEventType, CMId, DeviceContext, EventChannel
 
 __all__ = ["CMHandler", "Reactor"]
@@ -39,6 +51,9 @@ QPEventHandler = Callable[[verbs.AsyncEvent], None]
 # QP async events that mean the QP is in the error state. The others (COMM_EST: a receive arrived before
 # the connection was marked established; SQ_DRAINED, LAST_WQE_REACHED, PATH_MIG) are informational.
 _FATAL_QP_EVENTS = frozenset({verbs.EVENT_QP_FATAL, verbs.EVENT_QP_REQ_ERR, verbs.EVENT_QP_ACCESS_ERR})
+# After a removal, how often and how long librdmacm's device list is checked for the device to be gone.
+_REMOVAL_RECHECK = 0.2
+_REMOVAL_RECHECKS = 150
 
 
 class Reactor:
@@ -59,8 +74,14 @@ class Reactor:
         self._cq_handlers: dict[int, dict[tuple[int, int], QPEventHandler]] = {}  # by CQ handle
         # Port state changes, by (device handle, port number), then by QP number (rdmaio.core.keepalive).
         self._port_handlers: dict[tuple[int, int], dict[int, QPEventHandler]] = {}
+        # Device removal: the live cm ids (to find an id's device), and removed devices by handle until
+        # none of our ids uses them any more.
+        self._ids: weakref.WeakValueDictionary[int, CMId] = weakref.WeakValueDictionary()
+        self._removed: dict[int, DeviceContext] = {}
+        self._removal_check_running = False
         self.cm_events = 0
         self.async_events = 0
+        self.devices_removed = 0
 
     @classmethod
     def current(cls) -> Reactor:
@@ -83,6 +104,8 @@ class Reactor:
 
     def domain(self, device: DeviceContext) -> Domain:
         """The :class:`~rdmaio.core.domain.Domain` of ``device`` on this loop (created on first use)."""
+        if device.handle in self._removed:
+            raise DeviceError(f"RDMA device {device.name} was removed", errno=errno.ENODEV, call="Domain")
         domain = self._domains.get(device.handle)
         if domain is None or domain.closed:
             domain = self._domains[device.handle] = Domain(
@@ -122,12 +145,14 @@ class Reactor:
         """Create a cm id on the shared channel whose events go to ``handler``."""
         cm_id = CMId(self.channel)
         self._handlers[cm_id.handle] = handler
+        self._ids[cm_id.handle] = cm_id
         return cm_id
 
     def adopt_id(self, event: CMEvent, handler: CMHandler) -> CMId:
         """Wrap the new cm id of a CONNECT_REQUEST and route its later events to ``handler``."""
         cm_id = CMId.from_event(self.channel, event)
         self._handlers[cm_id.handle] = handler
+        self._ids[cm_id.handle] = cm_id
         return cm_id
 
     def set_handler(self, cm_id: CMId, handler: CMHandler) -> None:
@@ -137,7 +162,10 @@ class Reactor:
     def release_id(self, cm_id: CMId) -> None:
         """Destroy ``cm_id`` (and its QP) and forget its handler (the channel stays for the next one)."""
         self._handlers.pop(cm_id.handle, None)
+        self._ids.pop(cm_id.handle, None)
         cm_id.close()
+        if self._removed:
+            self._release_removed()
 
     def _on_cm_readable(self) -> None:
         # One event per wake-up. The channel's fd is watched level-triggered on every backend (epoll
@@ -157,16 +185,20 @@ class Reactor:
             return
         self.cm_events += 1
         key = event.listen_id_handle if event.event == CMEventType.CONNECT_REQUEST else event.id_handle
+        # Found before the handler runs: it may release the id.
+        removed = self._device_of(key) if event.event == CMEventType.DEVICE_REMOVAL else None
         handler = self._handlers.get(key)
         if handler is None:
             if event.event == CMEventType.CONNECT_REQUEST:
                 # Listener already gone: the new id is ours to dispose of.
                 CMId.from_event(channel, event).close()
-            return
-        try:
-            handler(event)
-        except Exception:
-            log.exception("rdmaio: CM event handler failed for %s", event.event.name)
+        else:
+            try:
+                handler(event)
+            except Exception:
+                log.exception("rdmaio: CM event handler failed for %s", event.event.name)
+        if removed is not None:
+            self.device_removed(removed)
 
     # --- completion channels -------------------------------------------------------------------------
 
@@ -241,7 +273,8 @@ class Reactor:
             if domain is not None:
                 domain.cq_failed(event.obj)
         elif etype == verbs.EVENT_DEVICE_FATAL:
-            handlers = [h for (dev, _qp), h in self._qp_handlers.items() if dev == device.handle]
+            self.device_removed(device)
+            return
         elif etype in (verbs.EVENT_PORT_ERR, verbs.EVENT_PORT_ACTIVE):
             log.info("rdmaio: device %s port %d: %s", device.name, event.element, event.description)
             for port_handler in list(self._port_handlers.get((device.handle, event.element), {}).values()):
@@ -261,3 +294,81 @@ class Reactor:
                 handler(event)
             except Exception:
                 log.exception("rdmaio: async event handler failed for %s", event.description)
+
+    # --- device removal ------------------------------------------------------------------------------
+
+    def _device_of(self, id_handle: int) -> DeviceContext | None:
+        cm_id = self._ids.get(id_handle)
+        if cm_id is None or cm_id.closed:
+            return None
+        return cm_id.device()
+
+    def device_removed(self, device: DeviceContext) -> None:
+        """``device`` is gone: fail every connection on it (``ConnectionResetError``), close its Domain,
+        stop watching it and forget both; then let librdmacm close it once no cm id of ours uses it.
+        Idempotent. Connections being accepted or connected fail on their own DEVICE_REMOVAL event."""
+        handle = device.handle
+        if handle in self._removed:
+            return
+        self._removed[handle] = device
+        self.devices_removed += 1
+        log.warning("rdmaio: RDMA device %s removed; failing its connections", device.name)
+        fatal = verbs.AsyncEvent(verbs.EVENT_DEVICE_FATAL, f"RDMA device {device.name} removed", "device", 0)
+        for (dev, _qp), handler in list(self._qp_handlers.items()):
+            if dev == handle:
+                try:
+                    handler(fatal)
+                except Exception:
+                    log.exception("rdmaio: failing a connection of removed device %s failed", device.name)
+        for key in [k for k in self._port_handlers if k[0] == handle]:
+            del self._port_handlers[key]
+        if self._devices.pop(handle, None) is not None:
+            try:
+                self.backend.remove_reader(device.async_fd)
+            except Exception:
+                log.debug(
+                    "rdmaio: removing the async fd of %s from the loop failed", device.name, exc_info=True
+                )
+        domain = self._domains.pop(handle, None)
+        if domain is not None:
+            try:
+                domain.close()  # QPs left by connections still being set up, MRs, PD, CQs, channel
+            except Exception:
+                log.exception("rdmaio: closing the domain of removed device %s failed", device.name)
+        self._release_removed()
+
+    def _release_removed(self) -> None:
+        """Hand the removed devices none of our cm ids uses any more back to librdmacm (which closes
+        their context); recheck later while librdmacm still lists one (the kernel was not done yet)."""
+        in_use = set()
+        for cm_id in list(self._ids.values()):
+            if not cm_id.closed and (dev := cm_id.device()) is not None:
+                in_use.add(dev.handle)
+        # Not while device_removed() is still failing connections (each releases its id) and has not
+        # closed the Domain: librdmacm would close the context under the Domain's PD, CQs and channel.
+        busy = in_use | self._domains.keys() | self._devices.keys()
+        unused = [h for h in self._removed if h not in busy]
+        if not unused:
+            return
+        listed = verbs.cm_device_handles()
+        for handle in unused:
+            if handle not in listed:
+                del self._removed[handle]  # closed by librdmacm: the handle may be reused by a new device
+        if any(h in listed for h in unused) and not self._removal_check_running:
+            self._removal_check_running = True
+            self.backend.spawn(self._recheck_removed(), name="rdmaio device removal")
+
+    async def _recheck_removed(self) -> None:
+        try:
+            for _ in range(_REMOVAL_RECHECKS):
+                try:
+                    async with self.backend.timeout(_REMOVAL_RECHECK):
+                        await self.backend.waiter().wait()
+                except builtins.TimeoutError:
+                    pass
+                self._release_removed()
+                if not self._removed:
+                    return
+            log.warning("rdmaio: librdmacm still lists removed RDMA devices: %s", self._removed)
+        finally:
+            self._removal_check_running = False

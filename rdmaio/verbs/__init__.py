@@ -18,7 +18,14 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.verbs._base import fork_generation, make_sockaddr, sockaddr_to_tuple
 from rdmaio.verbs.cm import CMEvent, CMId, EventChannel
 from rdmaio.verbs.cq import CompletionBatch, CompletionChannel, CompletionQueue
-from rdmaio.verbs.device import AsyncEvent, DeviceContext, DeviceInfo, PortInfo, list_devices
+from rdmaio.verbs.device import (
+    AsyncEvent,
+    DeviceContext,
+    DeviceInfo,
+    PortInfo,
+    cm_device_handles,
+    list_devices,
+)
 from rdmaio.verbs.enums import (
     EVENT_COMM_EST,
     EVENT_CQ_ERR,
@@ -100,6 +107,7 @@ __all__ = [
     "QueuePair",
     "WcOpcode",
     "WcStatus",
+    "cm_device_handles",
     "dispatch_key",
     "ffi",
     "fork_generation",

@@ -110,6 +110,23 @@ def list_devices() -> list[DeviceInfo]:
     return result
 
 
+def cm_device_handles() -> set[int]:
+    """Handles of the device contexts librdmacm offers now (``rdma_get_devices``).
+
+    Listing also makes librdmacm compare its devices with the kernel's: a device that was removed is
+    marked dead, and its context (with the device's uverbs fd, which the kernel's removal waits for) is
+    closed at once if no cm id uses it, else when the last one is destroyed.
+    """
+    count = ffi.new("int *")
+    contexts = lib.rdma_get_devices(count)
+    if contexts == ffi.NULL:
+        return set()
+    try:
+        return {int(ffi.cast("uintptr_t", contexts[i])) for i in range(count[0])}
+    finally:
+        lib.rdma_free_devices(contexts)
+
+
 @dataclass(frozen=True, slots=True)
 class AsyncEvent:
     """One device async event (``ibv_get_async_event``), already acked."""

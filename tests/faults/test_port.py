@@ -1,13 +1,15 @@
 """Port down/up (``ip link set veth1 down``: both veth ends lose carrier, so rxe0 and rxe1 both report
 ``IBV_EVENT_PORT_ERR``). The event reaches every endpoint on the port, which probes its peer at once:
 one that stays down fails every pending call within the retry budget instead of the (longer) keepalive
-bound. A port that comes back within the budget should cost nothing, but the test host's pair topology
-does not recover its connectivity after a link flap yet (the flap test is in the long run, marked xfail).
-Both tests run last (this module sorts last): a link taken down leaves the pair unusable afterwards."""
+bound. The flap test (down, 1 s, up; the pair's routing re-applied, see :func:`netfault.set_link`) wants
+the open connection to survive or fail typed and a new connection to work; rxe here does not recover
+(long run, xfail; docs/testhost.md says what was seen). Both tests run last (this module sorts last):
+a link taken down leaves the pair unable to connect afterwards."""
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 from collections.abc import Callable
 
@@ -61,18 +63,24 @@ def test_port_down_fails_pending_calls_within_the_retry_budget(
 
 @pytest.mark.long
 @pytest.mark.xfail(
-    reason="the pair topology loses connectivity after a link flap: after `ip link set veth1 up` and "
-    "re-applying the routing, new connections still time out (seen in the VM; not yet understood)",
+    reason="rxe in the pair topology does not recover from a link flap: after a 1 s flap with an idle "
+    "connection open, its send returns but the echo never comes and nothing fails within 60 s; after the "
+    "port-down test, new connections time out although routes, rules, GIDs, neighbours and both GSI QPs "
+    "(RTS) look as before (rxe0's GSI sends the REQs, rxe1's sends nothing back); see docs/testhost.md",
     strict=False,
 )
 @pytest.mark.timeout(180)
-def test_port_flap_within_the_retry_budget_is_survived(pair: Pair) -> None:
+def test_port_flap_new_connections_work_once_the_link_is_back(
+    pair: Pair, record_property: Callable[[str, object], None]
+) -> None:
+    """A 1 s link flap, inside the retry budget. What happens to the connection that was open is recorded
+    (it survives, or fails with a typed error); a new connection must work once the link is back."""
     opts = rdmaio.Options(ack_timeout=18, retry_count=7)  # 8 x 1.07 s here; the server: 8 x 0.54 s
     proc = peer(ECHO_SERVER, pair.b.addr)
     try:
         port = int(wait_ready(proc).split()[1])
 
-        async def main() -> dict[str, float]:
+        async def main() -> tuple[str, float, dict[str, float]]:
             ep = await rdmaio.connect(
                 pair.b.addr, port, local_addr=(pair.a.addr, 0), options=opts, timeout=30
             )
@@ -82,15 +90,32 @@ def test_port_flap_within_the_retry_budget_is_survived(pair: Pair) -> None:
             set_link(pair.b.netdev, False)
             await asyncio.sleep(1.0)
             set_link(pair.b.netdev, True)
-            await ep.send(b"after the flap")
-            assert await asyncio.wait_for(pending, 60) == b"after the flap"
+            up = time.monotonic()
+            try:
+                await ep.send(b"after the flap")
+                assert await asyncio.wait_for(pending, 60) == b"after the flap"
+                existing = "survived"
+            except ConnectionError as exc:
+                assert isinstance(exc, rdmaio.RdmaError), repr(exc)
+                existing = f"failed: {type(exc).__name__}: {exc}"
+            except builtins.TimeoutError:
+                raise AssertionError("the open connection neither recovered nor failed in 60 s") from None
             stats = ep.statistics()
             await ep.aclose()
-            return stats
+            ep2 = await rdmaio.connect(
+                pair.b.addr, port, local_addr=(pair.a.addr, 0), options=opts, timeout=30
+            )
+            await ep2.send(b"new connection")
+            assert await ep2.recv() == b"new connection"
+            reconnected = time.monotonic() - up
+            await ep2.aclose()
+            return existing, reconnected, stats
 
-        stats = asyncio.run(main())
+        existing, reconnected, stats = asyncio.run(main())
     finally:
         proc.kill()
         proc.wait()
+    print(f"port flap: the open connection {existing}; a new one echoed {reconnected:.1f} s after link up")
+    record_property("existing_connection", existing)
+    record_property("new_connection_after_s", round(reconnected, 2))
     assert stats["port_errors"] >= 1, "IBV_EVENT_PORT_ERR did not reach the endpoint"
-    assert stats["keepalive_probes"] >= 1
