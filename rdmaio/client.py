@@ -21,7 +21,7 @@ from rdmaio.errors import (
 )
 from rdmaio.onesided import rd_atomic_depth
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, Handshake, Session
+from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_RNDV, Handshake, Session
 from rdmaio.reactor import Reactor
 from rdmaio.transport import Transport
 from rdmaio.verbs import CMEvent, CMEventType
@@ -63,7 +63,9 @@ def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
         recv_depth=options.recv_depth,
         slot_size=options.slot_size,
         max_message_size=options.max_message_size,
-        features=(FEATURE_BATCH if options.batch_limit else 0) | (FEATURE_GROW if grow else 0),
+        features=(FEATURE_BATCH if options.batch_limit else 0)
+        | (FEATURE_GROW if grow else 0)
+        | (FEATURE_RNDV if options.rndv_threshold else 0),
         initial_depth=initial if grow else 0,
     )
 

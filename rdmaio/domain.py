@@ -117,7 +117,8 @@ class RegistrationCache:
         self._address_of = address_of
         self.max_pinned = max_pinned
         self._entries: collections.OrderedDict[tuple[int, int, int], _Entry] = collections.OrderedDict()
-        self.pinned = 0  # bytes registered by this cache, in use or not
+        self.pinned = 0  # bytes registered by this cache, in use or not, plus reserved bytes
+        self.reserved = 0  # zero-copy: bytes of per-transfer registrations made outside the cache
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -139,6 +140,41 @@ class RegistrationCache:
         registration = Registration(self, key, entry.region)
         self._evict()
         return registration
+
+    def try_get(self, buffer: Any, access: int = 0) -> Registration | None:
+        """As :meth:`get`, but None instead of a new registration that would take :attr:`pinned` above
+        ``max_pinned`` even after evicting every unused entry (zero-copy transfers: a hard bound)."""
+        address, length = self._address_of(buffer)
+        if (address, length, access) not in self._entries and not self._make_room(length):
+            return None
+        return self.get(buffer, access)
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` of a registration made outside the cache (a per-transfer rendezvous MR, which
+        must not outlive its transfer) against the bound; False if it does not fit even after eviction."""
+        if not self._make_room(nbytes):
+            return False
+        self.reserved += nbytes
+        self.pinned += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back what :meth:`try_reserve` counted (the registration was closed)."""
+        self.reserved -= nbytes
+        self.pinned -= nbytes
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict unused entries (oldest first) until ``nbytes`` more fit under ``max_pinned``."""
+        if self.pinned + nbytes <= self.max_pinned:
+            return True
+        for key in [k for k, e in self._entries.items() if not e.users]:
+            entry = self._entries.pop(key)
+            self.pinned -= entry.region.length
+            self.evictions += 1
+            entry.region.close()
+            if self.pinned + nbytes <= self.max_pinned:
+                return True
+        return False
 
     def _release(self, key: tuple[int, int, int]) -> None:
         entry = self._entries.get(key)
@@ -163,6 +199,7 @@ class RegistrationCache:
             "entries": len(self._entries),
             "in_use": sum(1 for e in self._entries.values() if e.users),
             "pinned": self.pinned,
+            "reserved": self.reserved,
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,

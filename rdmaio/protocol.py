@@ -88,6 +88,7 @@ __all__ = [
     "EOF",
     "FEATURE_BATCH",
     "FEATURE_GROW",
+    "FEATURE_RNDV",
     "HANDSHAKE_MAGIC",
     "KNOWN_FEATURES",
     "MAX_CREDITS",
@@ -131,7 +132,10 @@ FEATURE_BATCH: Final = 0x01
 FEATURE_GROW: Final = 0x02
 """Handshake feature bit: this side posts ``initial_depth`` receives at first (an extra body field) and may
 grow to ``recv_depth`` later, granting the new slots as credits; it also accepts such a peer."""
-KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW
+FEATURE_RNDV: Final = 0x04
+"""Handshake feature bit: this side accepts RNDV frames (rendezvous: a large message's descriptor, the data
+is pulled with RDMA READ; :mod:`rdmaio.rendezvous`). Used only if both sides announce it."""
+KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW | FEATURE_RNDV
 """Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""
 
 BATCH_RECORD_HEADER: Final = 4
@@ -272,6 +276,9 @@ class FrameKind(enum.IntEnum):
     CREDIT = 3  # no payload, only grants credits
     EOF = 4  # no payload; the sender sends no more data (half-close)
     DATA_BATCH = 5  # one or more complete messages as [u32 LE length][bytes] records (FEATURE_BATCH)
+    RNDV = (
+        6  # a rendezvous descriptor (FEATURE_RNDV): a message whose data the receiver pulls (rendezvous.py)
+    )
 
 
 # Plain-int kinds for the hot path (comparing ints, no enum lookup), the members on_frame returns (bound
@@ -281,16 +288,19 @@ _K_END: Final = 2
 _K_CREDIT: Final = 3
 _K_EOF: Final = 4
 _K_BATCH: Final = 5
+_K_RNDV: Final = 6
 _DATA_MORE: Final = FrameKind.DATA_MORE
 _DATA_END: Final = FrameKind.DATA_END
 _CREDIT: Final = FrameKind.CREDIT
 _EOF_KIND: Final = FrameKind.EOF
 _DATA_BATCH: Final = FrameKind.DATA_BATCH
+_RNDV: Final = FrameKind.RNDV
 _IMM_MORE: Final = _K_MORE << _KIND_SHIFT
 _IMM_END: Final = _K_END << _KIND_SHIFT
 _IMM_CREDIT: Final = _K_CREDIT << _KIND_SHIFT
 _IMM_EOF: Final = _K_EOF << _KIND_SHIFT
 _IMM_BATCH: Final = _K_BATCH << _KIND_SHIFT
+_IMM_RNDV: Final = _K_RNDV << _KIND_SHIFT
 # FrameKind member by raw kind value (None: unknown kind), for decode_imm and the error path.
 _KIND_BY_VALUE: Final[tuple[FrameKind | None, ...]] = tuple(
     {int(k): k for k in FrameKind}.get(v) for v in range(1 << (32 - _KIND_SHIFT))
@@ -493,6 +503,7 @@ class Session:
         "_recv_in_message",
         "_recv_max",
         "_recv_message_bytes",
+        "_rndv",
         "_send_credits",
         "_send_in_message",
         "_send_message_bytes",
@@ -530,6 +541,7 @@ class Session:
         self._max_fragment = peer.slot_size
         self._peer_max = peer.max_message_size
         self._batching = bool(local.features & peer.features & FEATURE_BATCH)
+        self._rndv = bool(local.features & peer.features & FEATURE_RNDV)
         self._threshold = credit_threshold
         # The peer posted initial_depth receives; its recv_depth bounds what it may grant us later.
         self._send_credits = peer.initial_depth
@@ -614,6 +626,11 @@ class Session:
     def batching(self) -> bool:
         """True if both handshakes announced :data:`FEATURE_BATCH`: DATA_BATCH frames may be sent."""
         return self._batching
+
+    @property
+    def rendezvous(self) -> bool:
+        """True if both handshakes announced :data:`FEATURE_RNDV`: RNDV frames may be sent."""
+        return self._rndv
 
     @property
     def peer_eof(self) -> bool:
@@ -730,6 +747,23 @@ class Session:
         self._messages_sent += messages
         self._bytes_sent += nbytes - BATCH_RECORD_HEADER * messages
         return self._take(_IMM_BATCH)
+
+    def take_rndv_frame(self, nbytes: int) -> int:
+        """Account for one RNDV frame (a rendezvous descriptor, ``nbytes`` of payload) about to be posted and
+        return its immediate value. It follows the rules of a DATA_END frame (two credits, not after EOF, not
+        in the middle of a message); the message it announces is counted by the rendezvous layer."""
+        if (
+            self._wire_down
+            or self._eof_sent
+            or self._send_credits < 2
+            or not 0 < nbytes <= self._max_fragment
+        ):
+            self._raise_send_error(nbytes, 2)
+        if not self._rndv:
+            raise RuntimeError("cannot send an RNDV frame: rendezvous was not negotiated")
+        if self._send_in_message:
+            raise RuntimeError("cannot send an RNDV frame in the middle of a message (DATA_END missing)")
+        return self._take(_IMM_RNDV)
 
     def credit_frame_due(self) -> bool:
         """True if a standalone CREDIT frame should be sent now."""
@@ -917,6 +951,10 @@ class Session:
                 self._reject(imm, byte_len)
             self._peer_eof = True
             result = _EOF_KIND
+        elif kind == _K_RNDV:
+            if not self._rndv or self._peer_eof or self._recv_in_message or not byte_len:
+                self._reject(imm, byte_len)
+            result = _RNDV
         else:
             self._reject(imm, byte_len)
         self._posted -= 1
@@ -963,7 +1001,7 @@ class Session:
         except FrameError as exc:
             return exc
         name = kind.name
-        is_data = kind in (_DATA_MORE, _DATA_END, _DATA_BATCH)
+        is_data = kind in (_DATA_MORE, _DATA_END, _DATA_BATCH, _RNDV)
         if self._posted <= 0:
             return FrameError(
                 f"{name} frame arrived with no receive posted (RNR): the peer overran its credits"
@@ -989,6 +1027,13 @@ class Session:
                 return FrameError("DATA_BATCH frame in the middle of a message (DATA_END missing)")
             if byte_len < BATCH_RECORD_HEADER:
                 return FrameError(f"DATA_BATCH frame of {byte_len} bytes is too short for one record")
+        elif kind is _RNDV:
+            if not self._rndv:
+                return FrameError("RNDV frame although rendezvous was not negotiated")
+            if self._recv_in_message:
+                return FrameError("RNDV frame in the middle of a message (DATA_END missing)")
+            if not byte_len:
+                return FrameError("RNDV frame without a descriptor")
         elif is_data:
             size = self._recv_message_bytes + byte_len
             if size > self._local_max:

@@ -283,8 +283,8 @@ def test_handshake_decode_keeps_known_feature_bits_only(flags: int, features: in
 
 
 def test_handshake_construct_rejects_unknown_features() -> None:
-    with pytest.raises(HandshakeError, match="unknown feature bits 0x4"):
-        Handshake(8, 64, 1024, features=4)
+    with pytest.raises(HandshakeError, match="unknown feature bits 0x8"):
+        Handshake(8, 64, 1024, features=8)
     with pytest.raises(HandshakeError, match="unknown feature bits"):
         Handshake(8, 64, 1024, features=-1)
     with pytest.raises(TypeError, match="features must be an int"):
