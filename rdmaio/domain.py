@@ -149,10 +149,12 @@ class RegistrationCache:
             return None
         return self.get(buffer, access)
 
-    def try_reserve(self, nbytes: int) -> bool:
+    def try_reserve(self, nbytes: int, limit: int | None = None) -> bool:
         """Count ``nbytes`` of a registration made outside the cache (a per-transfer rendezvous MR, which
-        must not outlive its transfer) against the bound; False if it does not fit even after eviction."""
-        if not self._make_room(nbytes):
+        must not outlive its transfer) against the bound; False if it does not fit even after eviction.
+        ``limit`` (at most ``max_pinned``) is a lower bound for this request: rendezvous sends use half, so
+        that the receives they wait for (on the other side of a two-way exchange) always find room."""
+        if not self._make_room(nbytes, self.max_pinned if limit is None else min(limit, self.max_pinned)):
             return False
         self.reserved += nbytes
         self.pinned += nbytes
@@ -163,16 +165,17 @@ class RegistrationCache:
         self.reserved -= nbytes
         self.pinned -= nbytes
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict unused entries (oldest first) until ``nbytes`` more fit under ``max_pinned``."""
-        if self.pinned + nbytes <= self.max_pinned:
+    def _make_room(self, nbytes: int, limit: int | None = None) -> bool:
+        """Evict unused entries (oldest first) until ``nbytes`` more fit under ``limit`` (``max_pinned``)."""
+        bound = self.max_pinned if limit is None else limit
+        if self.pinned + nbytes <= bound:
             return True
         for key in [k for k, e in self._entries.items() if not e.users]:
             entry = self._entries.pop(key)
             self.pinned -= entry.region.length
             self.evictions += 1
             entry.region.close()
-            if self.pinned + nbytes <= self.max_pinned:
+            if self.pinned + nbytes <= bound:
                 return True
         return False
 

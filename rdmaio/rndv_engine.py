@@ -57,7 +57,7 @@ __all__ = ["RendezvousEngine", "wait_shielded"]
 
 _WR_READ: int = lib.IBV_WR_RDMA_READ
 _MIN_BOUNCE = 64 * 1024
-_POOL = 2  # bounce buffers kept registered per connection
+_POOL = 1  # bounce buffers kept registered per connection (dropped when the pin bound is reached)
 _ROOM_POLL = 0.001
 
 
@@ -170,7 +170,7 @@ class RendezvousEngine:
             raise EndpointClosedError("endpoint is closed")
         size = view.nbytes
         cache = self._cache
-        if not cache.try_reserve(size):
+        if not cache.try_reserve(size, cache.max_pinned // 2):  # half: the pulls keep the other half
             self._stats["rndv_fallback_eager"] += 1
             return False
         start = time.perf_counter_ns()
@@ -416,6 +416,11 @@ class RendezvousEngine:
                 return self._bounces.pop(i)
         capacity = max(_MIN_BOUNCE, 1 << (size - 1).bit_length())
         while not self._cache.try_reserve(capacity):
+            pool, self._bounces = self._bounces, []
+            for idle in pool:  # our own idle buffers go first
+                self._close_bounce(idle)
+            if pool:
+                continue
             if self.closed:
                 raise self._failure()
             self._stats["rndv_pin_waits"] += 1

@@ -325,10 +325,10 @@ def test_encode_imm_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="credits -1 out of range"):
         encode_imm(FrameKind.CREDIT, -1)
     with pytest.raises(ValueError):
-        encode_imm(6, 0)  # type: ignore[arg-type]
+        encode_imm(7, 0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("raw_kind", [0, *range(6, 16)])
+@pytest.mark.parametrize("raw_kind", [0, *range(7, 16)])
 def test_decode_imm_unknown_kind(raw_kind: int) -> None:
     with pytest.raises(FrameError, match=f"unknown frame kind {raw_kind}"):
         decode_imm(raw_kind << 28 | 7)
