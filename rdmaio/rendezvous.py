@@ -187,9 +187,10 @@ class SendTable:
 
     def on_control(self, kind: int, msg_id: int) -> Outgoing:
         """The peer answered DONE or WITHDRAWN for ``msg_id``; :class:`ProtocolError` if that answer is
-        impossible (unknown id, WITHDRAWN without a CANCEL, a descriptor never posted)."""
+        impossible (unknown id, WITHDRAWN without a CANCEL)."""
         out = self.active.get(msg_id)
-        if out is None or out.state is SendState.QUEUED:
+        # (QUEUED is fine: the I/O layer marks a send POSTED only when it needs to know, on cancellation.)
+        if out is None:
             raise ProtocolError(f"rendezvous answer {kind} for message {msg_id}, which is not in flight")
         if kind == CTL_DONE:
             out.state = SendState.DONE
