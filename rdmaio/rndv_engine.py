@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 import weakref
 from typing import Any
@@ -55,6 +56,8 @@ from rdmaio.txengine import RNDV_FRAME
 
 __all__ = ["RendezvousEngine", "wait_shielded"]
 
+log = logging.getLogger("rdmaio.rndv")
+
 _WR_READ: int = lib.IBV_WR_RDMA_READ
 _MIN_BOUNCE = 64 * 1024
 _POOL = 1  # bounce buffers kept registered per connection (dropped when the pin bound is reached)
@@ -62,7 +65,7 @@ _ROOM_POLL = 0.001
 
 
 async def wait_shielded(io: Any, waiter: Any, timeout: float) -> bool:  # noqa: ASYNC109
-    """Wait for ``waiter`` even if the calling task is cancelled meanwhile (at most ``timeout`` seconds);
+    """Wait for the event ``waiter`` (``Backend.event()``) even if the calling task is cancelled meanwhile (at most ``timeout`` seconds);
     True if it was set. For waits that must end before a cancellation may propagate: memory lent to the
     NIC is not given back to the caller before the NIC is done with it."""
     if getattr(io, "name", "") == "trio":
@@ -73,15 +76,20 @@ async def wait_shielded(io: Any, waiter: Any, timeout: float) -> bool:  # noqa: 
         return bool(waiter.is_set())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not waiter.is_set():
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return False
-        try:
-            await asyncio.wait([waiter.wait()], timeout=remaining)
-        except asyncio.CancelledError:
-            continue  # cancelled again: the caller re-raises its cancellation once the wait is over
-    return True
+    task = asyncio.ensure_future(waiter.wait())
+    try:
+        while not task.done():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait([task], timeout=remaining)
+            except asyncio.CancelledError:
+                continue  # cancelled again: the caller re-raises its cancellation once the wait is over
+    finally:
+        if not task.done():
+            task.cancel()
+    return bool(waiter.is_set())
 
 
 class _Bounce:
@@ -182,7 +190,9 @@ class RendezvousEngine:
         self._stats["rndv_register_ns"] += time.perf_counter_ns() - start
         out = self.sends.start(size)
         out.region = region
-        out.waiter = self._io.waiter()
+        # An Event, not a one-shot waiter: a cancelled wait on an asyncio future cancels the future itself,
+        # and the cancellation path must wait on the same object again.
+        out.waiter = self._io.event()
         desc = Descriptor(out.msg_id, region.addr, size, region.rkey)
         encoded = bytearray(desc.encode())  # mutable: a cancellation before posting withdraws it in place
         tx = ep._tx
@@ -191,6 +201,7 @@ class RendezvousEngine:
         tx.queued_frames += 1
         tx.txq_bytes += len(encoded)
         target = tx.queued_frames
+        log.debug("rndv send %d: %d bytes rkey %#x frame %d", out.msg_id, size, region.rkey, target)
         ep._pump()
         try:
             try:
@@ -214,6 +225,13 @@ class RendezvousEngine:
     ) -> None:
         """A ``send()`` was cancelled before the peer answered: make sure the peer will never read the
         buffer again before it goes back to the caller (see rdmaio.rendezvous)."""
+        log.debug(
+            "rndv send %d cancelled in %s (frames staged %d, ours %d)",
+            out.msg_id,
+            out.state.value,
+            ep._tx.posted_frames,
+            target,
+        )
         if ep._tx.posted_frames >= target:
             self.sends.posted(out)
         if not self.sends.cancel(out):
@@ -232,6 +250,7 @@ class RendezvousEngine:
     def _release_send(self, out: Outgoing) -> None:
         region, out.region = out.region, None
         if region is not None:
+            log.debug("rndv send %d ends %s: region closed", out.msg_id, out.state.value)
             region.close()
             self._cache.unreserve(out.length)
 
@@ -247,6 +266,7 @@ class RendezvousEngine:
 
     def on_control(self, kind: int, msg_id: int) -> None:
         """A rendezvous control message from the peer (the one-sided engine's ``control_handler``)."""
+        log.debug("rndv control %d for %d", kind, msg_id)
         if kind == CTL_CANCEL:
             msg = self.recvs.on_cancel(msg_id)
             if msg is not None:  # not pulled yet: withdrawn, never read
@@ -269,7 +289,8 @@ class RendezvousEngine:
         if msg is None:
             self._stats["rndv_withdrawn_frames"] += 1
             return
-        msg.event = self._io.waiter()
+        msg.event = self._io.event()  # several reads may wait on it, and a cancelled one must not spoil it
+        log.debug("rndv announced %d: %d bytes rkey %#x", msg.desc.msg_id, msg.length, msg.desc.rkey)
         self._rxbuf.add_pending(msg)
         self._stats["rndv_announced"] += 1
         self.kick()
@@ -298,6 +319,7 @@ class RendezvousEngine:
             self._start_pull(msg, None)
 
     def _start_pull(self, msg: Incoming, into: memoryview | None) -> None:
+        log.debug("rndv pull %d (%s)", msg.desc.msg_id, "direct" if into is not None else "owned")
         self.recvs.start_pull(msg)
         msg.into = into
         if into is None:
