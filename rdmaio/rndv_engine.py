@@ -65,9 +65,9 @@ _ROOM_POLL = 0.001
 
 
 async def wait_shielded(io: Any, waiter: Any, timeout: float) -> bool:  # noqa: ASYNC109
-    """Wait for the event ``waiter`` (``Backend.event()``) even if the calling task is cancelled meanwhile (at most ``timeout`` seconds);
-    True if it was set. For waits that must end before a cancellation may propagate: memory lent to the
-    NIC is not given back to the caller before the NIC is done with it."""
+    """Wait for the event ``waiter`` (``Backend.event()``) even if the calling task is cancelled meanwhile (at
+    most ``timeout`` seconds); True if it was set. For waits that must end before a cancellation may
+    propagate: memory lent to the NIC is not given back to the caller before the NIC is done with it."""
     if getattr(io, "name", "") == "trio":
         import trio
 
