@@ -454,7 +454,11 @@ class Endpoint:
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send ``data`` as one message (any bytes-like object, up to the peer's ``max_message_size``).
 
-        ``data`` is copied, so the caller may reuse it at once. A message up to ``Options.batch_limit``
+        ``data`` is copied, so the caller may reuse it at once - except a message of at least
+        ``Options.rndv_threshold`` bytes to a peer that supports rendezvous: it is registered and pulled by
+        the peer (zero-copy, :mod:`rdmaio.rndv_engine`), and ``send()`` returns once the peer has it (a
+        cancelled one waits until the peer withdrew or finished reading it); the buffer is free when
+        ``send()`` returns or raises. A message up to ``Options.batch_limit``
         (8 KiB) is packed with the other small messages of the same loop iteration into one frame, and
         ``send()`` returns once it is queued, waiting only while more than ``write_high_water`` bytes are
         queued (as ``write()`` + ``drain()``); a larger message returns once every fragment is posted to
@@ -535,6 +539,9 @@ class Endpoint:
 
     async def recv_into(self, buffer: bytearray | memoryview) -> int:
         """Copy the next message into ``buffer`` and return its size (0 at end of stream).
+
+        A rendezvous message that fits is read by the NIC straight into ``buffer`` (no copy; ``buffer`` is
+        registered through the Domain's cache, local access only). A cancelled call takes nothing.
 
         A message larger than ``buffer`` fills it; the rest is returned by the next read call.
         """
