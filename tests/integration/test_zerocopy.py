@@ -385,12 +385,13 @@ def test_registration_bound_is_never_exceeded(arun: Runner[Any], rdma_addr: str)
     arun(main())
 
 
-def test_no_mr_leak_after_1000_large_sends(arun: Runner[Any], rdma_addr: str) -> None:
-    """1,000 rendezvous sends of 96 KiB: the kernel's MR count is the same before and after."""
+def test_no_mr_leak_after_1000_large_sends(rdma_addr: str) -> None:
+    """1,000 rendezvous sends of 65 KiB: the kernel's MR count is the same before and after (asyncio only:
+    150-180 s per loop in a loaded VM)."""
 
     async def main() -> None:
         async with pair(rdma_addr) as (served, client):
-            payload = memoryview(POOL)[: 96 * 1024]
+            payload = memoryview(POOL)[: 65 * 1024]
             buf = bytearray(len(payload))
 
             async def rounds(n: int) -> None:
@@ -410,7 +411,7 @@ def test_no_mr_leak_after_1000_large_sends(arun: Runner[Any], rdma_addr: str) ->
             assert rdma_resources()["mr"] == before
             assert client.statistics()["rndv_sent"] == 1010
 
-    arun(main())
+    asyncio.run(main())
 
 
 @pytest.mark.long
