@@ -412,7 +412,7 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
         bw = parse_perftest_bw(out)
         if bw.size != size:
             raise ParseError(f"report is for {bw.size} B, asked for {size} B")
-        if bw.bw_average_bytes_per_s <= 0 or bw.msg_rate_mpps <= 0:
+        if bw.bw_average_bytes_per_s <= 0 or bw.msgs_per_s <= 0:
             raise ParseError("the report gives a zero bandwidth or message rate (no valid measurement)")
         for workload in workloads:
             samples[workload] = Sample(
