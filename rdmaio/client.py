@@ -23,7 +23,7 @@ from rdmaio.errors import (
     UnreachableError,
 )
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, Handshake, Session
+from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, FEATURE_RNDV, Handshake, Session
 from rdmaio.verbs import CMEvent, CMEventType
 
 __all__ = ["connect", "local_handshake", "resolve_host"]
@@ -65,7 +65,8 @@ def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
         max_message_size=options.max_message_size,
         features=(FEATURE_BATCH if options.batch_limit else 0)
         | (FEATURE_GROW if grow else 0)
-        | FEATURE_ONESIDED,
+        | FEATURE_ONESIDED
+        | (FEATURE_RNDV if options.rndv_threshold else 0),
         initial_depth=initial if grow else 0,
     )
 

@@ -38,6 +38,7 @@ from rdmaio.core.backend import Event, Handle, Waiter
 from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive
 from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine, RemoteKey, WriteNotice
 from rdmaio.core.reactor import Reactor
+from rdmaio.core.rndv_engine import RendezvousEngine
 from rdmaio.core.transport import Transport
 from rdmaio.core.txengine import SendEngine
 from rdmaio.errors import (
@@ -63,6 +64,7 @@ _DATA_MORE = FrameKind.DATA_MORE
 _DATA_END = FrameKind.DATA_END
 _DATA_BATCH = FrameKind.DATA_BATCH
 _EOF = FrameKind.EOF
+_RNDV = FrameKind.RNDV  # zero-copy (issue 12): a rendezvous descriptor, handled by rdmaio.core.rndv_engine
 _RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided (issue 11): a write notice
 _WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided (issue 11): a receive without it is a control message
 
@@ -133,6 +135,7 @@ class Endpoint:
             tag=transport.tag or 0,  # sharedcq: the connection tag of the send wr_ids
         )
         self._onesided = OneSidedEngine.for_endpoint(self, transport, session, options)  # issue 11
+        self._rndv = RendezvousEngine.for_endpoint(self, transport, options)  # issue 12 (None: not used)
         self._flush_handle: Handle | None = None
         self._post_handle: Handle | None = None
         self._in_callback = False  # in _pump_and_post(): it posts right after _pump, so _pump must not
@@ -208,6 +211,8 @@ class Endpoint:
         stats.update(self._onesided.statistics())  # issue 11: pending ops, grants, queued notices
         for key, value in self._session.statistics().items():
             stats[f"protocol_{key}"] = value
+        if self._rndv is not None:  # zero-copy (issue 12)
+            stats.update(self._rndv.statistics())
         return stats
 
     def is_closing(self) -> bool:
@@ -283,6 +288,12 @@ class Endpoint:
                     got_data = True
                 elif kind == _DATA_MORE:
                     rxbuf.add_fragment(bytes(recv_view[off : off + length]))
+                elif kind == _RNDV:  # zero-copy (issue 12): a placeholder now, the data is pulled later
+                    assert self._rndv is not None  # on_frame refuses RNDV frames unless negotiated
+                    self._rndv.on_request(recv_view[off : off + length])
+                    got_data = True
+                    repost.append(slot)
+                    continue
                 else:
                     # CREDIT and EOF carry no payload and never hold their slot: holding it would
                     # withhold the credit the peer needs to keep granting ours (two-way liveness).
@@ -452,7 +463,11 @@ class Endpoint:
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         """Send ``data`` as one message (any bytes-like object, up to the peer's ``max_message_size``).
 
-        ``data`` is copied, so the caller may reuse it at once. A message up to ``Options.batch_limit``
+        ``data`` is copied, so the caller may reuse it at once - except a message of at least
+        ``Options.rndv_threshold`` bytes to a peer that supports rendezvous: it is registered and pulled by
+        the peer (zero-copy, :mod:`rdmaio.core.rndv_engine`), and ``send()`` returns once the peer has it (a
+        cancelled one waits until the peer withdrew or finished reading it); the buffer is free when
+        ``send()`` returns or raises. A message up to ``Options.batch_limit``
         (8 KiB) is packed with the other small messages of the same loop iteration into one frame, and
         ``send()`` returns once it is queued, waiting only while more than ``write_high_water`` bytes are
         queued (as ``write()`` + ``drain()``); a larger message returns once every fragment is posted to
@@ -466,6 +481,8 @@ class Endpoint:
             view = view.cast("B")
         size = view.nbytes
         self._session.check_message_size(size)
+        if self._rndv is not None and size >= self._rndv.threshold and await self._rndv.send(view):
+            return  # zero-copy (issue 12): the peer pulled it; False: no room to pin it, sent eagerly
         tx = self._tx
         if size <= tx.batch_limit:
             await self._send_batched(view, size)
@@ -517,9 +534,14 @@ class Endpoint:
         cancelled ``recv()`` takes nothing: the message stays for the next read.
         """
         rxbuf = self._rxbuf
-        while not rxbuf.has_message():
-            if not await self._wait_more():
-                return None
+        while True:
+            while not rxbuf.has_message():
+                if not await self._wait_more():
+                    return None
+            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                break
+            assert self._rndv is not None
+            await self._rndv.take_head(None)  # zero-copy (issue 12): pulled, then popped as any message
         data = rxbuf.pop_message()
         self._after_read()
         return data
@@ -527,13 +549,24 @@ class Endpoint:
     async def recv_into(self, buffer: bytearray | memoryview) -> int:
         """Copy the next message into ``buffer`` and return its size (0 at end of stream).
 
+        A rendezvous message that fits is read by the NIC straight into ``buffer`` (no copy; ``buffer`` is
+        registered through the Domain's cache, local access only). A cancelled call takes nothing.
+
         A message larger than ``buffer`` fills it; the rest is returned by the next read call.
         """
         target = memoryview(buffer).cast("B")
         rxbuf = self._rxbuf
-        while not rxbuf.has_message():
-            if not await self._wait_more():
-                return 0
+        while True:
+            while not rxbuf.has_message():
+                if not await self._wait_more():
+                    return 0
+            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                break
+            assert self._rndv is not None
+            n = await self._rndv.take_head(target)  # zero-copy (issue 12): READ straight into target
+            if n is not None:
+                self._after_read()
+                return n
         n = rxbuf.read_message_into(target)
         self._after_read()
         return n
@@ -552,10 +585,24 @@ class Endpoint:
         await self._wait_readable()
         return True
 
+    async def _wait_more_bytes(self) -> bool:
+        """:meth:`_wait_more` for the stream reads: rendezvous messages that came meanwhile are pulled."""
+        more = await self._wait_more()
+        await self._settle()
+        return more
+
+    async def _settle(self) -> None:
+        """Stream reads see bytes only: pull every rendezvous message still announced (issue 12)."""
+        if self._rxbuf.pending:
+            assert self._rndv is not None
+            await self._rndv.settle()
+
     def _after_read(self) -> None:
         """The application took data: post the held slots again once the buffer allows it."""
         if self._rxbuf.held:
             self._repost_released()
+        if self._rxbuf.pending and self._rndv is not None:
+            self._rndv.kick()  # zero-copy (issue 12): pulls held back by the buffer's limit may go now
 
     def _repost_released(self) -> None:
         slots = self._rxbuf.releasable()
@@ -638,9 +685,10 @@ class Endpoint:
     async def _read_some(self, n: int) -> bytes:
         """Up to ``n`` bytes (n > 0) of the stream; b"" at EOF. Skips empty messages."""
         rxbuf = self._rxbuf
+        await self._settle()
         while not rxbuf.unread:
             rxbuf.skip_empty()
-            if not await self._wait_more():
+            if not await self._wait_more_bytes():
                 return b""
         data = rxbuf.take(n)
         self._after_read()
@@ -652,7 +700,8 @@ class Endpoint:
             return b""
         if n > 0:
             return await self._read_some(n)
-        while await self._wait_more():
+        await self._settle()
+        while await self._wait_more_bytes():
             pass
         data = self._rxbuf.take_all()
         self._after_read()
@@ -669,8 +718,9 @@ class Endpoint:
         if n == 0:
             return b""
         rxbuf = self._rxbuf
+        await self._settle()
         while rxbuf.unread < n:
-            if not await self._wait_more():
+            if not await self._wait_more_bytes():
                 partial = rxbuf.take_all()
                 self._after_read()
                 raise asyncio.IncompleteReadError(partial, n)
@@ -685,6 +735,7 @@ class Endpoint:
         limit = self._options.read_limit
         seplen = len(separator)
         rxbuf = self._rxbuf
+        await self._settle()
         while True:
             index = rxbuf.find(separator)
             if index >= 0:
@@ -700,7 +751,7 @@ class Endpoint:
                 raise asyncio.LimitOverrunError(
                     "Separator is not found, and chunk exceed the limit", rxbuf.unread - seplen + 1
                 )
-            if not await self._wait_more():
+            if not await self._wait_more_bytes():
                 partial = rxbuf.take_all()
                 self._after_read()
                 raise asyncio.IncompleteReadError(partial, None)
@@ -721,7 +772,11 @@ class Endpoint:
 
     def at_eof(self) -> bool:
         """True when the buffer is empty and the peer sent EOF (or the connection ended)."""
-        return self._rxbuf.unread == 0 and (self._session.peer_eof or self._torn_down)
+        return (
+            self._rxbuf.unread == 0
+            and not self._rxbuf.pending
+            and (self._session.peer_eof or self._torn_down)
+        )
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._lines()
@@ -756,7 +811,9 @@ class Endpoint:
     async def _graceful_close(self) -> None:
         try:
             async with self._io.timeout(self._options.close_timeout):
-                while not self._torn_down and (self._tx.txq or not self._tx.eof_done):
+                while not self._torn_down and (
+                    self._tx.txq or not self._tx.eof_done or (self._rndv is not None and self._rndv.sending)
+                ):
                     await self._wait_writable()
         except TimeoutError:
             log.debug("rdmaio: close timed out with %d bytes unsent; aborting", self._tx.buffered)
@@ -828,6 +885,8 @@ class Endpoint:
                 self._reactor.release_id(self._cm_id)
         self._session.mark_closed()
         self._onesided.close(self._session.flush_error())  # one-sided (issue 11): the QP is gone now
+        if self._rndv is not None:  # zero-copy (issue 12): after the QP, so no READ runs any more
+            self._rndv.close(self._session.flush_error())
         self._wake_reader()
         self._wake_writers()
         self._closed.set()

@@ -58,6 +58,15 @@ class Options:
     """Kept low on purpose: credits guarantee a posted receive, so an RNR is a bug to surface."""
     retry_count: int = 5
     """Transport retries before a silent peer fails the QP (RETRY_EXC_ERR)."""
+    rndv_threshold: int = 256 * KiB
+    """``send()`` of a message of at least this many bytes uses rendezvous if the peer supports it (the
+    caller's buffer is registered and the peer pulls it with RDMA READ: no copy; see docs/endpoint.md,
+    "Large messages"); 0 turns rendezvous off (and is not announced in the handshake)."""
+    max_pinned: int | None = None
+    """Bound of the bytes the device's registration cache pins (in use and cached), shared by every
+    connection of the loop on that device; None keeps the current bound (256 MiB by default). Applied when
+    a connection with this option is created (the last one wins). A rendezvous send that would exceed it
+    falls back to copying; a rendezvous receive waits for room."""
     max_rdma_ops: int = 16
     """One-sided operations (READ, WRITE, atomics) in flight per connection; further calls wait. Added to
     the send queue and CQ sizes, and used as the READ/atomic depth negotiated with the peer."""
@@ -97,6 +106,10 @@ class Options:
             raise ValueError("read_limit and recv_buffer_limit must be positive")
         if not 1 <= self.signal_interval <= self.send_depth:
             raise ValueError("signal_interval must be between 1 and send_depth")
+        if self.rndv_threshold < 0:
+            raise ValueError("rndv_threshold must be >= 0 (0 turns rendezvous off)")
+        if self.max_pinned is not None and self.max_pinned < 0:
+            raise ValueError("max_pinned must be >= 0")
         if not 1 <= self.max_rdma_ops <= 1024:
             raise ValueError("max_rdma_ops must be between 1 and 1024")
         if self.max_write_notices < 0:

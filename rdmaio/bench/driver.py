@@ -108,7 +108,7 @@ def plan_runs(
     for rep in range(budget.reps):
         for name in native:
             covered = [w for w in CONTENDERS[name].workloads if w in workloads]
-            if name in ("ib_send_bw", "ib_write_bw"):
+            if name in ("ib_send_bw", "ib_write_bw", "ib_read_bw"):
                 # One perftest run gives both the bandwidth and the message rate.
                 for size in sorted({s for w in covered for s in wanted(w)}):
                     which = tuple(w for w in covered if size in wanted(w))

@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import os
 import pty
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -369,6 +370,7 @@ def run_external(
             base = perftest_command(tool, size, amount, port, config.device)
             server_cmd, client_cmd = base, [*base, config.host]
             marker = _PERFTEST_READY
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         last = run_pair(
             server_cmd,
             client_cmd,
@@ -381,6 +383,9 @@ def run_external(
         errors.append(f"attempt {attempt + 1}: {last.error}")
         time.sleep(1.0)
     assert last is not None
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # Both processes of the pair were waited for: their CPU time is in RUSAGE_CHILDREN (zero-copy, issue 12).
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if not last.ok:
         failure = Sample.failure("; ".join(errors), raw=_tail(last.client_out + last.server_out))
         return {w: failure for w in workloads}
@@ -389,6 +394,9 @@ def run_external(
     except ParseError as exc:
         failure = Sample.failure(f"cannot parse {tool} output: {exc}", raw=_tail(last.client_out))
         return {w: failure for w in workloads}
+    for workload, sample in samples.items():
+        if workload in (Workload.STREAM, Workload.MESSAGE) and sample.ops and contender != "rstream":
+            sample.cpu_s_per_gib = cpu_s / (sample.ops * size / 2**30)
     warnings = list(errors)  # it worked on a later attempt: say so
     if "Correlation coefficient r^2" in last.client_out:
         warnings.append("perftest warned that its CPU frequency estimate is unreliable (r^2 < 0.9)")
@@ -401,11 +409,11 @@ def run_external(
 def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -> dict[Workload, Sample]:
     raw = _tail(out)
     samples: dict[Workload, Sample] = {}
-    if contender in ("ib_send_bw", "ib_write_bw"):
+    if contender in ("ib_send_bw", "ib_write_bw", "ib_read_bw"):
         bw = parse_perftest_bw(out)
         if bw.size != size:
             raise ParseError(f"report is for {bw.size} B, asked for {size} B")
-        if bw.bw_average_bytes_per_s <= 0 or bw.msg_rate_mpps <= 0:
+        if bw.bw_average_bytes_per_s <= 0 or bw.msgs_per_s <= 0:
             raise ParseError("the report gives a zero bandwidth or message rate (no valid measurement)")
         for workload in workloads:
             samples[workload] = Sample(

@@ -36,7 +36,7 @@ __all__ = [
 KiB = 1024
 MiB = 1024 * KiB
 
-SIZES: tuple[int, ...] = (64, 4 * KiB, 64 * KiB, MiB)
+SIZES: tuple[int, ...] = (64, 4 * KiB, 64 * KiB, MiB, 16 * MiB)
 """Message/chunk sizes of the stream and message workloads."""
 ECHO_SIZES: tuple[int, ...] = (64, 4 * KiB)
 """Sizes of the echo (round-trip latency) workload."""
@@ -192,7 +192,13 @@ CONTENDERS: dict[str, Contender] = {
             "perftest ib_write_bw -R (RDMA WRITE, rdma_cm)",
         ),
         Contender(
-            "ib_read_bw", "perftest", None, (Workload.RDMA_READ,), True, "perftest ib_read_bw -R (RDMA READ)"
+            "ib_read_bw",
+            "perftest",
+            None,
+            (Workload.STREAM, Workload.MESSAGE, Workload.RDMA_READ),
+            True,
+            "perftest ib_read_bw -R (RDMA READ, rdma_cm): rdma_read's contender, and the transfer rendezvous "
+            "sends make",
         ),
         Contender(
             "ib_read_lat",
@@ -237,8 +243,8 @@ CONTENDER_GROUPS: dict[str, tuple[str, ...]] = {
     "rdmaio": ("rdmaio-asyncio", "rdmaio-uvloop"),
     "tcp": ("tcp-asyncio", "tcp-uvloop"),
     "python": ("rdmaio-asyncio", "rdmaio-uvloop", "tcp-asyncio", "tcp-uvloop"),
-    "perftest": ("ib_send_bw", "ib_write_bw", "ib_send_lat"),
-    "native": ("ib_send_bw", "ib_write_bw", "ib_send_lat", "rstream", "cm_setup"),
+    "perftest": ("ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_send_lat"),
+    "native": ("ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_send_lat", "rstream", "cm_setup"),
     "onesided": (
         "rdmaio-asyncio",
         "rdmaio-uvloop",
@@ -379,16 +385,16 @@ class Budget:
 
 FULL = Budget(
     name="full",
-    stream_bytes={64: 4 * MiB, 4 * KiB: 32 * MiB, 64 * KiB: 64 * MiB, MiB: 64 * MiB},
-    message_bytes={64: 2 * MiB, 4 * KiB: 32 * MiB, 64 * KiB: 64 * MiB, MiB: 64 * MiB},
+    stream_bytes={64: 4 * MiB, 4 * KiB: 32 * MiB, 64 * KiB: 64 * MiB, MiB: 64 * MiB, 16 * MiB: 128 * MiB},
+    message_bytes={64: 2 * MiB, 4 * KiB: 32 * MiB, 64 * KiB: 64 * MiB, MiB: 64 * MiB, 16 * MiB: 128 * MiB},
     echo_iters={64: 2000, 4 * KiB: 2000},
     time_cap=5.0,
     reps=3,
 )
 QUICK = Budget(
     name="quick",
-    stream_bytes={64: 256 * KiB, 4 * KiB: 4 * MiB, 64 * KiB: 8 * MiB, MiB: 8 * MiB},
-    message_bytes={64: 256 * KiB, 4 * KiB: 4 * MiB, 64 * KiB: 8 * MiB, MiB: 8 * MiB},
+    stream_bytes={64: 256 * KiB, 4 * KiB: 4 * MiB, 64 * KiB: 8 * MiB, MiB: 8 * MiB, 16 * MiB: 80 * MiB},
+    message_bytes={64: 256 * KiB, 4 * KiB: 4 * MiB, 64 * KiB: 8 * MiB, MiB: 8 * MiB, 16 * MiB: 80 * MiB},
     echo_iters={64: 300, 4 * KiB: 300},
     time_cap=1.0,
     reps=1,
@@ -423,6 +429,10 @@ class Sample:
     """Stopped by the time cap before the budget was used up."""
     rdmaio: dict[str, float] | None = None
     """Loop wake-ups per operation and CQ batch sizes (rdmaio only)."""
+    cpu_s_per_gib: float | None = None
+    """CPU seconds (user + system) of both processes per GiB moved (stream and message workloads):
+    ``getrusage`` of each side over its measurement for the Python contenders, ``RUSAGE_CHILDREN`` of the
+    server and client processes (whole runs, setup included) for perftest."""
     note: str | None = None
     raw: str | None = None
     """Tail of a tool's output, kept for checking the parse."""

@@ -36,6 +36,7 @@ import cProfile
 import json
 import math
 import os
+import resource
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 READ_SIZE = 1 << 20
+ZERO_COPY_SIZE = 64 * 1024
+"""The message workload's server receives messages of at least this size with ``recv_into`` (issue 12)."""
 """Bytes asked for per ``read()`` by the stream receivers (rdmaio and TCP alike)."""
 CONNECT_TIMEOUT = 60.0
 """Seconds allowed to connect (the emulated test VM is slow)."""
@@ -109,6 +112,12 @@ def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
 # --- server -------------------------------------------------------------------------------------------
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (``getrusage``)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _pick_stats(stats: Mapping[str, float]) -> dict[str, float]:
     return {key: float(stats.get(key, 0.0)) for key in _STATS_KEYS}
 
@@ -121,12 +130,21 @@ async def _rdmaio_handler(ep: rdmaio.Endpoint) -> None:
         spec = json.loads(header)
         workload = spec["workload"]
         result: dict[str, Any] = {}
+        cpu_start = cpu_seconds()
         if workload == Workload.STREAM:
             read = ep.read
             total = 0
             while chunk := await read(READ_SIZE):
                 total += len(chunk)
             result["bytes"] = total
+        elif workload == Workload.MESSAGE and int(spec["size"]) >= ZERO_COPY_SIZE:
+            # Large messages land in the application's buffer (recv_into: zero-copy with rendezvous).
+            recv_into, buffer = ep.recv_into, bytearray(int(spec["size"]))
+            count = total = 0
+            while n := await recv_into(buffer):
+                count += 1
+                total += n
+            result.update(messages=count, bytes=total)
         elif workload == Workload.MESSAGE:
             recv = ep.recv
             count = total = 0
@@ -147,6 +165,7 @@ async def _rdmaio_handler(ep: rdmaio.Endpoint) -> None:
             result.update(await serve_onesided(ep, spec))
         else:
             result["error"] = f"unknown workload {workload!r}"
+        result["cpu_s"] = cpu_seconds() - cpu_start
         result["stats"] = _pick_stats(ep.statistics())
         await ep.send(json.dumps(result).encode())
     except Exception as exc:
@@ -160,6 +179,7 @@ async def _tcp_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         spec = json.loads(await reader.readline())
         workload = spec["workload"]
         result: dict[str, Any] = {}
+        cpu_start = cpu_seconds()
         if workload == Workload.STREAM:
             read = reader.read
             total = 0
@@ -192,6 +212,7 @@ async def _tcp_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             result["messages"] = count
         else:
             result["error"] = f"unknown workload {workload!r}"
+        result["cpu_s"] = cpu_seconds() - cpu_start
         writer.write(json.dumps(result).encode() + b"\n")
         await writer.drain()
     except Exception as exc:
@@ -365,14 +386,18 @@ def _latency_sample(rtts_ns: list[int], seconds: float, capped: bool) -> Sample:
     )
 
 
-def _throughput_sample(workload: Workload, size: int, ops: int, seconds: float, capped: bool) -> Sample:
+def _throughput_sample(
+    workload: Workload, size: int, ops: int, seconds: float, capped: bool, cpu_s: float | None = None
+) -> Sample:
+    moved = ops * size
     return Sample(
         ok=True,
-        bytes_per_s=ops * size / seconds,
+        bytes_per_s=moved / seconds,
         msgs_per_s=ops / seconds,
         seconds=seconds,
         ops=ops,
         capped=capped,
+        cpu_s_per_gib=cpu_s / (moved / 2**30) if cpu_s is not None and moved else None,
     )
 
 
@@ -433,6 +458,7 @@ async def _rdmaio_measure(
         capped = False
         batch = _batch(size)
         rtts: list[int] = []
+        cpu_start = cpu_seconds()
         start = time.perf_counter()
         deadline = start + cap
         if workload is Workload.STREAM:
@@ -465,6 +491,7 @@ async def _rdmaio_measure(
         ep.write_eof()
         raw_ack = await ep.recv()
         seconds = time.perf_counter() - start
+        cpu_client = cpu_seconds() - cpu_start
         client_stats = _pick_stats(ep.statistics())
     finally:
         await ep.aclose()
@@ -475,7 +502,8 @@ async def _rdmaio_measure(
     if workload is Workload.ECHO:
         sample = _latency_sample(rtts, seconds, capped)
     else:
-        sample = _throughput_sample(workload, size, done, seconds, capped)
+        cpu = cpu_client + ack["cpu_s"] if "cpu_s" in ack else None
+        sample = _throughput_sample(workload, size, done, seconds, capped, cpu)
     sample.rdmaio = rdmaio_stats(client_stats, ack.get("stats", {}), done)
     return sample
 
@@ -492,6 +520,7 @@ async def _tcp_measure(
         capped = False
         rtts: list[int] = []
         write, drain = writer.write, writer.drain
+        cpu_start = cpu_seconds()
         start = time.perf_counter()
         deadline = start + cap
         if workload is Workload.STREAM:
@@ -516,6 +545,7 @@ async def _tcp_measure(
         writer.write_eof()
         raw_ack = await reader.readline()
         seconds = time.perf_counter() - start
+        cpu_client = cpu_seconds() - cpu_start
     finally:
         writer.close()
         with contextlib.suppress(Exception):
@@ -526,7 +556,8 @@ async def _tcp_measure(
     _check_ack(ack, workload, size, done)
     if workload is Workload.ECHO:
         return _latency_sample(rtts, seconds, capped)
-    return _throughput_sample(workload, size, done, seconds, capped)
+    cpu = cpu_client + ack["cpu_s"] if "cpu_s" in ack else None
+    return _throughput_sample(workload, size, done, seconds, capped, cpu)
 
 
 async def _rdmaio_setup_once(host: str, port: int, payload: bytes) -> None:

@@ -255,19 +255,32 @@ def key_ratios(figures: Figures) -> list[Ratio]:
     """The headline ratios of the issue, each with its target, for both loops."""
     ratios: list[Ratio] = []
     S, M, E = Workload.STREAM, Workload.MESSAGE, Workload.ECHO
-    ib_bw = ("ib_send_bw", "ib_write_bw")
+    ib_bw = ("ib_send_bw", "ib_write_bw", "ib_read_bw")
     for loop in LOOPS:
         me = f"rdmaio-{loop}"
         tcp = f"tcp-{loop}"
-        for size, tag in ((64 * KiB, "64k"), (MiB, "1m")):
+        for size, tag in ((64 * KiB, "64k"), (MiB, "1m"), (16 * MiB, "16m")):
             ratios.append(
                 _pair_ratio(
                     figures,
                     f"oneway_{tag}_vs_ib_bw",
-                    f"one-way {format_size(size)} vs best of ib_send_bw/ib_write_bw",
+                    f"one-way {format_size(size)} vs best of ib_send_bw/ib_write_bw/ib_read_bw",
                     loop,
                     (me, S, size),
                     (ib_bw, S, size),
+                    ">=",
+                    0.95,
+                )
+            )
+        for size, tag in ((MiB, "1m"), (16 * MiB, "16m")):  # zero-copy (issue 12): rendezvous messages
+            ratios.append(
+                _pair_ratio(
+                    figures,
+                    f"message_{tag}_vs_ib_bw",
+                    f"message {format_size(size)} msg/s vs best of ib_send_bw/ib_write_bw/ib_read_bw",
+                    loop,
+                    (me, M, size),
+                    (ib_bw, M, size),
                     ">=",
                     0.95,
                 )

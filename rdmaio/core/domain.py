@@ -121,7 +121,8 @@ class RegistrationCache:
         self._address_of = address_of
         self.max_pinned = max_pinned
         self._entries: collections.OrderedDict[tuple[int, int, int], _Entry] = collections.OrderedDict()
-        self.pinned = 0  # bytes registered by this cache, in use or not
+        self.pinned = 0  # bytes registered by this cache, in use or not, plus reserved bytes
+        self.reserved = 0  # zero-copy: bytes of per-transfer registrations made outside the cache
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -143,6 +144,44 @@ class RegistrationCache:
         registration = Registration(self, key, entry.region)
         self._evict()
         return registration
+
+    def try_get(self, buffer: Any, access: int = 0) -> Registration | None:
+        """As :meth:`get`, but None instead of a new registration that would take :attr:`pinned` above
+        ``max_pinned`` even after evicting every unused entry (zero-copy transfers: a hard bound)."""
+        address, length = self._address_of(buffer)
+        if (address, length, access) not in self._entries and not self._make_room(length):
+            return None
+        return self.get(buffer, access)
+
+    def try_reserve(self, nbytes: int, limit: int | None = None) -> bool:
+        """Count ``nbytes`` of a registration made outside the cache (a per-transfer rendezvous MR, which
+        must not outlive its transfer) against the bound; False if it does not fit even after eviction.
+        ``limit`` (at most ``max_pinned``) is a lower bound for this request: rendezvous sends use half, so
+        that the receives they wait for (on the other side of a two-way exchange) always find room."""
+        if not self._make_room(nbytes, self.max_pinned if limit is None else min(limit, self.max_pinned)):
+            return False
+        self.reserved += nbytes
+        self.pinned += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back what :meth:`try_reserve` counted (the registration was closed)."""
+        self.reserved -= nbytes
+        self.pinned -= nbytes
+
+    def _make_room(self, nbytes: int, limit: int | None = None) -> bool:
+        """Evict unused entries (oldest first) until ``nbytes`` more fit under ``limit`` (``max_pinned``)."""
+        bound = self.max_pinned if limit is None else limit
+        if self.pinned + nbytes <= bound:
+            return True
+        for key in [k for k, e in self._entries.items() if not e.users]:
+            entry = self._entries.pop(key)
+            self.pinned -= entry.region.length
+            self.evictions += 1
+            entry.region.close()
+            if self.pinned + nbytes <= bound:
+                return True
+        return False
 
     def _release(self, key: tuple[int, int, int]) -> None:
         entry = self._entries.get(key)
@@ -167,6 +206,7 @@ class RegistrationCache:
             "entries": len(self._entries),
             "in_use": sum(1 for e in self._entries.values() if e.users),
             "pinned": self.pinned,
+            "reserved": self.reserved,
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,

@@ -67,6 +67,7 @@ __all__ = [
     "ACCESS_ATOMIC",
     "ACCESS_READ",
     "ACCESS_WRITE",
+    "CTL_FIRST_EXTERNAL",
     "KEY_VERSION",
     "MAX_OP_BYTES",
     "WR_KIND_ONESIDED",
@@ -106,6 +107,8 @@ _LARGE_POOL_BYTES = 32 << 20
 _CONTROL = struct.Struct("!BB6xQ")
 _CTL_REVOKE = 1
 _CTL_REVOKE_ACK = 2
+CTL_FIRST_EXTERNAL = 16
+"""Control message kinds from here on belong to other layers (:meth:`OneSidedEngine.send_control`)."""
 
 _WR_READ: int = lib.IBV_WR_RDMA_READ
 _WR_WRITE: int = lib.IBV_WR_RDMA_WRITE
@@ -424,6 +427,8 @@ class OneSidedEngine:
         self._repost = repost
         self._error: BaseException | None = None
         self.closed = False
+        # Control messages of kind >= CTL_FIRST_EXTERNAL go here (the rendezvous engine's ACK/CANCEL).
+        self.control_handler: Callable[[int, int], None] | None = None
 
     @classmethod
     def for_endpoint(cls, endpoint: Any, transport: Any, session: Credits, options: Any) -> OneSidedEngine:
@@ -564,6 +569,10 @@ class OneSidedEngine:
         if byte_len != _CONTROL.size:
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
+        if version == KEY_VERSION and kind >= CTL_FIRST_EXTERNAL and self.control_handler is not None:
+            # Rendezvous (rdmaio.core.rndv_engine): raises if the kind is unknown.
+            self.control_handler(kind, key_id)
+            return True
         if version != KEY_VERSION or kind not in (_CTL_REVOKE, _CTL_REVOKE_ACK):
             raise ProtocolError(f"unknown one-sided control message version {version} type {kind}")
         if kind == _CTL_REVOKE:
@@ -596,6 +605,13 @@ class OneSidedEngine:
             # One queued notice fewer: the oldest held receive goes back, and with it one writer credit.
             self._repost(self._held_slots.popleft())
         return notice
+
+    def send_control(self, kind: int, value: int) -> None:
+        """Queue a control message of another layer (``kind >= CTL_FIRST_EXTERNAL``, a u64 ``value``);
+        the peer's engine hands it to its :attr:`control_handler`. Sent in call order, after a credit."""
+        if not CTL_FIRST_EXTERNAL <= kind <= 0xFF:
+            raise ValueError(f"control kind {kind} is reserved")
+        self._send_control(kind, value)
 
     def _send_control(self, kind: int, key_id: int) -> None:
         """Queue a control SEND (it needs a credit and an op slot; the ACK may wait for either)."""

@@ -25,7 +25,10 @@ from typing import Any, Protocol
 from rdmaio import verbs
 from rdmaio.protocol import Session
 
-__all__ = ["SendEngine", "SendQueue"]
+__all__ = ["RNDV_FRAME", "SendEngine", "SendQueue"]
+
+RNDV_FRAME = 2
+"""Kind of a :attr:`SendEngine.txq` entry that is an RNDV frame (a rendezvous descriptor)."""
 
 _WR_SEND_WITH_IMM = verbs.WR_SEND_WITH_IMM
 _SEND_SIGNALED = verbs.SEND_SIGNALED
@@ -114,8 +117,9 @@ class SendEngine:
         self.batch_limit = (
             min(batch_limit, self.max_fragment - _RECORD_HEADER.size) if session.batching else -1
         )
-        # Frames to post, in order: (data, kind) with kind True/1 = DATA_END, False/0 = DATA_MORE and
-        # -n = a DATA_BATCH payload of n messages. Data may reference a caller's buffer until own_queued().
+        # Frames to post, in order: (data, kind) with kind True/1 = DATA_END, False/0 = DATA_MORE,
+        # RNDV_FRAME = an RNDV frame and -n = a DATA_BATCH payload of n messages. Data may reference a
+        # caller's buffer until own_queued().
         self.txq: collections.deque[tuple[Payload, int]] = collections.deque()
         self.txq_bytes = 0
         self.queued_frames = 0  # frames ever queued
@@ -281,7 +285,9 @@ class SendEngine:
             data, kind = txq[0]
             length = len(data)
             # The frame is accounted for first: if that raises, no slot or queued data is lost.
-            if kind >= 0:
+            if kind == RNDV_FRAME:  # a rendezvous descriptor; its message is counted by rndv_engine
+                imm = session.take_rndv_frame(length)
+            elif kind >= 0:
                 imm = session.take_data_frame(bool(kind), length)
                 messages += kind
             else:

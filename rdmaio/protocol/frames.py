@@ -39,6 +39,7 @@ class FrameKind(enum.IntEnum):
     CREDIT = 3  # no payload, only grants credits
     EOF = 4  # no payload; the sender sends no more data (half-close)
     DATA_BATCH = 5  # one or more complete messages as [u32 LE length][bytes] records (FEATURE_BATCH)
+    RNDV = 6  # a rendezvous descriptor (FEATURE_RNDV): a message whose data the receiver pulls
 
 
 # Plain-int kinds for the hot path (comparing ints, no enum lookup), the members on_frame returns (bound
@@ -48,16 +49,19 @@ _K_END: Final = 2
 _K_CREDIT: Final = 3
 _K_EOF: Final = 4
 _K_BATCH: Final = 5
+_K_RNDV: Final = 6
 _DATA_MORE: Final = FrameKind.DATA_MORE
 _DATA_END: Final = FrameKind.DATA_END
 _CREDIT: Final = FrameKind.CREDIT
 _EOF_KIND: Final = FrameKind.EOF
 _DATA_BATCH: Final = FrameKind.DATA_BATCH
+_RNDV: Final = FrameKind.RNDV
 _IMM_MORE: Final = _K_MORE << _KIND_SHIFT
 _IMM_END: Final = _K_END << _KIND_SHIFT
 _IMM_CREDIT: Final = _K_CREDIT << _KIND_SHIFT
 _IMM_EOF: Final = _K_EOF << _KIND_SHIFT
 _IMM_BATCH: Final = _K_BATCH << _KIND_SHIFT
+_IMM_RNDV: Final = _K_RNDV << _KIND_SHIFT
 # FrameKind member by raw kind value (None: unknown kind), for decode_imm and the error path.
 _KIND_BY_VALUE: Final[tuple[FrameKind | None, ...]] = tuple(
     {int(k): k for k in FrameKind}.get(v) for v in range(1 << (32 - _KIND_SHIFT))

@@ -33,7 +33,10 @@ FEATURE_ONESIDED: Final = 0x04
 """Handshake feature bit: this side understands the one-sided frames (write notices, RDMA WRITEs with
 immediate data, and the REVOKE/REVOKE_ACK control messages; docs/one-sided.md). Without it in the peer's
 handshake, rdmaio sends none of them to that peer."""
-KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW | FEATURE_ONESIDED
+FEATURE_RNDV: Final = 0x08
+"""Handshake feature bit: this side accepts RNDV frames (rendezvous: a large message's descriptor, the data
+is pulled with RDMA READ; :mod:`rdmaio.protocol.rendezvous`). Used only if both sides announce it."""
+KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW | FEATURE_ONESIDED | FEATURE_RNDV
 """Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""
 # Header: magic, version, flags (feature bits, see KNOWN_FEATURES; unknown bits are ignored on receipt so
 # that a later version can add features compatibly), body length.

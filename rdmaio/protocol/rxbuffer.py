@@ -33,7 +33,17 @@ __all__ = ["ReceiveBuffer"]
 class ReceiveBuffer:
     """Complete messages not yet read, the message being reassembled, and the slots held back."""
 
-    __slots__ = ("_held", "_messages", "_offset", "_parts", "assembling", "limit", "reader_waiting", "unread")
+    __slots__ = (
+        "_held",
+        "_messages",
+        "_offset",
+        "_parts",
+        "assembling",
+        "limit",
+        "pending",
+        "reader_waiting",
+        "unread",
+    )
 
     def __init__(self, limit: int) -> None:
         if limit <= 0:
@@ -46,6 +56,10 @@ class ReceiveBuffer:
         self.assembling = 0  # their total size
         self._held: list[int] = []
         self.reader_waiting = False
+        # Rendezvous (rdmaio.core.rndv_engine): placeholders of messages the peer announced and we have not
+        # pulled yet sit in _messages in arrival order; they count in neither unread nor buffered. Stream
+        # reads resolve them all first (the endpoint's job), so take()/find() never meet one.
+        self.pending = 0
 
     # --- receiving ---------------------------------------------------------------------------------
 
@@ -81,6 +95,39 @@ class ReceiveBuffer:
         size = sum(map(len, messages))
         self.unread += size
         return size
+
+    # --- rendezvous placeholders ---------------------------------------------------------------------
+
+    def add_pending(self, placeholder: object) -> None:
+        """A rendezvous message was announced: keep its place in the order until it is pulled."""
+        self._messages.append(placeholder)  # type: ignore[arg-type]
+        self.pending += 1
+
+    def head(self) -> object | None:
+        """The next message or placeholder (None if there is none)."""
+        return self._messages[0] if self._messages else None
+
+    def placeholders(self) -> list[object]:
+        """The placeholders still waiting, in order."""
+        return [m for m in self._messages if not isinstance(m, bytes | bytearray)]
+
+    def resolve(self, placeholder: object, data: bytes) -> None:
+        """Replace a placeholder by its pulled message."""
+        messages = self._messages
+        index = next(i for i, m in enumerate(messages) if m is placeholder)
+        messages[index] = data
+        self.pending -= 1
+        self.unread += len(data)
+
+    def withdraw(self, placeholder: object) -> None:
+        """Remove a placeholder: the message was withdrawn (consumed straight into a caller's buffer, or
+        cancelled by the sender before it was pulled)."""
+        messages = self._messages
+        index = next(i for i, m in enumerate(messages) if m is placeholder)
+        del messages[index]
+        if index == 0:
+            self._offset = 0
+        self.pending -= 1
 
     def admit(self, slot: int) -> bool:
         """Decide about the slot of a data frame just added: True to post it again now, False if held."""

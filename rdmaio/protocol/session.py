@@ -27,12 +27,15 @@ from rdmaio.protocol.frames import (
     _IMM_END,
     _IMM_EOF,
     _IMM_MORE,
+    _IMM_RNDV,
     _K_BATCH,
     _K_CREDIT,
     _K_END,
     _K_EOF,
     _K_MORE,
+    _K_RNDV,
     _KIND_SHIFT,
+    _RNDV,
     BATCH_RECORD_HEADER,
     BytesLike,
     FrameKind,
@@ -40,7 +43,7 @@ from rdmaio.protocol.frames import (
     decode_imm,
     unpack_batch,
 )
-from rdmaio.protocol.handshake import FEATURE_BATCH, MAX_CREDITS, Handshake
+from rdmaio.protocol.handshake import FEATURE_BATCH, FEATURE_RNDV, MAX_CREDITS, Handshake
 
 
 class EOFType(enum.Enum):
@@ -131,6 +134,7 @@ class Session:
         "_recv_in_message",
         "_recv_max",
         "_recv_message_bytes",
+        "_rndv",
         "_send_credits",
         "_send_in_message",
         "_send_message_bytes",
@@ -168,6 +172,7 @@ class Session:
         self._max_fragment = peer.slot_size
         self._peer_max = peer.max_message_size
         self._batching = bool(local.features & peer.features & FEATURE_BATCH)
+        self._rndv = bool(local.features & peer.features & FEATURE_RNDV)
         self._threshold = credit_threshold
         # The peer posted initial_depth receives; its recv_depth bounds what it may grant us later.
         self._send_credits = peer.initial_depth
@@ -252,6 +257,11 @@ class Session:
     def batching(self) -> bool:
         """True if both handshakes announced :data:`FEATURE_BATCH`: DATA_BATCH frames may be sent."""
         return self._batching
+
+    @property
+    def rendezvous(self) -> bool:
+        """True if both handshakes announced :data:`FEATURE_RNDV`: RNDV frames may be sent."""
+        return self._rndv
 
     @property
     def peer_eof(self) -> bool:
@@ -368,6 +378,23 @@ class Session:
         self._messages_sent += messages
         self._bytes_sent += nbytes - BATCH_RECORD_HEADER * messages
         return self._take(_IMM_BATCH)
+
+    def take_rndv_frame(self, nbytes: int) -> int:
+        """Account for one RNDV frame (a rendezvous descriptor, ``nbytes`` of payload) about to be posted and
+        return its immediate value. It follows the rules of a DATA_END frame (two credits, not after EOF, not
+        in the middle of a message); the message it announces is counted by the rendezvous layer."""
+        if (
+            self._wire_down
+            or self._eof_sent
+            or self._send_credits < 2
+            or not 0 < nbytes <= self._max_fragment
+        ):
+            self._raise_send_error(nbytes, 2)
+        if not self._rndv:
+            raise RuntimeError("cannot send an RNDV frame: rendezvous was not negotiated")
+        if self._send_in_message:
+            raise RuntimeError("cannot send an RNDV frame in the middle of a message (DATA_END missing)")
+        return self._take(_IMM_RNDV)
 
     def credit_frame_due(self) -> bool:
         """True if a standalone CREDIT frame should be sent now."""
@@ -555,6 +582,10 @@ class Session:
                 self._reject(imm, byte_len)
             self._peer_eof = True
             result = _EOF_KIND
+        elif kind == _K_RNDV:
+            if not self._rndv or self._peer_eof or self._recv_in_message or not byte_len:
+                self._reject(imm, byte_len)
+            result = _RNDV
         else:
             self._reject(imm, byte_len)
         self._posted -= 1
@@ -601,7 +632,7 @@ class Session:
         except FrameError as exc:
             return exc
         name = kind.name
-        is_data = kind in (_DATA_MORE, _DATA_END, _DATA_BATCH)
+        is_data = kind in (_DATA_MORE, _DATA_END, _DATA_BATCH, _RNDV)
         if self._posted <= 0:
             return FrameError(
                 f"{name} frame arrived with no receive posted (RNR): the peer overran its credits"
@@ -627,6 +658,13 @@ class Session:
                 return FrameError("DATA_BATCH frame in the middle of a message (DATA_END missing)")
             if byte_len < BATCH_RECORD_HEADER:
                 return FrameError(f"DATA_BATCH frame of {byte_len} bytes is too short for one record")
+        elif kind is _RNDV:
+            if not self._rndv:
+                return FrameError("RNDV frame although rendezvous was not negotiated")
+            if self._recv_in_message:
+                return FrameError("RNDV frame in the middle of a message (DATA_END missing)")
+            if not byte_len:
+                return FrameError("RNDV frame without a descriptor")
         elif is_data:
             size = self._recv_message_bytes + byte_len
             if size > self._local_max:

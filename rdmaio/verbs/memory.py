@@ -42,11 +42,14 @@ class MemoryRegion(_Resource):
         remote_write: bool = False,
         remote_read: bool = False,
         remote_atomic: bool = False,
+        readonly: bool = False,
     ) -> None:
         super().__init__(pd)
         self.buffer = buffer
-        self._cbuf = ffi.from_buffer(buffer, require_writable=True)
-        access = lib.IBV_ACCESS_LOCAL_WRITE
+        # readonly (zero-copy sends of bytes): the NIC only reads it, so no LOCAL_WRITE, and a read-only
+        # buffer is accepted; REMOTE_WRITE/ATOMIC need LOCAL_WRITE and are refused by the device then.
+        self._cbuf = ffi.from_buffer(buffer, require_writable=not readonly)
+        access = 0 if readonly else lib.IBV_ACCESS_LOCAL_WRITE
         if remote_write:
             access |= lib.IBV_ACCESS_REMOTE_WRITE
         if remote_read:

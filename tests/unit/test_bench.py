@@ -237,13 +237,15 @@ def test_sizes() -> None:
 
 
 def test_resolve_contenders() -> None:
-    assert resolve_contenders(["perftest"]) == ["ib_send_bw", "ib_write_bw", "ib_send_lat"]
+    assert resolve_contenders(["perftest"]) == ["ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_send_lat"]
     assert resolve_contenders(["rdmaio", "rdmaio-asyncio", "tcp-uvloop"]) == [
         "rdmaio-asyncio",
         "rdmaio-uvloop",
         "tcp-uvloop",
     ]
-    assert len(resolve_contenders(["all"])) == 12  # with cm_setup and the one-sided perftest tools
+    assert (
+        len(resolve_contenders(["all"])) == 12
+    )  # with cm_setup, ib_read_bw and the one-sided perftest tools
     with pytest.raises(ValueError, match="unknown contender"):
         resolve_contenders(["iperf"])
 
@@ -395,7 +397,7 @@ def test_render_table() -> None:
     assert "Message rate" in text and "Echo round trip" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("size") and "ib_write_bw" in line)
-    others = ("ib_send_lat", "cm_setup", "ib_read_bw", "ib_read_lat", "ib_atomic_bw")  # not stream tools
+    others = ("ib_send_lat", "cm_setup", "ib_read_lat", "ib_atomic_bw")  # not stream tools
     assert header.split() == ["size", *[c for c in contenders if c not in others]]
     one_mib = next(line for line in lines if line.startswith("1 MiB"))
     assert "ERR" in one_mib  # the failed ib_write_bw
@@ -474,20 +476,21 @@ def test_plan_runs() -> None:
     assert [r.rep for r in runs] == sorted(r.rep for r in runs)  # repetitions outermost
     first = runs[:per_rep]
     send_bw = [r for r in first if r.contender == "ib_send_bw"]
-    assert len(send_bw) == 4 and all(r.workloads == (S, M) for r in send_bw)
+    assert len(send_bw) == 5 and all(r.workloads == (S, M) for r in send_bw)
     assert [r.size for r in first if r.contender == "ib_send_lat"] == [64, 4096]
     assert [(r.workloads, r.size) for r in first if r.contender == "rstream"] == [
         ((S,), 64),
         ((S,), 4096),
         ((S,), 65536),
         ((S,), MiB),
+        ((S,), 16 * MiB),
         ((E,), 64),
         ((E,), 4096),
     ]
     python = [r.contender for r in first if r.contender.startswith(("rdmaio", "tcp"))]
     loops = [c.split("-")[1] for c in python]
     assert loops == sorted(loops)  # asyncio contenders first, then uvloop: one switch per repetition
-    assert len([r for r in first if r.contender == "rdmaio-uvloop"]) == 10
+    assert len([r for r in first if r.contender == "rdmaio-uvloop"]) == 12
     # native tools before the Python contenders
     kinds = ["py" if r.contender.startswith(("rdmaio", "tcp")) else "native" for r in first]
     assert kinds == sorted(kinds, key=lambda k: k == "py")

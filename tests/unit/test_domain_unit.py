@@ -44,6 +44,7 @@ def test_a_buffer_is_registered_once_and_shared() -> None:
         "entries": 1,
         "in_use": 1,
         "pinned": 1000,
+        "reserved": 0,
         "hits": 1,
         "misses": 1,
         "evictions": 0,

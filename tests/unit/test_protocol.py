@@ -284,7 +284,7 @@ def test_handshake_decode_keeps_known_feature_bits_only(flags: int, features: in
 
 def test_handshake_construct_rejects_unknown_features() -> None:
     with pytest.raises(HandshakeError, match="unknown feature bits 0x80"):
-        Handshake(8, 64, 1024, features=0x80)  # 0x04 is FEATURE_ONESIDED now
+        Handshake(8, 64, 1024, features=0x80)  # 0x04 is FEATURE_ONESIDED, 0x08 FEATURE_RNDV
     with pytest.raises(HandshakeError, match="unknown feature bits"):
         Handshake(8, 64, 1024, features=-1)
     with pytest.raises(TypeError, match="features must be an int"):
@@ -325,10 +325,10 @@ def test_encode_imm_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="credits -1 out of range"):
         encode_imm(FrameKind.CREDIT, -1)
     with pytest.raises(ValueError):
-        encode_imm(6, 0)  # type: ignore[arg-type]
+        encode_imm(7, 0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("raw_kind", [0, *range(6, 16)])
+@pytest.mark.parametrize("raw_kind", [0, *range(7, 16)])
 def test_decode_imm_unknown_kind(raw_kind: int) -> None:
     with pytest.raises(FrameError, match=f"unknown frame kind {raw_kind}"):
         decode_imm(raw_kind << 28 | 7)
