@@ -88,6 +88,97 @@ def bench_shuffle(client: Client, rows: int, repeat: int) -> float:
     return _median_seconds(once, repeat)
 
 
+_TRACE_MODULE = "__dask_bench_trace__"
+
+
+def install_trace(role: str) -> None:
+    """Runs in every process: time each comm connect/read/write/close of tcp:// and rdma:// into a list.
+
+    Timestamps are ``time.time()``: every process of a LocalCluster shares the machine's clock.
+    """
+    import types
+
+    import distributed.comm.tcp as tcp
+
+    import rdmaio.dask.comm as rdma
+
+    if _TRACE_MODULE in sys.modules:
+        sys.modules[_TRACE_MODULE].records.clear()  # type: ignore[attr-defined]
+        return
+    holder = types.ModuleType(_TRACE_MODULE)
+    records: list[tuple[float, float, str, str, str]] = []
+    holder.records = records  # type: ignore[attr-defined]
+    sys.modules[_TRACE_MODULE] = holder
+
+    def summary(value: Any) -> str:
+        if isinstance(value, dict):
+            return str(value.get("op") or value.get("status") or sorted(value)[:3])
+        if isinstance(value, (list, tuple)):
+            return "[" + ",".join(summary(v) for v in value[:4]) + (",..." if len(value) > 4 else "") + "]"
+        return type(value).__name__
+
+    def wrap(cls: Any, name: str) -> None:
+        original = getattr(cls, name)
+
+        async def traced(self: Any, *a: Any, **k: Any) -> Any:
+            begin = time.time()
+            detail = summary(a[0]) if name == "write" and a else (str(a[0]) if name == "connect" else "")
+            try:
+                result = await original(self, *a, **k)
+            except BaseException as exc:
+                records.append((begin, time.time(), role, name, f"{detail} !{type(exc).__name__}"))
+                raise
+            if name == "read":
+                detail = summary(result)
+            elif name == "write":
+                detail += f" {result} B"
+            peer = getattr(self, "peer_address", "") if name != "connect" else ""
+            records.append((begin, time.time(), role, name, f"{detail} {peer}".strip()))
+            return result
+
+        setattr(cls, name, traced)
+
+    for cls in (tcp.TCP, rdma.RDMAComm):
+        for name in ("read", "write", "close"):
+            wrap(cls, name)
+    for cls in (tcp.TCPConnector, rdma.RDMAConnector):
+        wrap(cls, "connect")
+
+
+def collect_trace() -> list[tuple[float, float, str, str, str]]:
+    """Runs in every process: the records since install_trace()."""
+    return list(sys.modules[_TRACE_MODULE].records)  # type: ignore[attr-defined]
+
+
+def trace_transfer(client: Client, size_mib: int) -> None:
+    """Print a merged timeline of every comm operation of all processes during one transfer."""
+    worker_a, worker_b = sorted(client.scheduler_info()["workers"])
+    roles = {worker_a: "A", worker_b: "B"}
+    data = client.submit(make_array, size_mib * MiB, 99, workers=[worker_a], pure=False)
+    wait(data)
+    for address, role in roles.items():
+        client.run(install_trace, role, workers=[address])
+    client.run_on_scheduler(install_trace, "S")
+    install_trace("C")
+    begin = time.time()
+    result = client.submit(checksum, data, workers=[worker_b], allow_other_workers=False, pure=False)
+    result.result()
+    end = time.time()
+    time.sleep(0.5)  # let the trailing messages land
+    records = collect_trace()
+    for address in roles:
+        records += client.run(collect_trace, workers=[address])[address]
+    records += client.run_on_scheduler(collect_trace)
+    print(f"\ntrace of one {size_mib} MiB transfer: {(end - begin) * 1000:.1f} ms submit-to-result")
+    print("  start ms   dur ms  proc  call     detail")
+    # With LocalCluster the scheduler runs in the client's process: its records come back twice.
+    for start, stop, role, name, detail in sorted(set(records)):
+        if stop < begin or start > end + 0.1:
+            continue
+        print(f"  {(start - begin) * 1000:8.1f} {(stop - start) * 1000:8.1f}  {role:4}  {name:7}  {detail}")
+    sys.stdout.flush()
+
+
 def run_protocol(protocol: str, args: argparse.Namespace) -> dict[str, float]:
     """Start a cluster on ``protocol`` and run every measurement on it."""
     results: dict[str, float] = {}
@@ -100,6 +191,11 @@ def run_protocol(protocol: str, args: argparse.Namespace) -> dict[str, float]:
     ):  # fmt: skip
         client.wait_for_workers(2)
         bench_transfer(client, 1, 1)  # warm-up: imports, connections
+        if args.trace:
+            print(f"\n{protocol}://, loop {dask.config.get('distributed.admin.event-loop')}:")
+            for size in args.sizes:
+                trace_transfer(client, size)
+            return results
         for size in args.sizes:
             results[f"transfer {size} MiB"] = bench_transfer(client, size, args.repeat)
         results[f"shuffle {args.rows} rows"] = bench_shuffle(client, args.rows, args.repeat)
@@ -112,25 +208,33 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--host", default="198.18.0.1", help="an address of the RDMA interface")
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    parser.add_argument("--loop", default="asyncio", help="asyncio, uvloop or both: asyncio,uvloop")
     parser.add_argument("--sizes", default="1,16,64", help="transfer sizes in MiB, comma-separated")
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--protocols", default="tcp,rdma")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print a timeline of each process's comm calls for one "
+        "transfer of each size instead of measuring",
+    )
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
-    all_results: dict[str, dict[str, float]] = {}
-    with dask.config.set({"distributed.admin.event-loop": args.loop}):
-        for protocol in args.protocols.split(","):
-            all_results[protocol] = run_protocol(protocol, args)
-    print_table(all_results, args)
+    for loop in args.loop.split(","):
+        all_results: dict[str, dict[str, float]] = {}
+        with dask.config.set({"distributed.admin.event-loop": loop}):
+            for protocol in args.protocols.split(","):
+                all_results[protocol] = run_protocol(protocol, args)
+        if not args.trace:
+            print_table(all_results, args, loop)
     return 0
 
 
-def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace, loop: str) -> None:
     """Markdown: one row per measurement, one column per protocol, plus throughput for transfers."""
     protocols = list(results)
-    print(f"\nloop: {args.loop}, host: {args.host}, median of {args.repeat}\n")
+    print(f"\nloop: {loop}, host: {args.host}, median of {args.repeat}\n")
     print("| measurement | " + " | ".join(f"{p}://" for p in protocols) + " | rdma/tcp |")
     print("| --- | " + " | ".join("---" for _ in protocols) + " | --- |")
     for name in results[protocols[0]]:

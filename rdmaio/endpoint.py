@@ -115,6 +115,8 @@ class Endpoint:
             "mtu": transport.device.query_port(cm_id.port_num).active_mtu,
             "max_inline": self._max_inline,
             "options": options,
+            # The largest message the peer accepts (its handshake): what send() checks against.
+            "peer_max_message_size": session.peer.max_message_size,
         }
         # receive side
         self._rxbuf = ReceiveBuffer(options.recv_buffer_limit)
@@ -170,7 +172,8 @@ class Endpoint:
     # --- information -------------------------------------------------------------------------------
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ... by name."""
+        """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ``max_inline``,
+        ``options`` or ``peer_max_message_size`` (the largest message the peer accepts) by name."""
         return self._extra.get(name, default)
 
     def statistics(self) -> dict[str, float]:

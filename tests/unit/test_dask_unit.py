@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import rdmaio
 from rdmaio.dask import addressing
-from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAListener
+from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAListener, chunk_size
 from rdmaio.dask.framing import (
     INLINE_FRAME_LIMIT,
     FramingError,
@@ -50,6 +50,7 @@ class FakeEndpoint:
         self.closing = False
         self.sent_sizes: list[int] = []
         self.changed = asyncio.Event()
+        self.extra: dict[str, Any] = {"device": "fake0", "qp_num": 7}
 
     @classmethod
     def pair(cls) -> tuple[FakeEndpoint, FakeEndpoint]:
@@ -130,7 +131,7 @@ class FakeEndpoint:
         return not self.rx and (self.eof or self.error is not None)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"device": "fake0", "qp_num": 7}.get(name, default)
+        return self.extra.get(name, default)
 
 
 # --- framing -----------------------------------------------------------------------------------------
@@ -265,6 +266,28 @@ def test_comm_roundtrip_with_serialisation(arun: Callable[[Coroutine[Any, Any, N
         assert got["x"].flags.writeable
         assert ca.extra_info["device"] == "fake0"
         assert repr(ca) == "<RDMAComm  local=rdma://10.0.0.1:1 remote=rdma://10.0.0.2:2>"
+
+    arun(main())
+
+
+def test_comm_chunks_by_the_peers_max_message_size(
+    arun: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    async def main() -> None:
+        a, b = FakeEndpoint.pair()
+        a.extra["peer_max_message_size"] = 100_000  # below the 4 MiB chunk size
+        ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]
+        cb = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
+        assert ca.extra_info["peer_max_message_size"] == 100_000
+        payload = bytes(range(256)) * 1000
+        await ca.write(payload)
+        assert await cb.read() == payload
+        assert max(a.sent_sizes) <= 100_000
+        assert sum(size == 100_000 for size in a.sent_sizes) >= 2  # the frame was cut
+        with dask.config.set({"distributed.comm.rdma.chunk-size": "64 kiB"}):
+            assert chunk_size(100_000) == 65536
+            assert chunk_size(None) == 65536
+        assert chunk_size(100_000) == 100_000
 
     arun(main())
 
