@@ -409,3 +409,51 @@ def test_backend_address_handling() -> None:
     assert addressing.is_wildcard("") and addressing.is_wildcard("0.0.0.0")
     with dask.config.set({"distributed.comm.rdma.host": "198.18.0.1"}):
         assert backend.get_local_address_for("127.0.0.1:8786") == "198.18.0.1"
+
+
+# --- python -m rdmaio bench --only dask -------------------------------------------------------------
+
+
+def test_bench_dask_table_and_options() -> None:
+    from rdmaio.bench import dask as dask_bench
+
+    args = dask_bench.build_parser().parse_args(["--sizes", "1,64", "--loop", "uvloop", "--reps", "5"])
+    assert args.sizes == [1, 64] and args.loops == ["uvloop"] and args.reps == 5
+    assert args.protocols == ["tcp", "rdma"]
+    results = {
+        "tcp": {"transfer 1 MiB": 0.5, "shuffle 10 rows": 2.0},
+        "rdma": {"transfer 1 MiB": 0.25, "shuffle 10 rows": 4.0},
+    }
+    table = dask_bench.render_table(results, "uvloop", args).splitlines()
+    assert table[0] == "loop: uvloop, host: 198.18.0.1, median of 5"
+    assert table[4] == "| transfer 1 MiB | 500.0 ms (2.0 MiB/s) | 250.0 ms (4.0 MiB/s) | 2.00x tcp's speed |"
+    assert table[5] == "| shuffle 10 rows | 2000.0 ms | 4000.0 ms | 0.50x tcp's speed |"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--only", "dask,stream"], "runs alone"),
+        (["--only", "dask", "--sizes", "64K"], "whole MiB"),
+        (["--only", "dask", "--json", "x.json"], "table only"),
+    ],
+)
+def test_bench_only_dask_rejects(argv: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from rdmaio.bench.driver import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_bench_only_dask_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rdmaio.bench import dask as dask_bench
+    from rdmaio.bench.driver import main
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(dask_bench, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert main(["--only", "dask", "--sizes", "1M,16M", "--reps", "2", "--host", "198.18.0.2"]) == 0
+    assert main(["--only", "dask", "--quick"]) == 0
+    assert seen[0] == ["--host", "198.18.0.2", "--reps", "2", "--sizes", "1,16"]
+    assert seen[1][-4:] == ["--sizes", "1,16", "--rows", "50000"] and seen[1][3] == "1"
