@@ -362,16 +362,20 @@ def test_encryption_required_is_refused() -> None:
 # --- addressing -------------------------------------------------------------------------------------
 
 
-def _fake_sysfs(root: Path, gids: dict[str, list[str]]) -> None:
+def _fake_sysfs(root: Path, gids: dict[str, list[str]], state: str | None = None) -> None:
     for device, entries in gids.items():
         gid_dir = root / device / "ports" / "1" / "gids"
         gid_dir.mkdir(parents=True)
+        if state is not None:
+            (gid_dir.parent / "state").write_text(state + "\n")
         for index, gid in enumerate(entries):
             (gid_dir / str(index)).write_text(gid + "\n")
 
 
 def test_sysfs_addresses_and_rdma_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     zero = "0000:0000:0000:0000:0000:0000:0000:0000"
+    # a DOWN port's address sorts last, even though its device comes first
+    _fake_sysfs(tmp_path, {"mlx5_0": ["0000:0000:0000:0000:0000:ffff:0a00:0009"]}, state="1: DOWN")
     _fake_sysfs(
         tmp_path,
         {
@@ -386,8 +390,10 @@ def test_sysfs_addresses_and_rdma_host(tmp_path: Path, monkeypatch: pytest.Monke
             + [zero] * 6,  # index 10 and 11 sort after 2, not before
             "rxe1": ["0000:0000:0000:0000:0000:ffff:0a00:0005"],
         },
+        state="4: ACTIVE",
     )
-    assert addressing.sysfs_ipv4_addresses(tmp_path) == ["198.18.0.1", "198.18.0.2", "10.0.0.5"]
+    addresses = addressing.sysfs_ipv4_addresses(tmp_path)
+    assert addresses == ["198.18.0.1", "198.18.0.2", "10.0.0.5", "10.0.0.9"]
     assert addressing.sysfs_ipv4_addresses(tmp_path / "missing") == []
     monkeypatch.setattr(addressing, "SYSFS_INFINIBAND", tmp_path)
     with dask.config.set({"distributed.comm.rdma.host": None}):
