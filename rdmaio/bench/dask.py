@@ -31,6 +31,8 @@ MiB = 1024 * 1024
 DEFAULT_SIZES = (1, 16, 64)
 """Transfer sizes in MiB."""
 DEFAULT_ROWS = 200_000
+FRAMING_CHUNKS = (64 * 1024, 1024 * 1024, 4 * MiB, 64 * MiB)
+"""Chunk sizes --framing compares (the first fits one 64 KiB slot: one frame per message)."""
 _TRACE_MODULE = "__rdmaio_bench_dask_trace__"
 
 __all__ = ["DEFAULT_ROWS", "DEFAULT_SIZES", "build_parser", "main", "run"]
@@ -197,6 +199,64 @@ def trace_transfer(client: Any, size_mib: int, out: Progress) -> None:
             out(f"  {(start - begin) * 1000:8.1f} {(stop - start) * 1000:8.1f}  {role:4}  {name:7}  {detail}")
 
 
+# --- the comm's data path alone (--framing) ---------------------------------------------------------
+
+
+async def framing_throughput(host: str, size: int, reps: int, chunks: Sequence[int]) -> dict[str, float]:
+    """MiB/s of one ``size``-byte frame between two endpoints of this process: plain ``send``/``recv``
+    of 1 MiB messages, then the comm's framing (``write_frames``/``read_frames`` into a preallocated
+    buffer) at each chunk size. Medians of ``reps``; no Dask, no serialisation, no other process."""
+    import asyncio
+
+    import rdmaio
+    from rdmaio.dask.framing import read_frames, write_frames
+
+    accepted: asyncio.Queue[rdmaio.Endpoint] = asyncio.Queue()
+    server = await rdmaio.serve(accepted.put, host, 0)
+    port = server.addresses[0][1]
+    client = await rdmaio.connect(host, port)
+    peer = await accepted.get()
+    payload = memoryview(bytearray(size))
+    results: dict[str, float] = {}
+
+    async def timed(send: Any, receive: Any) -> float:
+        times = []
+        for _ in range(reps):
+            begin = time.perf_counter()
+            await asyncio.gather(send(), receive())
+            times.append(time.perf_counter() - begin)
+        return size / MiB / statistics.median(times)
+
+    async def send_plain() -> None:
+        for start in range(0, size, MiB):
+            await client.send(payload[start : start + MiB])
+
+    async def recv_plain() -> None:
+        got = 0
+        while got < size:
+            message = await peer.recv()
+            assert message is not None
+            got += len(message)
+
+    try:
+        results["send/recv 1 MiB messages"] = await timed(send_plain, recv_plain)
+        for chunk in chunks:
+
+            async def send_frames(chunk: int = chunk) -> None:
+                await write_frames(client, [b"header", payload], chunk)
+
+            async def recv_frames() -> None:
+                frames = await read_frames(peer)
+                assert frames is not None and frames[1].nbytes == size
+
+            results[f"framing, chunk {chunk // 1024} KiB"] = await timed(send_frames, recv_frames)
+    finally:
+        client.abort()
+        peer.abort()
+        server.close()
+    return results
+
+
 # --- running --------------------------------------------------------------------------------------
 
 
@@ -302,6 +362,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print a timeline of every process's comm calls during one transfer of each size instead "
         "of measuring",
     )
+    parser.add_argument(
+        "--framing",
+        action="store_true",
+        help="measure the comm's data path alone (two endpoints in this process, no Dask) at the "
+        "largest --sizes",
+    )
+
+
+def _uvloop_run(coro: Any) -> Any:
+    import uvloop
+
+    return uvloop.run(coro)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -309,6 +381,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.reps < 1:
         raise SystemExit("--reps must be at least 1")
+    if args.framing:
+        import asyncio
+
+        size = max(args.sizes) * MiB
+        for loop in args.loops:
+            runner = asyncio.run if loop == "asyncio" else _uvloop_run
+            figures = runner(framing_throughput(args.host, size, args.reps, FRAMING_CHUNKS))
+            print(f"\ncomm data path, {loop}, one {size // MiB} MiB frame, median of {args.reps}")
+            for name, rate in figures.items():
+                print(f"  {name:28} {rate:8.1f} MiB/s")
+        return 0
     run(args, lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 
