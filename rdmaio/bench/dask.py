@@ -238,7 +238,21 @@ async def framing_throughput(host: str, size: int, reps: int, chunks: Sequence[i
             assert message is not None
             got += len(message)
 
+    tcp_accepted: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+    tcp_server = await asyncio.start_server(lambda r, w: tcp_accepted.put_nowait((r, w)), host, 0)
+    _tcp_reader, tcp_writer = await asyncio.open_connection(host, tcp_server.sockets[0].getsockname()[1])
+    tcp_peer_reader, tcp_peer_writer = await tcp_accepted.get()
+
+    async def send_tcp() -> None:
+        for start in range(0, size, MiB):
+            tcp_writer.write(payload[start : start + MiB])
+            await tcp_writer.drain()
+
+    async def recv_tcp() -> None:
+        await tcp_peer_reader.readexactly(size)
+
     try:
+        results["TCP stream, same address"] = await timed(send_tcp, recv_tcp)
         results["send/recv 1 MiB messages"] = await timed(send_plain, recv_plain)
         for chunk in chunks:
 
@@ -254,7 +268,25 @@ async def framing_throughput(host: str, size: int, reps: int, chunks: Sequence[i
         client.abort()
         peer.abort()
         server.close()
+        for writer in (tcp_writer, tcp_peer_writer):
+            writer.close()
+        tcp_server.close()
     return results
+
+
+def rxe_ceiling(host: str, device: str | None) -> str:
+    """``ib_write_bw`` at 1 MiB (perftest, C, no Python) in this machine now: rxe's own throughput."""
+    from rdmaio.bench.external import ExternalConfig, run_external
+    from rdmaio.bench.model import Workload
+
+    try:
+        samples = run_external("ib_write_bw", [Workload.STREAM], MiB, 64, ExternalConfig(host, device))
+    except (OSError, RuntimeError) as exc:
+        return f"not measured: {exc}"
+    sample = samples.get(Workload.STREAM)
+    if sample is None or not sample.ok or not sample.bytes_per_s:
+        return f"not measured: {sample.error if sample is not None else 'no sample'}"
+    return f"{sample.bytes_per_s / MiB:.1f} MiB/s"
 
 
 # --- running --------------------------------------------------------------------------------------
@@ -391,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\ncomm data path, {loop}, one {size // MiB} MiB frame, median of {args.reps}")
             for name, rate in figures.items():
                 print(f"  {name:28} {rate:8.1f} MiB/s")
+        print(f"\nib_write_bw 1 MiB (C, rxe's ceiling now): {rxe_ceiling(args.host, None)}", flush=True)
         return 0
     run(args, lambda line: print(line, file=sys.stderr, flush=True))
     return 0
