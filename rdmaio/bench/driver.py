@@ -742,7 +742,9 @@ def _run_dask(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error("--only dask: --sizes are whole MiB (e.g. 1M,16M,64M)")
         argv += ["--sizes", ",".join(str(size >> 20) for size in sizes)]
     elif args.quick:
-        argv += ["--sizes", "1,16", "--rows", "50000"]
+        argv += ["--sizes", "1,16"]
+    if args.quick:
+        argv += ["--rows", "50000"]
     return dask_bench.main(argv)
 
 

@@ -461,5 +461,7 @@ def test_bench_only_dask_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(dask_bench, "main", lambda argv: seen.append(list(argv)) or 0)
     assert main(["--only", "dask", "--sizes", "1M,16M", "--reps", "2", "--host", "198.18.0.2"]) == 0
     assert main(["--only", "dask", "--quick"]) == 0
+    assert main(["--only", "dask", "--quick", "--sizes", "4M"]) == 0
     assert seen[0] == ["--host", "198.18.0.2", "--reps", "2", "--sizes", "1,16"]
     assert seen[1][-4:] == ["--sizes", "1,16", "--rows", "50000"] and seen[1][3] == "1"
+    assert seen[2][-4:] == ["--sizes", "4", "--rows", "50000"]
