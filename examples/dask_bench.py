@@ -1,152 +1,22 @@
 """Dask over tcp:// and rdma:// in the same run: worker-to-worker transfers and a DataFrame shuffle.
 
-    python examples/dask_bench.py --host 198.18.0.1 [--loop asyncio|uvloop] [--sizes 1,16,64] [--repeat 5]
+    python examples/dask_bench.py --host 198.18.0.1 [--loop asyncio,uvloop] [--sizes 1,16,64] [--reps 3]
+    python examples/dask_bench.py --trace --sizes 1     # who waits for what during one transfer
 
-For each protocol it starts ``LocalCluster(protocol=..., host=HOST, n_workers=2, processes=True)`` and
-measures:
+The same as ``python -m rdmaio bench --only dask``; the code is in ``rdmaio/bench/dask.py`` (see its
+docstring for what is measured). In the test host::
 
-- *transfer*: an array of N MiB made on worker A is needed by a task pinned to worker B, so B fetches it
-  from A (distributed's ``get_data``, one comm message); the time from submitting that task to its result,
-  median of ``--repeat`` runs with fresh data each time. It includes one scheduling round trip, which is
-  what a Dask user sees.
-- *shuffle*: ``dd.DataFrame.shuffle(on="k", shuffle_method="p2p")`` of ``--rows`` rows, median of
-  ``--repeat`` runs after a warm-up.
+    python -m rdmaio.testing.host --cpus 2 --memory 4G -- .venv/bin/python examples/dask_bench.py
 
-Prints a Markdown table. In the test host: ``python -m rdmaio.testing.host --cpus 2 -- .venv/bin/python
-examples/dask_bench.py``. Everything in that VM is 20-40x slower than natively: compare the two rows of
-each measurement, never the absolute numbers.
+Everything in that VM is 20-40x slower than natively: compare the two columns of each table, never the
+absolute numbers.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
 
-import dask
-import dask.dataframe as dd
-import numpy as np
-import pandas as pd
-from distributed import Client, LocalCluster, wait
-
-MiB = 1024 * 1024
-
-
-def make_array(nbytes: int, salt: int) -> np.ndarray:
-    """Runs on worker A: a fresh array of ``nbytes``."""
-    array = np.empty(nbytes // 8, dtype="f8")
-    array.fill(salt)
-    return array
-
-
-def checksum(array: np.ndarray) -> float:
-    """Runs on worker B, after the array was fetched from worker A."""
-    return float(array[0] + array[-1])
-
-
-def _median_seconds(run: Callable[[], None], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bench_transfer(client: Client, size_mib: int, repeat: int) -> float:
-    """Median seconds to move ``size_mib`` MiB from worker A to worker B (see the module docstring)."""
-    worker_a, worker_b = sorted(client.scheduler_info()["workers"])
-    times = []
-    for salt in range(repeat):
-        data = client.submit(make_array, size_mib * MiB, salt, workers=[worker_a], pure=False)
-        wait(data)
-        begin = time.perf_counter()
-        result = client.submit(checksum, data, workers=[worker_b], allow_other_workers=False, pure=False)
-        assert result.result() == 2 * salt
-        times.append(time.perf_counter() - begin)
-        del data, result  # release both before the next round
-    return statistics.median(times)
-
-
-def bench_shuffle(client: Client, rows: int, repeat: int) -> float:
-    """Median seconds of a p2p shuffle of ``rows`` rows (after one warm-up)."""
-    rng = np.random.default_rng(0)
-    df = pd.DataFrame({"k": rng.integers(0, 1000, rows), "v": rng.random(rows), "w": rng.random(rows)})
-    ddf = client.persist(dd.from_pandas(df, npartitions=8))
-    wait(ddf)
-
-    def once() -> None:
-        shuffled = ddf.shuffle(on="k", npartitions=8, shuffle_method="p2p").persist()
-        wait(shuffled)
-        del shuffled
-
-    once()
-    return _median_seconds(once, repeat)
-
-
-def run_protocol(protocol: str, args: argparse.Namespace) -> dict[str, float]:
-    """Start a cluster on ``protocol`` and run every measurement on it."""
-    results: dict[str, float] = {}
-    with (
-        LocalCluster(
-            protocol=protocol, host=args.host, n_workers=2, threads_per_worker=1, processes=True,
-            dashboard_address=None, silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):  # fmt: skip
-        client.wait_for_workers(2)
-        bench_transfer(client, 1, 1)  # warm-up: imports, connections
-        for size in args.sizes:
-            results[f"transfer {size} MiB"] = bench_transfer(client, size, args.repeat)
-        results[f"shuffle {args.rows} rows"] = bench_shuffle(client, args.rows, args.repeat)
-    return results
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run both protocols and print the table."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--host", default="198.18.0.1", help="an address of the RDMA interface")
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
-    parser.add_argument("--sizes", default="1,16,64", help="transfer sizes in MiB, comma-separated")
-    parser.add_argument("--rows", type=int, default=400_000)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--protocols", default="tcp,rdma")
-    args = parser.parse_args(argv)
-    args.sizes = [int(s) for s in args.sizes.split(",")]
-    all_results: dict[str, dict[str, float]] = {}
-    with dask.config.set({"distributed.admin.event-loop": args.loop}):
-        for protocol in args.protocols.split(","):
-            all_results[protocol] = run_protocol(protocol, args)
-    print_table(all_results, args)
-    return 0
-
-
-def print_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
-    """Markdown: one row per measurement, one column per protocol, plus throughput for transfers."""
-    protocols = list(results)
-    print(f"\nloop: {args.loop}, host: {args.host}, median of {args.repeat}\n")
-    print("| measurement | " + " | ".join(f"{p}://" for p in protocols) + " | rdma/tcp |")
-    print("| --- | " + " | ".join("---" for _ in protocols) + " | --- |")
-    for name in results[protocols[0]]:
-        cells = []
-        for protocol in protocols:
-            seconds = results[protocol][name]
-            cell = f"{seconds * 1000:.1f} ms"
-            if name.startswith("transfer"):
-                size = int(name.split()[1])
-                cell += f" ({size / seconds:.0f} MiB/s)"
-            cells.append(cell)
-        ratio = ""
-        if "tcp" in results and "rdma" in results:
-            ratio = f"{results['tcp'][name] / results['rdma'][name]:.2f}x faster"
-        print(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
-
+from rdmaio.bench.dask import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -116,6 +116,8 @@ class Endpoint:
             "qp_num": qp.qp_num,
             "max_inline": self._max_inline,
             "options": options,
+            # The largest message the peer accepts (its handshake): what send() checks against.
+            "peer_max_message_size": session.peer.max_message_size,
         }
         # receive side
         self._rxbuf = ReceiveBuffer(options.recv_buffer_limit)
@@ -173,7 +175,8 @@ class Endpoint:
     # --- information -------------------------------------------------------------------------------
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ... by name."""
+        """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ``max_inline``,
+        ``options`` or ``peer_max_message_size`` (the largest message the peer accepts) by name."""
         if name == "mtu" and "mtu" not in self._extra:
             # Queried on first use, not in every connection's setup (ibv_query_port is a system call; the
             # device context is rdma_cm's, open as long as the process).

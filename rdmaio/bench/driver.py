@@ -474,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
             "workloads to run: stream,message,echo,setup,memory,rdma_write,rdma_read,fetch_add,read_lat "
             "or onesided (those four) (default stream,message,echo; setup: connections/s against a native "
             "rdma_cm loop; memory: bytes per idle connection; onesided: against ib_write_bw, ib_read_bw, "
-            "ib_atomic_bw, ib_read_lat)"
+            "ib_atomic_bw, ib_read_lat), or dask alone: Dask transfers and a shuffle on tcp:// and rdma:// "
+            "(rdmaio.bench.dask; --sizes in MiB, --reps, --quick)"
         ),
     )
     parser.add_argument(
@@ -615,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_plot_target(args.plot)  # before a long run, not after it
         except PlotError as exc:
             parser.error(str(exc))
+    if "dask" in _csv(args.only):
+        return _run_dask(parser, args)
     if args.from_json is not None:
         doc = json.loads(args.from_json.read_text())
         problems = validate_report(doc)
@@ -730,6 +733,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if interrupted:
         return 130
     return plotted or (0 if any(f.status != "error" for f in figures) else 1)
+
+
+def _run_dask(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--only dask``: the Dask comparison of :mod:`rdmaio.bench.dask` (its own table, no JSON report)."""
+    from rdmaio.bench import dask as dask_bench
+
+    if _csv(args.only) != ["dask"]:
+        parser.error("--only dask runs alone (it starts Dask clusters, not the bench's peers)")
+    if args.json is not None or args.plot is not None or args.from_json is not None:
+        parser.error("--only dask prints a table only (no --json, --plot or --from-json)")
+    argv = ["--host", args.host, "--reps", str(args.reps or (1 if args.quick else 3))]
+    if args.sizes:
+        try:
+            sizes = [parse_size(s) for s in _csv(args.sizes)]
+        except ValueError as exc:
+            parser.error(str(exc))
+        if any(size < 1 << 20 or size % (1 << 20) for size in sizes):
+            parser.error("--only dask: --sizes are whole MiB (e.g. 1M,16M,64M)")
+        argv += ["--sizes", ",".join(str(size >> 20) for size in sizes)]
+    elif args.quick:
+        argv += ["--sizes", "1,16"]
+    if args.quick:
+        argv += ["--rows", "50000"]
+    return dask_bench.main(argv)
 
 
 def _plot(path: Path | None, figures: list[Figure], contenders: list[str], progress: Progress) -> int:

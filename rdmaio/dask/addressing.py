@@ -4,8 +4,8 @@ rdma_cm cannot use the loopback interface, yet ``distributed`` defaults to ``127
 and to wildcard addresses (``dask scheduler``). So on this scheme a loopback host means "this machine's
 RDMA address", and a wildcard listener advertises that address. It is the dask config value
 ``distributed.comm.rdma.host`` when set (``DASK_DISTRIBUTED__COMM__RDMA__HOST``), else the first IPv4
-address of an RDMA device port, read from the port's GID table in sysfs (RoCE GIDs embed the interface's
-IPv4 addresses as ``::ffff:a.b.c.d``).
+address of an RDMA device port (an ACTIVE one if there is one), read from the port's GID table in sysfs
+(RoCE GIDs embed the interface's IPv4 addresses as ``::ffff:a.b.c.d``).
 """
 
 from __future__ import annotations
@@ -25,30 +25,42 @@ def _natural(path: Path) -> tuple[int, str]:
 
 
 def sysfs_ipv4_addresses(root: Path | None = None) -> list[str]:
-    """IPv4 addresses of every RDMA device port, in device, port and GID index order, without repeats.
+    """IPv4 addresses of every RDMA device port, without repeats: those of ACTIVE ports first, each group
+    in device, port and GID index order (a port whose state cannot be read counts as active).
 
-    ``root`` defaults to :data:`SYSFS_INFINIBAND`.
+    ``root`` defaults to :data:`SYSFS_INFINIBAND`. These files are what libibverbs' own
+    ``ibv_query_gid`` reads, so this is the verbs view of the GID table without opening a device.
     """
-    found: list[str] = []
+    active: list[str] = []
+    inactive: list[str] = []
     try:
         devices = sorted((root or SYSFS_INFINIBAND).iterdir())
     except OSError:
-        return found
+        return active
     for device in devices:
         try:
             ports = sorted((device / "ports").iterdir(), key=_natural)
         except OSError:
             continue
         for port in ports:
+            found = active if _port_active(port) else inactive
             try:
                 gids = sorted((port / "gids").iterdir(), key=_natural)
             except OSError:
                 continue
             for gid_file in gids:
                 address = _ipv4_of_gid(gid_file)
-                if address is not None and address not in found:
+                if address is not None and address not in active and address not in inactive:
                     found.append(address)
-    return found
+    return active + inactive
+
+
+def _port_active(port: Path) -> bool:
+    try:
+        state = (port / "state").read_text()  # e.g. "4: ACTIVE"
+    except OSError:
+        return True
+    return "ACTIVE" in state
 
 
 def _ipv4_of_gid(gid_file: Path) -> str | None:

@@ -32,7 +32,7 @@ __all__ = ["RDMABackend", "RDMAComm", "RDMAConnector", "RDMAListener"]
 log = logging.getLogger("rdmaio.dask")
 
 PREFIX = "rdma://"
-_EXTRA_KEYS = ("device", "port", "qp_num", "mtu", "max_inline")
+_EXTRA_KEYS = ("device", "port", "qp_num", "mtu", "max_inline", "peer_max_message_size")
 # Errors of the data path that mean "this comm is gone" (rdmaio's errors are OSErrors or RdmaErrors).
 _COMM_ERRORS = (rdmaio.RdmaError, OSError, FramingError, EOFError)
 
@@ -40,16 +40,17 @@ _COMM_ERRORS = (rdmaio.RdmaError, OSError, FramingError, EOFError)
 def comm_options() -> rdmaio.Options:
     """rdmaio options for Dask comms: ``distributed.comm.rdma.options`` (a dict of Options fields)."""
     overrides = dict(dask.config.get("distributed.comm.rdma.options", None) or {})
-    options = rdmaio.Options.coerce(overrides)
-    if options.max_message_size < chunk_size():
-        raise ValueError("distributed.comm.rdma.options: max_message_size is below the chunk size")
-    return options
+    return rdmaio.Options.coerce(overrides)
 
 
-def chunk_size() -> int:
-    """Largest rdmaio message a frame is cut into: ``distributed.comm.rdma.chunk-size``."""
+def chunk_size(peer_max_message_size: int | None = None) -> int:
+    """Largest rdmaio message a frame is cut into: ``distributed.comm.rdma.chunk-size``, and never more
+    than the peer accepts (its ``max_message_size``, from ``Endpoint.get_extra_info``)."""
     value = dask.config.get("distributed.comm.rdma.chunk-size", None)
-    return int(parse_bytes(value)) if value else DEFAULT_CHUNK_SIZE
+    size = int(parse_bytes(value)) if value else DEFAULT_CHUNK_SIZE
+    if size < 1:
+        raise ValueError(f"distributed.comm.rdma.chunk-size must be positive, not {value!r}")
+    return min(size, peer_max_message_size) if peer_max_message_size else size
 
 
 def _listen_host(host: str) -> str:
@@ -88,7 +89,7 @@ class RDMAComm(Comm):
         self._endpoint: rdmaio.Endpoint | None = endpoint
         self._local_addr = local_addr  # distributed.comm.core.connect() reads these two
         self._peer_addr = peer_addr
-        self._chunk_size = chunk_size()
+        self._chunk_size = chunk_size(endpoint.get_extra_info("peer_max_message_size"))
         self._shard_size = int(parse_bytes(dask.config.get("distributed.comm.shard")))
         self._write_lock = asyncio.Lock()
         self._extra = {key: endpoint.get_extra_info(key) for key in _EXTRA_KEYS}
@@ -109,7 +110,8 @@ class RDMAComm(Comm):
 
     @property
     def extra_info(self) -> dict[str, Any]:
-        """The RDMA device, its port, the queue pair number, the path MTU and the inline limit."""
+        """The RDMA device, its port, the queue pair number, the path MTU, the inline limit and the largest
+        message the peer accepts."""
         return self._extra
 
     @property

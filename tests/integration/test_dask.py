@@ -111,6 +111,31 @@ def test_roundtrip_small_and_4mb_with_serialisation(arun: Runner[Any], rdma_addr
     arun(main())
 
 
+def test_frames_are_cut_at_the_peers_max_message_size(arun: Runner[Any], rdma_addr: str) -> None:
+    """A listener that accepts at most 1 MiB per message still gets 3 MiB frames: the client reads the
+    limit from the handshake (``peer_max_message_size``) and cuts the frame into 1 MiB chunks."""
+
+    async def main() -> None:
+        options = "distributed.comm.rdma.options"
+        with dask.config.set({options: {"max_message_size": 1 << 20}}):  # read when the listener starts
+            async with listen(f"rdma://{rdma_addr}:0", _echo) as listener:
+                with dask.config.set({options: {}}):  # default options here: 64 MiB accepted
+                    comm = await connect(listener.contact_address)
+                await _check(comm)
+
+    async def _check(comm: Comm) -> None:
+        assert isinstance(comm, RDMAComm)
+        assert comm.extra_info["peer_max_message_size"] == 1 << 20
+        array = np.arange(3 * (1 << 20) // 8, dtype="i8")  # 3 MiB, one frame
+        await comm.write({"x": to_serialize(array)})
+        endpoint = comm.endpoint
+        assert endpoint is not None and endpoint.statistics()["messages_sent"] >= 4  # header + 3 chunks
+        np.testing.assert_array_equal((await comm.read())["x"], array)
+        await comm.close()
+
+    arun(main())
+
+
 def test_implicit_close_fails_the_peers_read(arun: Runner[Any], rdma_addr: str) -> None:
     """The server closes its end after one message: the client's read in flight fails."""
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import rdmaio
 from rdmaio.dask import addressing
-from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAListener
+from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAListener, chunk_size
 from rdmaio.dask.framing import (
     INLINE_FRAME_LIMIT,
     FramingError,
@@ -50,6 +50,7 @@ class FakeEndpoint:
         self.closing = False
         self.sent_sizes: list[int] = []
         self.changed = asyncio.Event()
+        self.extra: dict[str, Any] = {"device": "fake0", "qp_num": 7}
 
     @classmethod
     def pair(cls) -> tuple[FakeEndpoint, FakeEndpoint]:
@@ -130,7 +131,7 @@ class FakeEndpoint:
         return not self.rx and (self.eof or self.error is not None)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"device": "fake0", "qp_num": 7}.get(name, default)
+        return self.extra.get(name, default)
 
 
 # --- framing -----------------------------------------------------------------------------------------
@@ -269,6 +270,28 @@ def test_comm_roundtrip_with_serialisation(arun: Callable[[Coroutine[Any, Any, N
     arun(main())
 
 
+def test_comm_chunks_by_the_peers_max_message_size(
+    arun: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    async def main() -> None:
+        a, b = FakeEndpoint.pair()
+        a.extra["peer_max_message_size"] = 100_000  # below the 4 MiB chunk size
+        ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]
+        cb = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
+        assert ca.extra_info["peer_max_message_size"] == 100_000
+        payload = bytes(range(256)) * 1000
+        await ca.write(payload)
+        assert await cb.read() == payload
+        assert max(a.sent_sizes) <= 100_000
+        assert sum(size == 100_000 for size in a.sent_sizes) >= 2  # the frame was cut
+        with dask.config.set({"distributed.comm.rdma.chunk-size": "64 kiB"}):
+            assert chunk_size(100_000) == 65536
+            assert chunk_size(None) == 65536
+        assert chunk_size(100_000) == 100_000
+
+    arun(main())
+
+
 def test_comm_close_and_abort_fail_reads(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
     async def main() -> None:
         ca, cb, _, _ = await _comm_pair()
@@ -339,16 +362,20 @@ def test_encryption_required_is_refused() -> None:
 # --- addressing -------------------------------------------------------------------------------------
 
 
-def _fake_sysfs(root: Path, gids: dict[str, list[str]]) -> None:
+def _fake_sysfs(root: Path, gids: dict[str, list[str]], state: str | None = None) -> None:
     for device, entries in gids.items():
         gid_dir = root / device / "ports" / "1" / "gids"
         gid_dir.mkdir(parents=True)
+        if state is not None:
+            (gid_dir.parent / "state").write_text(state + "\n")
         for index, gid in enumerate(entries):
             (gid_dir / str(index)).write_text(gid + "\n")
 
 
 def test_sysfs_addresses_and_rdma_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     zero = "0000:0000:0000:0000:0000:0000:0000:0000"
+    # a DOWN port's address sorts last, even though its device comes first
+    _fake_sysfs(tmp_path, {"mlx5_0": ["0000:0000:0000:0000:0000:ffff:0a00:0009"]}, state="1: DOWN")
     _fake_sysfs(
         tmp_path,
         {
@@ -363,8 +390,10 @@ def test_sysfs_addresses_and_rdma_host(tmp_path: Path, monkeypatch: pytest.Monke
             + [zero] * 6,  # index 10 and 11 sort after 2, not before
             "rxe1": ["0000:0000:0000:0000:0000:ffff:0a00:0005"],
         },
+        state="4: ACTIVE",
     )
-    assert addressing.sysfs_ipv4_addresses(tmp_path) == ["198.18.0.1", "198.18.0.2", "10.0.0.5"]
+    addresses = addressing.sysfs_ipv4_addresses(tmp_path)
+    assert addresses == ["198.18.0.1", "198.18.0.2", "10.0.0.5", "10.0.0.9"]
     assert addressing.sysfs_ipv4_addresses(tmp_path / "missing") == []
     monkeypatch.setattr(addressing, "SYSFS_INFINIBAND", tmp_path)
     with dask.config.set({"distributed.comm.rdma.host": None}):
@@ -386,3 +415,53 @@ def test_backend_address_handling() -> None:
     assert addressing.is_wildcard("") and addressing.is_wildcard("0.0.0.0")
     with dask.config.set({"distributed.comm.rdma.host": "198.18.0.1"}):
         assert backend.get_local_address_for("127.0.0.1:8786") == "198.18.0.1"
+
+
+# --- python -m rdmaio bench --only dask -------------------------------------------------------------
+
+
+def test_bench_dask_table_and_options() -> None:
+    from rdmaio.bench import dask as dask_bench
+
+    args = dask_bench.build_parser().parse_args(["--sizes", "1,64", "--loop", "uvloop", "--reps", "5"])
+    assert args.sizes == [1, 64] and args.loops == ["uvloop"] and args.reps == 5
+    assert args.protocols == ["tcp", "rdma"]
+    results = {
+        "tcp": {"transfer 1 MiB": 0.5, "shuffle 10 rows": 2.0},
+        "rdma": {"transfer 1 MiB": 0.25, "shuffle 10 rows": 4.0},
+    }
+    table = dask_bench.render_table(results, "uvloop", args).splitlines()
+    assert table[0] == "loop: uvloop, host: 198.18.0.1, median of 5"
+    assert table[4] == "| transfer 1 MiB | 500.0 ms (2.0 MiB/s) | 250.0 ms (4.0 MiB/s) | 2.00x tcp's speed |"
+    assert table[5] == "| shuffle 10 rows | 2000.0 ms | 4000.0 ms | 0.50x tcp's speed |"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--only", "dask,stream"], "runs alone"),
+        (["--only", "dask", "--sizes", "64K"], "whole MiB"),
+        (["--only", "dask", "--json", "x.json"], "table only"),
+    ],
+)
+def test_bench_only_dask_rejects(argv: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from rdmaio.bench.driver import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_bench_only_dask_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rdmaio.bench import dask as dask_bench
+    from rdmaio.bench.driver import main
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(dask_bench, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert main(["--only", "dask", "--sizes", "1M,16M", "--reps", "2", "--host", "198.18.0.2"]) == 0
+    assert main(["--only", "dask", "--quick"]) == 0
+    assert main(["--only", "dask", "--quick", "--sizes", "4M"]) == 0
+    assert seen[0] == ["--host", "198.18.0.2", "--reps", "2", "--sizes", "1,16"]
+    assert seen[1][-4:] == ["--sizes", "1,16", "--rows", "50000"] and seen[1][3] == "1"
+    assert seen[2][-4:] == ["--sizes", "4", "--rows", "50000"]
