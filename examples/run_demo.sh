@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's demo, run inside the test host: `rdmaio doctor`, echo server + client on asyncio and uvloop,
-# the asyncio-streams and anyio (trio) examples, `rdmaio ping` against `ping --server`, then a short
+# the asyncio-streams and anyio (trio) examples, the one-sided KV store, zero-copy large messages,
+# `rdmaio ping` against `ping --server`, then a short
 # benchmark table. Exits non-zero if any step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,8 @@ echo "== anyio echo over RDMA on trio =="
 "$PY" examples/anyio_echo.py --transport rdma --host "$ADDR" --backend trio
 echo "== one-sided key-value store: compare_swap / fetch_add / rdma_write puts, rdma_read gets =="
 "$PY" examples/onesided_kv.py "$ADDR" --clients 4
+echo "== zero-copy: large messages by rendezvous (RDMA READ into the receiver's buffer), SHA-256 checked =="
+"$PY" examples/zerocopy_transfer.py "$ADDR" --sizes 64K,1M,16M
 echo "== rdmaio ping =="
 "$PY" -m rdmaio ping --server "$ADDR" 7479 > .testhost/ping_server.log 2>&1 &
 ping_server=$!

@@ -59,3 +59,17 @@ def test_onesided_kv_example(rdma_addr: str, loop_flag: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 clients, 60 puts (expected 60), 0 bad reads, server served 4" in result.stdout, result.stdout
     assert "onesided kv: ok" in result.stdout
+
+
+@pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
+def test_zerocopy_transfer_example(rdma_addr: str, loop_flag: list[str]) -> None:
+    """Zero-copy (issue 12): large messages go by rendezvous into the receiver's buffer, digests match."""
+    result = run_example(
+        str(EXAMPLES / "zerocopy_transfer.py"), rdma_addr, "--sizes", "64K,1M,4M", *loop_flag
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("sha256 ok") == 3 and "MISMATCH" not in out, out
+    assert "65536 bytes  eager (copied)" in out, out
+    assert "sender: 2 sent by rendezvous; receiver: 2 received by rendezvous, 2 of them straight" in out, out
+    assert "zerocopy transfer: ok" in out
