@@ -80,6 +80,11 @@ class RingArena:
         """Bytes registered (pinned) now."""
         return self.registered * self.slot_size
 
+    @property
+    def regions(self) -> list[Any]:
+        """The memory region of each registered chunk, in slot order."""
+        return [region for _end, region in self._chunks]
+
     def ensure(self, slots: int) -> None:
         """Register slots up to ``slots`` (one new chunk for those not registered yet)."""
         first = self.registered
@@ -261,6 +266,11 @@ class SlotRing:
     def registered_bytes(self) -> int:
         """Bytes of the ring registered (pinned) now."""
         return self.slots * self.slot_size
+
+    @property
+    def regions(self) -> list[Any]:
+        """The memory regions of the ring's registered chunks, in slot order (for inspection)."""
+        return self._arena.regions if self._arena is not None else []
 
     @property
     def full(self) -> bool:

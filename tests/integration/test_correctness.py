@@ -444,7 +444,8 @@ def test_reassembly_counts_against_the_receive_limit(arun: Runner[Any], rdma_add
     buffer (including the part being reassembled) exceeds the limit. Before the fix reassembly was not
     counted: the whole large message was taken in beside the unread one."""
     limit = 64 * KiB
-    options = rdmaio.Options(recv_buffer_limit=limit, slot_size=16 * KiB, recv_depth=8)
+    # Eager messages only: this is about reassembling fragments (a rendezvous message is not reassembled).
+    options = rdmaio.Options(recv_buffer_limit=limit, slot_size=16 * KiB, recv_depth=8, rndv_threshold=0)
     big = os.urandom(2 * MiB)
 
     async def main() -> None:

@@ -21,6 +21,7 @@ from rdma_state import open_fds, rdma_resources
 
 import rdmaio
 import rdmaio.client
+from rdmaio.core.rings import POOL_LINGER
 from rdmaio.protocol import Handshake
 
 HEADER = struct.Struct("<IQ32s")  # seq, length, sha256 of the body
@@ -160,7 +161,8 @@ def test_500_connect_close_cycles_leak_nothing(arun: Runner[Any], rdma_addr: str
             # warm-up: librdmacm opens the device once per process and keeps it
             ep = await rdmaio.connect(rdma_addr, port, timeout=10)
             await ep.aclose()
-            await asyncio.sleep(0.2)
+            # ... and the domains' ring pools release a closed connection's memory once idle.
+            await asyncio.sleep(POOL_LINGER + 1)
             # The previous test's loop, once collected, releases what lives as long as a loop (its event
             # channel, its domain's completion channel): collect it now, not in the middle of the count.
             gc.collect()
@@ -175,6 +177,7 @@ def test_500_connect_close_cycles_leak_nothing(arun: Runner[Any], rdma_addr: str
                 if len(server._clients) == 0:
                     break
                 await asyncio.sleep(0.05)
+            await asyncio.sleep(POOL_LINGER + 1)  # the ring pools, idle again, release their memory
             assert open_fds() == fds
             assert rdma_resources() == resources
             assert server.connections_accepted == 501
@@ -277,7 +280,7 @@ def test_cancellation_200_times_no_corruption_no_leak(arun: Runner[Any], rdma_ad
             assert await asyncio.wait_for(read_task, 300) == total
             assert got.hexdigest() == want.hexdigest()
             await ep.aclose()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(POOL_LINGER + 1)  # the ring pools release closed connections' memory once idle
         # The loop's Domain (the device's protection domain and the first CQ of its shared pool, both shared
         # by its connections) lives as long as the loop: one PD and one CQ more than before the first
         # connection, nothing else.

@@ -92,7 +92,7 @@ def test_read_write_atomics_and_nothing_else_remote(arun: Runner[Any], rdma_addr
             # Nothing but grants is registered with remote access: the rings and the staging memory.
             for ep in (exp, imp):
                 tr = ep._transport
-                rings = tr.recv_ring._regions + tr.send_ring._regions
+                rings = tr.recv_ring.regions + tr.send_ring.regions
                 assert rings and all(not mr.access & REMOTE_FLAGS for mr in rings)
                 staging = ep._onesided._staging
                 if staging is not None:

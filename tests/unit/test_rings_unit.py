@@ -86,6 +86,7 @@ def test_a_ring_without_slots_has_no_memory_and_registers_on_first_grow() -> Non
     assert reg.slots == 4 and ring.registered_bytes == 4 * SLOT
     assert [ring.lkeys[i] for i in range(4)] == [100] * 4
     assert ring.grow(8) == range(4, 12) and [ring.lkeys[i] for i in range(4, 12)] == [101] * 8
+    assert [region.lkey for region in ring.regions] == [100, 101]
     assert ring.grow(100) == range(12, 16) and ring.full
     ring.close()
     assert reg.live == {}
