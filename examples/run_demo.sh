@@ -47,4 +47,4 @@ sleep 3
 "$PY" -m rdmaio ping -c 5 -i 0.2 "$ADDR" 7479 || { cat .testhost/ping_server.log; kill "$ping_server"; exit 1; }
 kill -INT "$ping_server"; wait "$ping_server" || true
 echo "== benchmark (quick) =="
-"$PY" -m rdmaio bench --quick --json reports/bench-demo.json
+"$PY" -m rdmaio bench --quick --sizes 64,64K,1M --json reports/bench-demo.json
