@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <netdb.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,19 +83,29 @@ static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_
     return ev;
 }
 
-/* Block until one completion arrives; returns its status. */
-static void wait_completion(struct shared *s, const char *what) {
+/* Block until the completions of the `count` work requests in `want` have arrived, in any order.
+ * Completions of earlier connections' work requests are skipped whatever their status: the server
+ * does not wait for its echo's send completion (see server()), so one may still arrive, successful
+ * or not, after that QP is gone. */
+static void wait_completions(struct shared *s, const uint64_t *want, int count, const char *what) {
     struct ibv_wc wc;
-    for (;;) {
+    int seen = 0;
+    while (seen < count) {
         int n = ibv_poll_cq(s->cq, 1, &wc);
         if (n < 0)
             die("ibv_poll_cq");
         if (n == 1) {
+            int wanted = 0;
+            for (int i = 0; i < count; i++)
+                wanted |= wc.wr_id == want[i];
+            if (!wanted)
+                continue;
             if (wc.status != IBV_WC_SUCCESS) {
                 errno = 0;
                 die("%s completion: %s", what, ibv_wc_status_str(wc.status));
             }
-            return;
+            seen++;
+            continue;
         }
         struct ibv_cq *cq;
         void *ctx;
@@ -104,6 +115,10 @@ static void wait_completion(struct shared *s, const char *what) {
         if (ibv_req_notify_cq(cq, 0))
             die("ibv_req_notify_cq");
     }
+}
+
+static void wait_completion(struct shared *s, uint64_t want, const char *what) {
+    wait_completions(s, &want, 1, what);
 }
 
 static void create_qp(struct shared *s, struct rdma_cm_id *id) {
@@ -120,20 +135,26 @@ static void create_qp(struct shared *s, struct rdma_cm_id *id) {
         die("rdma_create_qp");
 }
 
-static void post_recv(struct shared *s, struct rdma_cm_id *id) {
+/* wr_id: (connection number << 1) | 1 for a send, | 0 for a receive. */
+static uint64_t recv_id(long conn) { return (uint64_t)conn << 1; }
+static uint64_t send_id(long conn) { return ((uint64_t)conn << 1) | 1; }
+
+static void post_recv(struct shared *s, struct rdma_cm_id *id, long conn) {
     struct ibv_sge sge = {(uintptr_t)s->buf, MSG_SIZE, s->mr->lkey};
     struct ibv_recv_wr wr, *bad;
     memset(&wr, 0, sizeof wr);
+    wr.wr_id = recv_id(conn);
     wr.sg_list = &sge;
     wr.num_sge = 1;
     if (ibv_post_recv(id->qp, &wr, &bad))
         die("ibv_post_recv");
 }
 
-static void post_send(struct shared *s, struct rdma_cm_id *id) {
+static void post_send(struct shared *s, struct rdma_cm_id *id, long conn) {
     struct ibv_sge sge = {(uintptr_t)(s->buf + MSG_SIZE), MSG_SIZE, s->mr->lkey};
     struct ibv_send_wr wr, *bad;
     memset(&wr, 0, sizeof wr);
+    wr.wr_id = send_id(conn);
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = IBV_WR_SEND;
@@ -174,13 +195,13 @@ static int server(const char *addr, const char *port, int echo) {
         die("rdma_bind_addr/rdma_listen");
     printf("cm_setup server listening on %s port %s\n", addr, port);
     fflush(stdout);
-    for (;;) {
+    for (long conn = 0;; conn++) {
         struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
         struct rdma_cm_id *id = ev->id;
         rdma_ack_cm_event(ev);
         shared_init(&s, id->verbs);
         create_qp(&s, id);
-        post_recv(&s, id);
+        post_recv(&s, id, conn);
         struct rdma_conn_param param;
         memset(&param, 0, sizeof param);
         param.responder_resources = 1;
@@ -189,11 +210,16 @@ static int server(const char *addr, const char *port, int echo) {
         if (rdma_accept(id, &param))
             die("rdma_accept");
         /* The QP can receive once accepted; the client sends as soon as it is established. */
-        wait_completion(&s, "receive");
+        wait_completion(&s, recv_id(conn), "receive");
         if (echo) {
+            /* Not waiting for this send's completion is deliberate: rxe reports the client's receive
+             * before it sends the ACK, and the client destroys its QP as soon as it has the reply, so
+             * the ACK can be lost; this send then retries until "transport retry counter exceeded",
+             * blocking a server that waits for it for seconds while the next clients' connects time
+             * out (REJECTED, status 28). The client has its reply; the QP is destroyed on DISCONNECTED
+             * below, and a late completion is skipped by wait_completion. */
             memcpy(s.buf + MSG_SIZE, s.buf, MSG_SIZE);
-            post_send(&s, id);
-            wait_completion(&s, "send");
+            post_send(&s, id, conn);
         }
         /* ESTABLISHED normally comes first, but the RTU that triggers it can be overtaken by the data
          * and the client's DREQ (seen under emulation): then only DISCONNECTED comes. */
@@ -240,7 +266,7 @@ static int client(const char *addr, const char *port, long count, double secs, i
         shared_init(&s, id->verbs);
         create_qp(&s, id);
         if (echo)
-            post_recv(&s, id);
+            post_recv(&s, id, done + 1);
         struct rdma_conn_param param;
         memset(&param, 0, sizeof param);
         param.responder_resources = 1;
@@ -250,10 +276,10 @@ static int client(const char *addr, const char *port, long count, double secs, i
         if (rdma_connect(id, &param))
             die("rdma_connect");
         rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
-        post_send(&s, id);
+        post_send(&s, id, done + 1);
         /* With echo: the send's and the reply's completions, in either order. */
-        for (int i = 0; i < (echo ? 2 : 1); i++)
-            wait_completion(&s, "send/receive");
+        uint64_t ids[2] = {send_id(done + 1), recv_id(done + 1)};
+        wait_completions(&s, ids, echo ? 2 : 1, "send/receive");
         /* Like rdmaio's close: disconnect and destroy at once, without waiting for the peer's DREP
          * (the DISCONNECTED event); the kernel finishes the exchange, and rdma_destroy_id drops the
          * id's events that were not reported yet. */
