@@ -352,7 +352,12 @@ class StreamServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        """Stop listening, close the connections gracefully and wait for their handlers."""
+        """Stop listening, close the connections gracefully and wait for their handlers.
+
+        A handler is not cancelled: one that never returns (say, waiting on something other than its
+        endpoint) keeps this waiting. Handlers normally end on their own: every pending call on a closed
+        endpoint fails.
+        """
         self.close()
         self.close_clients()
         await self.wait_closed()
