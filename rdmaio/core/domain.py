@@ -126,6 +126,20 @@ class RegistrationCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._room_callbacks: list[Callable[[], None]] = []
+
+    def call_when_room(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once, the next time pinned memory may have become available: an entry falls
+        out of use (evictable), a reservation is given back, or the cache closes. A waiter that found no
+        room (:meth:`try_get`, :meth:`try_reserve` returned None/False) registers here and retries then,
+        instead of polling."""
+        self._room_callbacks.append(callback)
+
+    def _room_made(self) -> None:
+        if self._room_callbacks:
+            callbacks, self._room_callbacks = self._room_callbacks, []
+            for callback in callbacks:
+                callback()
 
     def get(self, buffer: Any, access: int = 0) -> Registration:
         """A registration of ``buffer`` with ``access`` flags (registered now or taken from the cache)."""
@@ -168,6 +182,7 @@ class RegistrationCache:
         """Give back what :meth:`try_reserve` counted (the registration was closed)."""
         self.reserved -= nbytes
         self.pinned -= nbytes
+        self._room_made()
 
     def _make_room(self, nbytes: int, limit: int | None = None) -> bool:
         """Evict unused entries (oldest first) until ``nbytes`` more fit under ``limit`` (``max_pinned``)."""
@@ -188,6 +203,8 @@ class RegistrationCache:
         if entry is not None:
             entry.users -= 1
             self._evict()
+            if not entry.users:
+                self._room_made()
 
     def _evict(self) -> None:
         if self.pinned <= self.max_pinned:
@@ -218,6 +235,7 @@ class RegistrationCache:
         self.pinned = 0
         for entry in entries.values():
             entry.region.close()
+        self._room_made()
 
 
 def _buffer_address(buffer: Any) -> tuple[int, int]:

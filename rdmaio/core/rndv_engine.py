@@ -20,7 +20,8 @@ The protocol and the per-message states are :mod:`rdmaio.protocol.rendezvous`'s;
   ``send()`` before they ``recv()`` from deadlocking, as eager messages do.
 * READs go through :class:`rdmaio.core.onesided.OneSidedEngine` (its op slots bound the READs in flight with
   the one-sided ones, within the send queue and CQ sizes) in chunks of at most a quarter of
-  ``max_pinned``; registrations wait (polling every millisecond) while the cache has no room.
+  ``max_pinned``; registrations wait while the cache has no room, woken by the cache when a registration
+  falls out of use or a reservation is given back (:meth:`RegistrationCache.call_when_room`), not by polling.
 
 A cancelled ``recv_into()`` whose READ is in flight waits for it (the NIC writes into the caller's buffer),
 then leaves the message, copied, for the next read: a cancelled read takes nothing.
@@ -61,7 +62,6 @@ log = logging.getLogger("rdmaio.rndv")
 _WR_READ: int = lib.IBV_WR_RDMA_READ
 _MIN_BOUNCE = 64 * 1024
 _POOL = 1  # bounce buffers kept registered per connection (dropped when the pin bound is reached)
-_ROOM_POLL = 0.001
 
 
 async def wait_shielded(io: Any, waiter: Any, timeout: float) -> bool:  # noqa: ASYNC109
@@ -132,6 +132,7 @@ class RendezvousEngine:
         self.sends = SendTable()
         self.recvs = RecvTable(max_message_size)
         self._bounces: list[_Bounce] = []
+        self._room_events: set[Any] = set()  # pulls waiting for registration room (close() wakes them)
         self._owned_inflight = 0
         self._auto_handle: Any = None
         self.closed = False
@@ -429,8 +430,7 @@ class RendezvousEngine:
             registration = self._cache.try_get(view, 0)
             if registration is not None:
                 return registration
-            self._stats["rndv_pin_waits"] += 1
-            await self._io.sleep(_ROOM_POLL)
+            await self._wait_for_room()
 
     async def _bounce(self, size: int) -> _Bounce:
         for i, bounce in enumerate(self._bounces):
@@ -445,8 +445,7 @@ class RendezvousEngine:
                 continue
             if self.closed:
                 raise self._failure()
-            self._stats["rndv_pin_waits"] += 1
-            await self._io.sleep(_ROOM_POLL)
+            await self._wait_for_room()
         buf = bytearray(capacity)
         try:
             region = verbs.MemoryRegion(self._pd, buf)
@@ -455,6 +454,18 @@ class RendezvousEngine:
             raise
         self._stats["rndv_bounce_registered"] += 1
         return _Bounce(buf, region)
+
+    async def _wait_for_room(self) -> None:
+        """Sleep until the Domain's registration cache may have room (a registration fell out of use, a
+        reservation was given back) or this engine closes; the caller then tries again."""
+        self._stats["rndv_pin_waits"] += 1
+        event = self._io.event()
+        self._room_events.add(event)
+        self._cache.call_when_room(event.set)
+        try:
+            await event.wait()
+        finally:
+            self._room_events.discard(event)
 
     def _return_bounce(self, bounce: _Bounce) -> None:
         pool = self._bounces
@@ -554,6 +565,8 @@ class RendezvousEngine:
         pool, self._bounces = self._bounces, []
         for bounce in pool:
             self._close_bounce(bounce)
+        for event in list(self._room_events):  # waiting for registration room: they see `closed` now
+            event.set()
 
     def statistics(self) -> dict[str, int]:
         """Sends waiting for the peer, announced messages not answered, bounce buffers kept."""

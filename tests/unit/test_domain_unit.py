@@ -97,3 +97,34 @@ def test_close_deregisters_everything() -> None:
 def test_negative_bound_is_refused() -> None:
     with pytest.raises(ValueError):
         make(-1)
+
+
+def test_a_waiter_for_room_is_called_once_when_room_is_made() -> None:
+    """Rendezvous pulls that found no room wait for this call instead of polling (issue 12)."""
+    cache, _ = make(1000)
+    held = cache.get(bytearray(1000))
+    other = bytearray(600)
+    assert cache.try_get(other) is None
+    calls: list[str] = []
+    cache.call_when_room(lambda: calls.append("a"))
+    cache.call_when_room(lambda: calls.append("b"))
+    assert calls == []
+    held.release()  # unused now, so evictable: room
+    assert calls == ["a", "b"]
+    late = cache.try_get(other)
+    assert late is not None
+    late.release()
+    assert calls == ["a", "b"]  # one-shot
+
+
+def test_giving_back_a_reservation_or_closing_calls_the_room_waiters() -> None:
+    cache, _ = make(1000)
+    assert cache.try_reserve(1000)
+    assert not cache.try_reserve(1)
+    calls: list[int] = []
+    cache.call_when_room(lambda: calls.append(1))
+    cache.unreserve(1000)
+    assert calls == [1]
+    cache.call_when_room(lambda: calls.append(2))
+    cache.close()
+    assert calls == [1, 2]
