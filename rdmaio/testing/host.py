@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from rdmaio.cli.system import run_command
 from rdmaio.testing import pair
 
 __all__ = [
@@ -258,21 +259,8 @@ def parse_rdma_links(text: str) -> list[RdmaLink]:
     return links
 
 
-def _run_text(args: Sequence[str]) -> str | None:
-    exe = shutil.which(args[0], path=_sbin_path())
-    if exe is None:
-        return None
-    try:
-        done = subprocess.run(
-            [exe, *args[1:]], capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
 def _ipv4_addresses(netdev: str) -> list[str]:
-    out = _run_text(["ip", "-4", "-o", "addr", "show", "dev", netdev])
+    out = run_command(["ip", "-4", "-o", "addr", "show", "dev", netdev])
     return re.findall(r"\binet (\d+\.\d+\.\d+\.\d+)/", out or "")
 
 
@@ -294,7 +282,7 @@ def find_local_rdma(
     if not devices:
         return None
     if rdma_link_output is None:
-        rdma_link_output = _run_text(["rdma", "link", "show"]) or ""
+        rdma_link_output = run_command(["rdma", "link", "show"]) or ""
     lookup = ipv4_of if ipv4_of is not None else _ipv4_addresses
     for link in parse_rdma_links(rdma_link_output):
         if link.device in devices and link.state == "ACTIVE" and link.netdev:
