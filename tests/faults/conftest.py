@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration")) 
 
 from netfault import Pair, restore
 
+from rdmaio.testing.skips import skip_hooks
+
 T = TypeVar("T")
 SKIP_PREFIX = "skipped under RDMAIO_TOPOLOGY=pair"
 
@@ -36,16 +38,8 @@ def _in_pair() -> bool:
     return os.environ.get("RDMAIO_TOPOLOGY") == "pair"
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """In the pair topology a skipped test is a failed one: the fault suite must really run there."""
-    report = yield
-    if report.skipped and _in_pair() and not hasattr(report, "wasxfail"):
-        report.outcome = "failed"
-        report.longrepr = f"{SKIP_PREFIX}: {report.longrepr}"
-    return report
+# In the pair topology a skipped test (or module) is a failed one: the fault suite must really run there.
+pytest_runtest_makereport, pytest_make_collect_report = skip_hooks(_in_pair, SKIP_PREFIX)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from rdmaio.testing.skips import skip_hooks
+
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
 DEFAULT_ADDR = "198.18.0.1"
 SKIP_PREFIX = "skipped under RDMAIO_REQUIRE_DEVICE"
@@ -28,35 +30,8 @@ def _skips_forbidden() -> bool:
     return os.environ.get("RDMAIO_REQUIRE_DEVICE") == "1" or bool(os.environ.get("CI"))
 
 
-def _skip_reason(longrepr: object) -> str:
-    # A skip's longrepr is (path, lineno, "Skipped: reason").
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        return str(longrepr[2]).removeprefix("Skipped: ")
-    return str(longrepr)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """Turn a skipped test into a failed one when skips are forbidden (xfail is left alone)."""
-    report = yield
-    if report.skipped and _skips_forbidden() and not hasattr(report, "wasxfail"):
-        report.outcome = "failed"
-        report.longrepr = f"{SKIP_PREFIX}: {_skip_reason(report.longrepr)}"
-    return report
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(
-    collector: pytest.Collector,
-) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
-    """Likewise for a whole module skipped at collection (``pytest.skip(allow_module_level=True)``)."""
-    report = yield
-    if report.skipped and _skips_forbidden():
-        report.outcome = "failed"
-        report.longrepr = f"{SKIP_PREFIX}: {_skip_reason(report.longrepr)}"
-    return report
+# Under the test host or in CI a skipped test (or a module skipped at collection) is a failed one.
+pytest_runtest_makereport, pytest_make_collect_report = skip_hooks(_skips_forbidden, SKIP_PREFIX)
 
 
 @pytest.fixture(scope="session", autouse=True)
