@@ -271,33 +271,29 @@ int rdmaio_post_recv_ring(struct ibv_qp *qp, const uint32_t *lkeys, uint64_t bas
     return post_recvs(qp, lkeys, 0, base, slot_size, wr_id_base, slots, count);
 }
 
-/* Post `count` sends as one chain. On failure *bad_index is the first request not posted. */
-int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index)
+/* Post `count` work requests on `qp` in chains of at most POST_BATCH, each built by `fill` from the
+ * caller's array. Returns the number posted, or -errno with *bad_index = the first request not posted.
+ * The send and one-sided paths share it; only how a request is filled differs. */
+#define POST_BATCH 64
+typedef void (*fill_wr_fn)(const void *requests, int index, struct ibv_send_wr *wr, struct ibv_sge *sge);
+
+static int post_chains(struct ibv_qp *qp, const void *requests, int count, int *bad_index, fill_wr_fn fill)
 {
-    struct ibv_send_wr wr[64];
-    struct ibv_sge sge[64];
+    struct ibv_send_wr wr[POST_BATCH];
+    struct ibv_sge sge[POST_BATCH];
     struct ibv_send_wr *bad = NULL;
     int done = 0;
 
     *bad_index = -1;
     while (done < count) {
         int n = count - done;
-        if (n > 64)
-            n = 64;
+        if (n > POST_BATCH)
+            n = POST_BATCH;
         memset(wr, 0, sizeof(wr[0]) * n);
         for (int i = 0; i < n; i++) {
-            const struct rdmaio_send *s = &sends[done + i];
-            sge[i].addr = s->addr;
-            sge[i].length = s->length;
-            sge[i].lkey = s->lkey;
-            wr[i].wr_id = s->wr_id;
+            fill(requests, done + i, &wr[i], &sge[i]);
             wr[i].sg_list = &sge[i];
-            wr[i].num_sge = s->length ? 1 : 0;
-            wr[i].opcode = s->opcode;
-            wr[i].send_flags = s->send_flags;
-            wr[i].imm_data = htonl(s->imm_data);
-            wr[i].wr.rdma.remote_addr = s->remote_addr;
-            wr[i].wr.rdma.rkey = s->rkey;
+            wr[i].num_sge = sge[i].length ? 1 : 0;
             wr[i].next = (i + 1 < n) ? &wr[i + 1] : NULL;
         }
         int rc = ibv_post_send(qp, wr, &bad);
@@ -308,6 +304,25 @@ int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int co
         done += n;
     }
     return done;
+}
+
+static void fill_send(const void *requests, int index, struct ibv_send_wr *wr, struct ibv_sge *sge)
+{
+    const struct rdmaio_send *s = (const struct rdmaio_send *)requests + index;
+    sge->addr = s->addr;
+    sge->length = s->length;
+    sge->lkey = s->lkey;
+    wr->wr_id = s->wr_id;
+    wr->opcode = s->opcode;
+    wr->send_flags = s->send_flags;
+    wr->imm_data = htonl(s->imm_data);
+    wr->wr.rdma.remote_addr = s->remote_addr;
+    wr->wr.rdma.rkey = s->rkey;
+}
+
+int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index)
+{
+    return post_chains(qp, sends, count, bad_index, fill_send);
 }
 
 /* Fetch one CM event (channel fd must be non-blocking), copy what we need, ack it.
@@ -431,49 +446,30 @@ int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen
 
 /* ---- one-sided operations (issue 11) ------------------------------------------------------------ */
 
-/* Post `count` one-sided requests as one chain. On failure *bad_index is the first request not posted. */
+static void fill_rdma(const void *requests, int index, struct ibv_send_wr *wr, struct ibv_sge *sge)
+{
+    const struct rdmaio_rdma_op *o = (const struct rdmaio_rdma_op *)requests + index;
+    sge->addr = o->local_addr;
+    sge->length = o->length;
+    sge->lkey = o->lkey;
+    wr->wr_id = o->wr_id;
+    wr->opcode = o->opcode;
+    wr->send_flags = o->send_flags;
+    if (o->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD || o->opcode == IBV_WR_ATOMIC_CMP_AND_SWP) {
+        wr->wr.atomic.remote_addr = o->remote_addr;
+        wr->wr.atomic.rkey = o->rkey;
+        wr->wr.atomic.compare_add = o->compare_add;
+        wr->wr.atomic.swap = o->swap;
+    } else {
+        wr->wr.rdma.remote_addr = o->remote_addr;
+        wr->wr.rdma.rkey = o->rkey;
+        if (o->opcode == IBV_WR_RDMA_WRITE_WITH_IMM)
+            wr->imm_data = htonl(o->imm_data);
+    }
+}
+
+/* Post `count` one-sided requests in chains. On failure *bad_index is the first request not posted. */
 int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index)
 {
-    struct ibv_send_wr wr[16];
-    struct ibv_sge sge[16];
-    struct ibv_send_wr *bad = NULL;
-    int done = 0;
-
-    *bad_index = -1;
-    while (done < count) {
-        int n = count - done;
-        if (n > 16)
-            n = 16;
-        memset(wr, 0, sizeof(wr[0]) * n);
-        for (int i = 0; i < n; i++) {
-            const struct rdmaio_rdma_op *o = &ops[done + i];
-            sge[i].addr = o->local_addr;
-            sge[i].length = o->length;
-            sge[i].lkey = o->lkey;
-            wr[i].wr_id = o->wr_id;
-            wr[i].sg_list = &sge[i];
-            wr[i].num_sge = o->length ? 1 : 0;
-            wr[i].opcode = o->opcode;
-            wr[i].send_flags = o->send_flags;
-            if (o->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD || o->opcode == IBV_WR_ATOMIC_CMP_AND_SWP) {
-                wr[i].wr.atomic.remote_addr = o->remote_addr;
-                wr[i].wr.atomic.rkey = o->rkey;
-                wr[i].wr.atomic.compare_add = o->compare_add;
-                wr[i].wr.atomic.swap = o->swap;
-            } else {
-                wr[i].wr.rdma.remote_addr = o->remote_addr;
-                wr[i].wr.rdma.rkey = o->rkey;
-                if (o->opcode == IBV_WR_RDMA_WRITE_WITH_IMM)
-                    wr[i].imm_data = htonl(o->imm_data);
-            }
-            wr[i].next = (i + 1 < n) ? &wr[i + 1] : NULL;
-        }
-        int rc = ibv_post_send(qp, wr, &bad);
-        if (rc) {
-            *bad_index = done + (bad ? (int)(bad - wr) : 0);
-            return -(rc > 0 ? rc : EIO);
-        }
-        done += n;
-    }
-    return done;
+    return post_chains(qp, ops, count, bad_index, fill_rdma);
 }
