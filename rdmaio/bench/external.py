@@ -26,12 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rdmaio.bench.model import Sample, Workload
-from rdmaio.bench.onesided import ONESIDED_TOOLS, parse_onesided_tool, perftest_args
+from rdmaio.bench.onesided import (
+    ONESIDED_TOOLS,
+    checked_perftest_lat,
+    parse_onesided_tool,
+    perftest_args,
+    perftest_bw_sample,
+)
 from rdmaio.bench.parsers import (
     ParseError,
     parse_cm_setup,
-    parse_perftest_bw,
-    parse_perftest_lat,
     parse_rstream,
 )
 
@@ -410,26 +414,10 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
     raw = _tail(out)
     samples: dict[Workload, Sample] = {}
     if contender in ("ib_send_bw", "ib_write_bw", "ib_read_bw"):
-        bw = parse_perftest_bw(out)
-        if bw.size != size:
-            raise ParseError(f"report is for {bw.size} B, asked for {size} B")
-        if bw.bw_average_bytes_per_s <= 0 or bw.msgs_per_s <= 0:
-            raise ParseError("the report gives a zero bandwidth or message rate (no valid measurement)")
-        for workload in workloads:
-            samples[workload] = Sample(
-                ok=True,
-                bytes_per_s=bw.bw_average_bytes_per_s,
-                msgs_per_s=bw.msgs_per_s,
-                ops=bw.iterations,
-                note="BW average (perftest MB = 2^20 B) and MsgRate",
-                raw=raw,
-            )
+        for workload in workloads:  # one Sample object each: later steps annotate them per workload
+            samples[workload] = perftest_bw_sample(out, size, raw)
     elif contender == "ib_send_lat":
-        lat = parse_perftest_lat(out)
-        if lat.size != size:
-            raise ParseError(f"report is for {lat.size} B, asked for {size} B")
-        if lat.t_typical_us <= 0:
-            raise ParseError("the report gives a zero latency (no valid measurement)")
+        lat = checked_perftest_lat(out, size)
         samples[Workload.ECHO] = Sample(
             ok=True,
             p50_us=lat.rtt_p50_us,

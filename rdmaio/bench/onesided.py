@@ -34,7 +34,7 @@ from typing import Any
 
 import rdmaio
 from rdmaio.bench.model import ONESIDED_WORKLOADS, Sample, Workload, format_size
-from rdmaio.bench.parsers import ParseError, parse_perftest_bw, parse_perftest_lat
+from rdmaio.bench.parsers import ParseError, PerftestLatency, parse_perftest_bw, parse_perftest_lat
 
 __all__ = [
     "ATOMIC_SIZE",
@@ -261,11 +261,7 @@ def parse_onesided_tool(tool: str, size: int, out: str, raw: str) -> dict[Worklo
     if workload is None:
         raise ParseError(f"no one-sided parser for {tool}")
     if workload is Workload.READ_LAT:
-        lat = parse_perftest_lat(out)
-        if lat.size != size:
-            raise ParseError(f"report is for {lat.size} B, asked for {size} B")
-        if lat.t_typical_us <= 0:
-            raise ParseError("the report gives a zero latency (no valid measurement)")
+        lat = checked_perftest_lat(out, size)
         return {
             workload: Sample(
                 ok=True,
@@ -277,21 +273,36 @@ def parse_onesided_tool(tool: str, size: int, out: str, raw: str) -> dict[Worklo
                 raw=raw,
             )
         }
+    return {workload: perftest_bw_sample(out, size, raw)}
+
+
+def checked_perftest_lat(out: str, size: int) -> PerftestLatency:
+    """A perftest latency report for ``size``; ParseError when it is for another size or gives zero."""
+    lat = parse_perftest_lat(out)
+    if lat.size != size:
+        raise ParseError(f"report is for {lat.size} B, asked for {size} B")
+    if lat.t_typical_us <= 0:
+        raise ParseError("the report gives a zero latency (no valid measurement)")
+    return lat
+
+
+def perftest_bw_sample(out: str, size: int, raw: str) -> Sample:
+    """The sample of a perftest bandwidth report (``ib_send_bw``, ``ib_write_bw``, ``ib_read_bw``,
+    ``ib_atomic_bw``) for ``size``; ParseError when it is for another size or gives zero. The message rate
+    is :attr:`PerftestBandwidth.msgs_per_s` (exact from the bandwidth where perftest's MsgRate rounds)."""
     bw = parse_perftest_bw(out)
     if bw.size != size:
         raise ParseError(f"report is for {bw.size} B, asked for {size} B")
-    if bw.bw_average_bytes_per_s <= 0 or bw.msg_rate_mpps <= 0:
+    if bw.bw_average_bytes_per_s <= 0 or bw.msgs_per_s <= 0:
         raise ParseError("the report gives a zero bandwidth or message rate (no valid measurement)")
-    return {
-        workload: Sample(
-            ok=True,
-            bytes_per_s=bw.bw_average_bytes_per_s,
-            msgs_per_s=bw.msgs_per_s,
-            ops=bw.iterations,
-            note="BW average (perftest MB = 2^20 B) and MsgRate",
-            raw=raw,
-        )
-    }
+    return Sample(
+        ok=True,
+        bytes_per_s=bw.bw_average_bytes_per_s,
+        msgs_per_s=bw.msgs_per_s,
+        ops=bw.iterations,
+        note="BW average (perftest MB = 2^20 B) and MsgRate",
+        raw=raw,
+    )
 
 
 # --- targets ----------------------------------------------------------------------------------------------

@@ -111,6 +111,15 @@ def test_parse_read_bw_atomic_and_read_lat() -> None:
     assert lat.value(L) == 95.5
 
 
+def test_a_message_rate_that_rounds_to_zero_is_taken_from_the_bandwidth() -> None:
+    """perftest prints MsgRate in Mpps with 6 decimals: 16 MiB READs at 19.75 MB/s print 0.000000. The
+    one-sided parser used to refuse that report (it checked the printed rate); it now shares the perftest
+    bandwidth parsing of the two-sided contenders, which derive the rate from the bandwidth."""
+    report = READ_BW_1M.replace(" 1048576 ", " 16777216 ").replace("0.000020", "0.000000")
+    read = parse_onesided_tool("ib_read_bw", 16 * MiB, report, "raw")[R]
+    assert read.ok and read.msgs_per_s == pytest.approx(19.75 / 16)
+
+
 @pytest.mark.parametrize(
     ("tool", "size", "text", "match"),
     [
