@@ -492,6 +492,25 @@ class SharedCreditLedger:
         self._committed -= lease.outstanding
         self._serve()
 
+    def set_reclaimable(self, key: Hashable, reclaimable: bool) -> None:
+        """Whether ``key``'s peer answers RECLAIM (known once its handshake arrived); only such windows grow
+        beyond what they were opened with."""
+        lease = self._leases[key]
+        lease.reclaimable = reclaimable
+        if not reclaimable:
+            lease.max_window = lease.window
+
+    def set_max_window(self, key: Hashable, max_window: int) -> None:
+        """``key``'s announced ``recv_depth``, the ceiling of its window (when the peer answers RECLAIM)."""
+        lease = self._leases[key]
+        if lease.reclaimable:
+            lease.max_window = max(lease.window, max_window)
+
+    def unreturned(self, key: Hashable) -> int:
+        """Receives ``key``'s frames consumed that were not reposted or released yet."""
+        lease = self._leases[key]
+        return lease.window - lease.outstanding
+
     def window(self, key: Hashable) -> int:
         """``key``'s current window (what its session's ``recv_depth`` must equal)."""
         return self._leases[key].window
