@@ -138,3 +138,56 @@ def test_registered_bytes_per_idle_connection_with_and_without_the_srq(rdma_addr
         f"rings {without:.0f}, shared receive queue {shared:.0f}"
     )
     assert shared < without
+
+
+def test_plain_client_large_messages_and_back_pressure_on_a_shared_receive_queue(rdma_addr: str) -> None:
+    """The server uses the SRQ, the client does not (no FEATURE_RECLAIM: its window on the pool stays as
+    opened); a rendezvous message, then a slow reader holding SRQ buffers for back-pressure, then close:
+    every buffer goes back to the SRQ."""
+    server_options = dataclasses.replace(OPTIONS, recv_buffer_limit=16 * 1024)
+    client_options = rdmaio.Options(slot_size=8192, recv_depth=16, send_depth=16, signal_interval=4)
+    big = random.Random(7).randbytes(1 << 20)
+    held: list[float] = []
+
+    async def slow_echo(ep: rdmaio.Endpoint) -> None:
+        async with ep:
+            first = await ep.recv()
+            assert first == big
+            await ep.send(hashlib.sha256(first).digest())
+            await asyncio.sleep(1.0)  # the client keeps writing: our buffer fills, SRQ buffers are held
+            held.append(ep.statistics()["recv_held_slots"])
+            total = 0
+            while chunk := await ep.read(65536):
+                total += len(chunk)
+            await ep.send(total.to_bytes(8, "little"))
+
+    async def main() -> tuple[dict[str, int], dict[str, int], int]:
+        server = await rdmaio.serve(slow_echo, rdma_addr, 0, options=server_options)
+        async with server:
+            port = server.addresses[0][1]
+            ep = await rdmaio.connect(rdma_addr, port, options=client_options, timeout=60)
+            await ep.send(big)
+            assert await ep.recv() == hashlib.sha256(big).digest()
+            (served,) = server._clients
+            pool = pool_of(served)
+            assert not served._session.reclaim  # the client did not announce FEATURE_RECLAIM
+            for _ in range(200):
+                ep.write(b"x" * 5000)
+                await ep.drain()
+            during = pool.statistics()
+            ep.write_eof()
+            count = int.from_bytes(await ep.recv() or b"", "little")
+            await ep.aclose()
+            for _ in range(200):
+                if pool.statistics()["connections"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            pool.ledger.check()
+            return during, pool.statistics(), count
+
+    during, after, count = asyncio.run(main())
+    print(during, after, "held", held)
+    assert count == 200 * 5000
+    assert held and held[0] > 0  # back-pressure really held shared buffers
+    assert during["connections"] == 1
+    assert after["connections"] == 0 and after["posted"] == after["buffers"] == after["free"]
