@@ -13,6 +13,7 @@ from typing import Any
 from rdmaio.core.backend import Backend, Waiter
 from rdmaio.core.onesided import rd_atomic_depth
 from rdmaio.core.reactor import Reactor
+from rdmaio.core.shared_receive import new_session
 from rdmaio.core.transport import Transport
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import (
@@ -23,7 +24,14 @@ from rdmaio.errors import (
     UnreachableError,
 )
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, FEATURE_RNDV, Handshake, Session
+from rdmaio.protocol import (
+    FEATURE_BATCH,
+    FEATURE_GROW,
+    FEATURE_ONESIDED,
+    FEATURE_RECLAIM,
+    FEATURE_RNDV,
+    Handshake,
+)
 from rdmaio.verbs import CMEvent, CMEventType
 
 __all__ = ["connect", "local_handshake", "resolve_host"]
@@ -66,7 +74,8 @@ def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
         features=(FEATURE_BATCH if options.batch_limit else 0)
         | (FEATURE_GROW if grow else 0)
         | FEATURE_ONESIDED
-        | (FEATURE_RNDV if options.rndv_threshold else 0),
+        | (FEATURE_RNDV if options.rndv_threshold else 0)
+        | (FEATURE_RECLAIM if options.shared_receive_queue else 0),
         initial_depth=initial if grow else 0,
     )
 
@@ -199,7 +208,7 @@ async def _connect(
         except HandshakeError:
             cm_id.disconnect()
             raise
-        return Endpoint(reactor, cm_id, transport, Session(handshake, peer), opts)
+        return Endpoint(reactor, cm_id, transport, new_session(handshake, peer, transport), opts)
     except BaseException:
         if transport is not None:
             transport.close()

@@ -86,6 +86,14 @@ class Options:
     zero-length RDMA WRITE (:mod:`rdmaio.core.keepalive`); None turns keepalive off. A peer that vanished is
     detected within ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (23.3 s
     with the defaults). A busy connection sends no probes."""
+    shared_receive_queue: bool = False
+    """Take receives from one shared receive queue per device and loop (issue 10) instead of a receive
+    ring per connection: idle connections pin no receive buffers of their own, and credits are lent from
+    the shared pool so that a SEND still never meets an empty queue (docs/protocol.md, "Shared receive
+    queue and credits"). Every connection of a device must then use the same ``slot_size``."""
+    srq_max_buffers: int = 4096
+    """Receive buffers the shared receive queue may grow to (capped by the device's ``max_srq_wr``); with
+    four receives reserved per connection, a quarter of it is the number of connections it admits."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -119,6 +127,8 @@ class Options:
         if self.ack_timeout is not None and not 1 <= self.ack_timeout <= 31:
             # 0 would mean an infinite timeout: a dead peer would never be detected.
             raise ValueError("ack_timeout must be between 1 and 31 (or None for rdma_cm's default)")
+        if not 4 <= self.srq_max_buffers <= 1 << 24:
+            raise ValueError("srq_max_buffers must be between 4 and 16777216")
         if self.keepalive_interval is not None and not self.keepalive_interval > 0:
             raise ValueError("keepalive_interval must be positive (or None to turn keepalive off)")
 

@@ -12,6 +12,7 @@ from rdmaio.client import local_handshake, resolve_host
 from rdmaio.core.backend import AsyncioBackend, Waiter
 from rdmaio.core.onesided import rd_atomic_depth
 from rdmaio.core.reactor import Reactor
+from rdmaio.core.shared_receive import new_session
 from rdmaio.core.transport import Transport
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
@@ -181,7 +182,7 @@ class StreamServer:
                 transport.close()
             self._reject(cm_id, str(exc))
             return
-        self._pending[cm_id.handle] = _Pending(cm_id, transport, Session(handshake, peer))
+        self._pending[cm_id.handle] = _Pending(cm_id, transport, new_session(handshake, peer, transport))
         self._peak_waiting = max(self._peak_waiting, self._waiting())
 
     def _reject(self, cm_id: CMId, why: str) -> None:

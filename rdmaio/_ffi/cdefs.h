@@ -43,9 +43,20 @@ int ibv_query_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask,
                  struct ibv_qp_init_attr *init_attr);
 int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask);
 
+/* shared receive queues (issue 10; rdmaio/verbs/srq.py) */
+struct ibv_srq_attr { uint32_t max_wr; uint32_t max_sge; uint32_t srq_limit; };
+struct ibv_srq_init_attr { void *srq_context; struct ibv_srq_attr attr; };
+#define IBV_SRQ_MAX_WR ...
+#define IBV_SRQ_LIMIT ...
+struct ibv_srq *ibv_create_srq(struct ibv_pd *pd, struct ibv_srq_init_attr *srq_init_attr);
+int ibv_modify_srq(struct ibv_srq *srq, struct ibv_srq_attr *srq_attr, int srq_attr_mask);
+int ibv_query_srq(struct ibv_srq *srq, struct ibv_srq_attr *srq_attr);
+int ibv_destroy_srq(struct ibv_srq *srq);
+
 struct ibv_device_attr { char fw_ver[64]; uint64_t max_mr_size; uint32_t vendor_id;
                          uint32_t vendor_part_id; int max_qp; int max_qp_wr; int max_sge; int max_cq;
-                         int max_cqe; int max_mr; int max_pd; uint8_t phys_port_cnt; ...; };
+                         int max_cqe; int max_mr; int max_pd; int max_srq; int max_srq_wr;
+                         int max_srq_sge; uint8_t phys_port_cnt; ...; };
 struct ibv_port_attr { int state; int max_mtu; int active_mtu; int gid_tbl_len; uint32_t max_msg_sz;
                        uint8_t link_layer; uint8_t active_width; uint8_t active_speed; ...; };
 #define IBV_PORT_ACTIVE ...
@@ -100,7 +111,8 @@ int ibv_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr 
 
 enum ibv_event_type { IBV_EVENT_CQ_ERR, IBV_EVENT_QP_FATAL, IBV_EVENT_QP_REQ_ERR,
                       IBV_EVENT_QP_ACCESS_ERR, IBV_EVENT_COMM_EST, IBV_EVENT_PORT_ACTIVE,
-                      IBV_EVENT_PORT_ERR, IBV_EVENT_DEVICE_FATAL, ... };
+                      IBV_EVENT_PORT_ERR, IBV_EVENT_DEVICE_FATAL, IBV_EVENT_SRQ_ERR,
+                      IBV_EVENT_SRQ_LIMIT_REACHED, IBV_EVENT_QP_LAST_WQE_REACHED, ... };
 const char *ibv_event_type_str(enum ibv_event_type event);
 
 /* ---- librdmacm ------------------------------------------------------------------------------ */
@@ -177,6 +189,8 @@ int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint
                            uint64_t wr_id_base, const uint32_t *slots, int count);
 int rdmaio_post_recv_ring(struct ibv_qp *qp, const uint32_t *lkeys, uint64_t base, uint32_t slot_size,
                           uint64_t wr_id_base, const uint32_t *slots, int count);
+int rdmaio_post_srq_recv_ring(struct ibv_srq *srq, const uint32_t *lkeys, uint64_t base,
+                              uint32_t slot_size, uint64_t wr_id_base, const uint32_t *slots, int count);
 int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index);
 int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out);
 int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element,

@@ -229,8 +229,10 @@ int rdmaio_req_notify(struct ibv_cq *cq)
  * its wr_id is wr_id_base | slots[i] (wr_id_base carries the kind and the connection tag, see
  * helper.h), so a completion names the connection and the slot it filled. The local key is
  * lkeys[slot] when lkeys is given (a ring registered chunk by chunk), else lkey. */
-static int post_recvs(struct ibv_qp *qp, const uint32_t *lkeys, uint32_t lkey, uint64_t base,
-                      uint32_t slot_size, uint64_t wr_id_base, const uint32_t *slots, int count)
+/* Post receives on a QP's own receive queue, or (qp NULL) on the shared receive queue srq. */
+static int post_recvs_to(struct ibv_qp *qp, struct ibv_srq *srq, const uint32_t *lkeys, uint32_t lkey,
+                         uint64_t base, uint32_t slot_size, uint64_t wr_id_base, const uint32_t *slots,
+                         int count)
 {
     struct ibv_recv_wr wr[64];
     struct ibv_sge sge[64];
@@ -251,12 +253,26 @@ static int post_recvs(struct ibv_qp *qp, const uint32_t *lkeys, uint32_t lkey, u
             wr[i].num_sge = 1;
             wr[i].next = (i + 1 < n) ? &wr[i + 1] : NULL;
         }
-        int rc = ibv_post_recv(qp, wr, &bad);
+        int rc = qp ? ibv_post_recv(qp, wr, &bad) : ibv_post_srq_recv(srq, wr, &bad);
         if (rc)
             return -(rc > 0 ? rc : EIO);
         done += n;
     }
     return done;
+}
+
+static int post_recvs(struct ibv_qp *qp, const uint32_t *lkeys, uint32_t lkey, uint64_t base,
+                      uint32_t slot_size, uint64_t wr_id_base, const uint32_t *slots, int count)
+{
+    return post_recvs_to(qp, NULL, lkeys, lkey, base, slot_size, wr_id_base, slots, count);
+}
+
+/* Shared receive queue (issue 10): one receive per slot of a ring registered chunk by chunk
+ * (lkeys[slot]); ibv_post_srq_recv is static inline in verbs.h, hence this wrapper. */
+int rdmaio_post_srq_recv_ring(struct ibv_srq *srq, const uint32_t *lkeys, uint64_t base,
+                              uint32_t slot_size, uint64_t wr_id_base, const uint32_t *slots, int count)
+{
+    return post_recvs_to(NULL, srq, lkeys, 0, base, slot_size, wr_id_base, slots, count);
 }
 
 int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint32_t slot_size,

@@ -77,6 +77,8 @@ int rdmaio_post_recv_slots(struct ibv_qp *qp, uint32_t lkey, uint64_t base, uint
                            uint64_t wr_id_base, const uint32_t *slots, int count);
 int rdmaio_post_recv_ring(struct ibv_qp *qp, const uint32_t *lkeys, uint64_t base, uint32_t slot_size,
                           uint64_t wr_id_base, const uint32_t *slots, int count);
+int rdmaio_post_srq_recv_ring(struct ibv_srq *srq, const uint32_t *lkeys, uint64_t base,
+                              uint32_t slot_size, uint64_t wr_id_base, const uint32_t *slots, int count);
 int rdmaio_post_sends(struct ibv_qp *qp, const struct rdmaio_send *sends, int count, int *bad_index);
 int rdmaio_get_cm_event(struct rdma_event_channel *channel, struct rdmaio_cm_event *out);
 int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_t *element,

@@ -187,6 +187,11 @@ class CompletionDispatcher:
         self._next_tag = 1
         self._stash: dict[int, list[Any]] = {}  # key -> copies of records that came before the handler
         self._replay: set[int] = set()  # keys whose handler is set and whose stash is not delivered yet
+        # Shared receive queue (issue 10): a receive posted on an SRQ carries the SRQ's tag, not a
+        # connection's, so each QP on it registers an alias key (qp_num, srq tag); completions of a key
+        # without a live handler go to the tag's orphan handler (their buffers must go back to the SRQ).
+        self._aliases: set[int] = set()
+        self._orphans: dict[int, CompletionHandler] = {}
         self._dispatching = False
         self._again = False
         self._closed = False
@@ -326,7 +331,7 @@ class CompletionDispatcher:
         """Send the completions of the connection ``(qp_num, tag)`` to ``handler`` from now on; those kept
         since :meth:`register` go first (at the next dispatch or :meth:`poll_now`)."""
         key = dispatch_key(qp_num, tag)
-        if self._tags.get(tag) != qp_num:
+        if self._tags.get(tag) != qp_num and key not in self._aliases:
             raise KeyError(f"no live connection with QP {qp_num} and tag {tag}")
         self._handlers[key] = handler
         if key in self._stash:
@@ -343,6 +348,35 @@ class CompletionDispatcher:
         kept = self._stash.pop(key, None)
         if kept:
             self.dropped += sum(len(records) for records in kept)
+
+    def register_alias(self, qp_num: int, tag: int) -> None:
+        """Route completions of ``(qp_num, tag)``, a tag shared by many QPs (an SRQ's), like a registered
+        connection's: kept until :meth:`set_handler`, then delivered to that handler."""
+        self._check_open()
+        key = dispatch_key(qp_num, tag)
+        self._aliases.add(key)
+        self._handlers[key] = functools.partial(self._keep, key)
+
+    def unregister_alias(self, qp_num: int, tag: int) -> None:
+        """Forget an alias; completions kept for it go to the tag's orphan handler. Idempotent."""
+        key = dispatch_key(qp_num, tag)
+        self._aliases.discard(key)
+        self._handlers.pop(key, None)
+        self._replay.discard(key)
+        kept = self._stash.pop(key, None)
+        orphan = self._orphans.get(tag)
+        for records in kept or ():
+            if orphan is None:
+                self.dropped += len(records)
+            else:
+                self._call(orphan, records, 0, len(records))
+
+    def set_orphan_handler(self, tag: int, handler: CompletionHandler | None) -> None:
+        """Send completions whose key has no live handler and whose tag is ``tag`` to ``handler``."""
+        if handler is None:
+            self._orphans.pop(tag, None)
+        else:
+            self._orphans[tag] = handler
 
     def _keep(self, key: int, records: Any, start: int, count: int) -> None:
         """The handler of a registered connection whose own handler is not set yet: keep a copy."""
@@ -428,7 +462,11 @@ class CompletionDispatcher:
             key = group.key
             handler = handlers.get(key)
             if handler is None:
-                self.dropped += group.count
+                orphan = self._orphans.get(key & WR_TAG_MASK) if self._orphans else None
+                if orphan is not None:
+                    self._call(orphan, records, group.start, group.count)
+                else:
+                    self.dropped += group.count
                 continue
             if replay and key in replay:
                 self._deliver_kept(key)  # what came before the handler was set goes first

@@ -278,6 +278,9 @@ class Domain:
         self._unwatch = unwatch if unwatch is not None else (lambda fd: None)
         self._cq_capacity = cq_capacity
         self._completions: CompletionDispatcher | None = None
+        # The shared receive queue (rdmaio.core.shared_receive), created by the first connection with
+        # Options(shared_receive_queue=True); closed before the PD (its QPs first, then the SRQ, its MRs).
+        self.shared_receive: Any = None
 
     @property
     def completions(self) -> CompletionDispatcher:
@@ -338,6 +341,8 @@ class Domain:
             return
         completions = self._completions
         try:
+            if self.shared_receive is not None:
+                self.shared_receive.close()
             self.rings.close()
             self.registrations.close()
             self.pd.close()

@@ -275,6 +275,15 @@ class Reactor:
         elif etype == verbs.EVENT_DEVICE_FATAL:
             self.device_removed(device)
             return
+        elif etype == verbs.EVENT_SRQ_LIMIT_REACHED:  # shared receive queue (issue 10): a growth hint
+            domain = self._domains.get(device.handle)
+            pool = domain.shared_receive if domain is not None else None
+            if pool is not None and not pool.closed and pool.srq.handle == event.obj:
+                try:
+                    pool.on_limit_event()
+                except Exception:
+                    log.exception("rdmaio: handling %s failed", event.description)
+            return
         elif etype in (verbs.EVENT_PORT_ERR, verbs.EVENT_PORT_ACTIVE):
             log.info("rdmaio: device %s port %d: %s", device.name, event.element, event.description)
             for port_handler in list(self._port_handlers.get((device.handle, event.element), {}).values()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from rdmaio.core.completions import CompletionHandler, CQReservation
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.rings import SlotRing
+from rdmaio.core.shared_receive import SharedMember, shared_pool
 from rdmaio.options import Options
 from rdmaio.verbs import (
     WR_KIND_RECV,
@@ -63,10 +64,18 @@ class Transport:
         # The rings' memory comes from (and goes back to) the domain's pool: no registration per connection
         # while connections come and go (rdmaio.core.rings).
         pool = self.domain.rings
-        self.recv_ring = SlotRing(self.slot_size, self.recv_depth, self._register, pool=pool)
+        # Shared receive queue (issue 10): receives come from the Domain's SRQ; the ring is the pool's.
+        self.shared: SharedMember | None = None
+        if options.shared_receive_queue:
+            shared = shared_pool(self.domain, options, reactor.backend.call_later)
+            self.shared = shared.join(initial, self.recv_depth)
+            self.recv_ring = shared.ring
+        else:
+            self.recv_ring = SlotRing(self.slot_size, self.recv_depth, self._register, pool=pool)
         self.send_ring = SlotRing(self.slot_size, self.send_depth, self._register, pool=pool)
         try:
-            self.recv_ring.grow(initial)
+            if self.shared is None:
+                self.recv_ring.grow(initial)
             # Every posted WR completes at most once: the reservation (for both rings at their largest)
             # bounds this QP's CQ occupancy.
             self.cq_reservation = self.completions.reserve(self.cq_entries)
@@ -78,7 +87,10 @@ class Transport:
             # is set are kept for it, not dropped.
             self.tag = self.completions.register(self.qp.qp_num)
             self.recv_wr_base = make_wr_id(WR_KIND_RECV, self.tag, 0)
-            self.post_receives(list(range(initial)))
+            if self.shared is None:
+                self.post_receives(list(range(initial)))
+            else:
+                self.shared.pool.attach_qp(self.shared, self.qp.qp_num)
             reactor.watch_device(device)
         except BaseException:
             # Close what was created: unregister, QP, MRs, then give the CQ entries back. Left to the
@@ -97,11 +109,21 @@ class Transport:
 
     def post_receives(self, slots: list[int]) -> None:
         """Post one receive per slot of the receive ring (chained, one call)."""
+        if self.shared is not None:
+            self.shared.posted(slots)  # back on the SRQ
+            return
         ring = self.recv_ring
         self.qp.post_ring_slots(ring.lkeys, ring.addr, ring.slot_size, slots, self.recv_wr_base)
 
     def grow_receives(self, n: int) -> int:
-        """Register up to ``n`` more receive slots and post them; return how many were added."""
+        """Register up to ``n`` more receive slots and post them; return how many were added.
+
+        On a shared receive queue nothing is added now: the pool is asked, and grants the receives (to
+        the session directly) when it has them."""
+        if self.shared is not None:
+            self.shared.pool.ledger.request(self.shared.key, n)
+            self.shared.pool.apply()
+            return 0
         slots = self.recv_ring.grow(n)
         if slots:
             self.post_receives(list(slots))
@@ -109,7 +131,10 @@ class Transport:
 
     @property
     def registered_bytes(self) -> int:
-        """Bytes of slot memory this connection pins now (both rings)."""
+        """Bytes of slot memory this connection pins now (both rings; on a shared receive queue only the
+        send ring: the receive buffers are the pool's, ``shared_receive`` in the Domain's statistics)."""
+        if self.shared is not None:
+            return self.send_ring.registered_bytes
         return self.recv_ring.registered_bytes + self.send_ring.registered_bytes
 
     def _create_qp(self, options: Options) -> QueuePair:
@@ -124,6 +149,7 @@ class Transport:
                     max_send_wr=self.send_depth + options.max_rdma_ops + 1,
                     max_recv_wr=self.recv_depth,
                     max_inline_data=inline,
+                    srq=self.shared.pool.srq if self.shared is not None else None,
                 )
             except OSError:
                 # Devices cap inline data differently; fall back to smaller sizes, then none.
@@ -143,6 +169,8 @@ class Transport:
         before go first)."""
         assert self.tag is not None
         self.completions.set_handler(self.qp.qp_num, self.tag, handler)
+        if self.shared is not None:  # SRQ receives arrive under the SRQ's tag
+            self.shared.pool.set_handler(self.shared, handler)
 
     def poll_completions(self) -> None:
         """Poll the domain's CQs now and dispatch what is there (deferred when called from a handler)."""
@@ -164,7 +192,11 @@ class Transport:
             self.completions.unregister(qp.qp_num, self.tag)
         if qp is not None:
             qp.close()
-        self.recv_ring.close()
+        if self.shared is not None:
+            shared, self.shared = self.shared, None
+            shared.pool.leave(shared)  # after the QP: nothing consumes its receives any more
+        else:
+            self.recv_ring.close()
         self.send_ring.close()
         if self.cq_reservation is not None:
             self.cq_reservation.release()  # after the QP: a CQ is destroyed only once its QPs are

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from rdmaio import verbs
 from rdmaio.protocol import Session
+from rdmaio.protocol.shared_credits import ReclaimSession
 
 __all__ = ["RNDV_FRAME", "SendEngine", "SendQueue"]
 
@@ -95,6 +96,8 @@ class SendEngine:
         tag: int = 0,
     ) -> None:
         self.session = session
+        # Shared receive queues (issue 10): a session that answers RECLAIM, or sends it, stages those frames.
+        self._reclaim = session if isinstance(session, ReclaimSession) and session.reclaim else None
         self._qp = qp
         self._sends = qp.send_array
         self._slot_ring = ring
@@ -337,10 +340,23 @@ class SendEngine:
             slot = free.pop()
             self._fill(wr, slot, slot * self._slot_size, 0, session.take_credit_frame())
             self._stats["credit_frames"] += 1
+        elif self._reclaim is not None and (imm := self._reclaim_frame()) is not None:
+            slot = free.pop()  # shared receive queues (issue 10): RETURN or RECLAIM
+            self._fill(wr, slot, slot * self._slot_size, 0, imm)
         else:
             return count
         self._inflight.append(slot)
         return count + 1
+
+    def _reclaim_frame(self) -> int | None:
+        """The RETURN frame owed to the peer, else a RECLAIM frame the pool asked for, else None."""
+        session = self._reclaim
+        assert session is not None
+        if session.return_frame_due():
+            return session.take_return_frame()
+        if session.reclaim_frame_due():
+            return session.take_reclaim_frame()
+        return None
 
     def post(self) -> None:
         """Post every staged work request with one chained ``ibv_post_send``."""

@@ -40,6 +40,8 @@ class FrameKind(enum.IntEnum):
     EOF = 4  # no payload; the sender sends no more data (half-close)
     DATA_BATCH = 5  # one or more complete messages as [u32 LE length][bytes] records (FEATURE_BATCH)
     RNDV = 6  # a rendezvous descriptor (FEATURE_RNDV): a message whose data the receiver pulls
+    RECLAIM = 7  # no payload (FEATURE_RECLAIM): the receiver asks for unused credits back
+    RETURN = 8  # no payload (FEATURE_RECLAIM): gives back the credits in bits 27..16 (the answer to RECLAIM)
 
 
 # Plain-int kinds for the hot path (comparing ints, no enum lookup), the members on_frame returns (bound
@@ -50,6 +52,8 @@ _K_CREDIT: Final = 3
 _K_EOF: Final = 4
 _K_BATCH: Final = 5
 _K_RNDV: Final = 6
+_K_RECLAIM: Final = 7
+_K_RETURN: Final = 8
 _DATA_MORE: Final = FrameKind.DATA_MORE
 _DATA_END: Final = FrameKind.DATA_END
 _CREDIT: Final = FrameKind.CREDIT
@@ -62,6 +66,12 @@ _IMM_CREDIT: Final = _K_CREDIT << _KIND_SHIFT
 _IMM_EOF: Final = _K_EOF << _KIND_SHIFT
 _IMM_BATCH: Final = _K_BATCH << _KIND_SHIFT
 _IMM_RNDV: Final = _K_RNDV << _KIND_SHIFT
+_IMM_RECLAIM: Final = _K_RECLAIM << _KIND_SHIFT
+_IMM_RETURN: Final = _K_RETURN << _KIND_SHIFT
+# A RETURN frame carries the count of credits it gives back in the otherwise reserved bits 27..16.
+_RETURN_SHIFT: Final = 16
+MAX_RETURN: Final = 0x0FFF
+"""The most credits one RETURN frame gives back (the width of bits 27..16); more take several frames."""
 # FrameKind member by raw kind value (None: unknown kind), for decode_imm and the error path.
 _KIND_BY_VALUE: Final[tuple[FrameKind | None, ...]] = tuple(
     {int(k): k for k in FrameKind}.get(v) for v in range(1 << (32 - _KIND_SHIFT))
@@ -76,11 +86,29 @@ def encode_imm(kind: FrameKind, credits: int) -> int:
     return (int(kind) << _KIND_SHIFT) | credits
 
 
+def encode_return_imm(returned: int, credits: int) -> int:
+    """Return the immediate value of a RETURN frame giving back ``returned`` credits (0..:data:`MAX_RETURN`)
+    and granting ``credits`` (0..65535), like every frame."""
+    if not 0 <= returned <= MAX_RETURN:
+        raise ValueError(f"returned credits {returned} out of range 0..{MAX_RETURN}")
+    if not 0 <= credits <= MAX_CREDITS:
+        raise ValueError(f"credits {credits} out of range 0..{MAX_CREDITS}")
+    return _IMM_RETURN | returned << _RETURN_SHIFT | credits
+
+
+def returned_credits(imm: int) -> int:
+    """The credits a RETURN frame's immediate value gives back (bits 27..16; 0 for any other kind)."""
+    return (imm & _RESERVED_MASK) >> _RETURN_SHIFT if imm >> _KIND_SHIFT == _K_RETURN else 0
+
+
 def decode_imm(imm: int) -> tuple[FrameKind, int]:
-    """Split a received immediate value into ``(kind, credits)``; :class:`FrameError` if malformed."""
+    """Split a received immediate value into ``(kind, credits)``; :class:`FrameError` if malformed.
+
+    Bits 27..16 must be 0 except in a RETURN frame, where they are the credits given back
+    (:func:`returned_credits`)."""
     if not 0 <= imm <= _U32_MAX:
         raise FrameError(f"immediate value {imm:#x} is not an unsigned 32-bit value")
-    if imm & _RESERVED_MASK:
+    if imm & _RESERVED_MASK and imm >> _KIND_SHIFT != _K_RETURN:
         raise FrameError(f"immediate value {imm:#010x} has reserved bits set")
     raw_kind = imm >> _KIND_SHIFT
     kind = _KIND_BY_VALUE[raw_kind]

@@ -632,6 +632,8 @@ class Session:
         except FrameError as exc:
             return exc
         name = kind.name
+        if kind is FrameKind.RECLAIM or kind is FrameKind.RETURN:  # shared receive queues (FEATURE_RECLAIM)
+            return FrameError(f"{name} frame although FEATURE_RECLAIM was not negotiated")
         is_data = kind in (_DATA_MORE, _DATA_END, _DATA_BATCH, _RNDV)
         if self._posted <= 0:
             return FrameError(

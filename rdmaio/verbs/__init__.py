@@ -35,6 +35,8 @@ from rdmaio.verbs.enums import (
     EVENT_QP_ACCESS_ERR,
     EVENT_QP_FATAL,
     EVENT_QP_REQ_ERR,
+    EVENT_SRQ_ERR,
+    EVENT_SRQ_LIMIT_REACHED,
     MTU_BYTES,
     SEND_INLINE,
     SEND_SIGNALED,
@@ -48,6 +50,7 @@ from rdmaio.verbs.enums import (
 )
 from rdmaio.verbs.memory import MemoryRegion, ProtectionDomain
 from rdmaio.verbs.qp import QueuePair
+from rdmaio.verbs.srq import SharedReceiveQueue
 from rdmaio.verbs.wr import (
     MAX_POLL,
     WR_INDEX_MASK,
@@ -75,6 +78,8 @@ __all__ = [
     "EVENT_QP_ACCESS_ERR",
     "EVENT_QP_FATAL",
     "EVENT_QP_REQ_ERR",
+    "EVENT_SRQ_ERR",
+    "EVENT_SRQ_LIMIT_REACHED",
     "MAX_POLL",
     "MTU_BYTES",
     "SEND_INLINE",
@@ -105,6 +110,7 @@ __all__ = [
     "PortInfo",
     "ProtectionDomain",
     "QueuePair",
+    "SharedReceiveQueue",
     "WcOpcode",
     "WcStatus",
     "cm_device_handles",

@@ -14,6 +14,7 @@ from rdmaio.verbs.device import DeviceContext
 from rdmaio.verbs.enums import CMEventType
 from rdmaio.verbs.memory import ProtectionDomain
 from rdmaio.verbs.qp import QueuePair
+from rdmaio.verbs.srq import SharedReceiveQueue
 
 # --- rdma_cm ---------------------------------------------------------------------------------------
 
@@ -195,8 +196,12 @@ class CMId(_Resource):
         max_send_wr: int,
         max_recv_wr: int,
         max_inline_data: int = 0,
+        srq: SharedReceiveQueue | None = None,
     ) -> QueuePair:
-        """Create the RC queue pair of this id (rdma_cm moves it through INIT/RTR/RTS for us)."""
+        """Create the RC queue pair of this id (rdma_cm moves it through INIT/RTR/RTS for us).
+
+        With ``srq`` its receives come from that shared receive queue (``max_recv_wr`` is then ignored,
+        the QP has no receive queue of its own) and it is closed before the SRQ."""
         self._check_usable()
         if self.qp is not None and not self.qp.closed:
             raise VerbsError("this cm id already has a queue pair", call="rdma_create_qp")
@@ -210,12 +215,15 @@ class CMId(_Resource):
         attr.cap.max_send_sge = 1
         attr.cap.max_recv_sge = 1
         attr.cap.max_inline_data = max_inline_data
+        if srq is not None:
+            attr.srq = srq._ptr
+            attr.cap.max_recv_wr = 0
         _check(
             lib.rdma_create_qp(self._ptr, pd._ptr, attr),
             "rdma_create_qp",
             f"send_wr={max_send_wr} recv_wr={max_recv_wr} inline={max_inline_data}",
         )
-        self.qp = QueuePair(self, pd, send_cq, recv_cq, attr.cap)
+        self.qp = QueuePair(self, pd, send_cq, recv_cq, attr.cap, srq)
         return self.qp
 
     def _conn_param(

@@ -42,6 +42,10 @@ class DeviceInfo:
     max_mr_size: int
     max_sge: int
     ports: tuple[PortInfo, ...]
+    max_srq: int = 0
+    """Shared receive queues the device supports (0: none)."""
+    max_srq_wr: int = 0
+    """Receives one shared receive queue holds at most."""
 
 
 _PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
@@ -78,6 +82,8 @@ def _query_device(ctx: Any) -> DeviceInfo:
         max_mr_size=int(attr.max_mr_size),
         max_sge=int(attr.max_sge),
         ports=ports,
+        max_srq=int(attr.max_srq),
+        max_srq_wr=int(attr.max_srq_wr),
     )
 
 

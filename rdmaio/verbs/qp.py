@@ -12,6 +12,7 @@ from rdmaio.verbs.memory import MemoryRegion, ProtectionDomain
 
 if TYPE_CHECKING:
     from rdmaio.verbs.cm import CMId
+    from rdmaio.verbs.srq import SharedReceiveQueue
 
 
 # --- QP --------------------------------------------------------------------------------------------
@@ -24,9 +25,16 @@ class QueuePair(_Resource):
     _close_rank = 0
 
     def __init__(
-        self, cm_id: CMId, pd: ProtectionDomain, send_cq: CompletionQueue, recv_cq: CompletionQueue, cap: Any
+        self,
+        cm_id: CMId,
+        pd: ProtectionDomain,
+        send_cq: CompletionQueue,
+        recv_cq: CompletionQueue,
+        cap: Any,
+        srq: SharedReceiveQueue | None = None,
     ) -> None:
-        super().__init__(cm_id, pd, send_cq, recv_cq)
+        super().__init__(cm_id, pd, send_cq, recv_cq, srq)  # the SRQ closes its QPs first
+        self.srq = srq
         self._cm_id = cm_id
         self._ptr = cm_id._ptr.qp
         self.qp_num: int = int(self._ptr.qp_num)

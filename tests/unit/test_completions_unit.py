@@ -398,3 +398,47 @@ def test_releasing_after_close_is_harmless() -> None:
     h.d.close()
     r.release()
     assert r.released
+
+
+# --- shared receive queue aliases (issue 10) ----------------------------------------------------------
+
+
+def test_srq_alias_keeps_until_the_handler_is_set_and_orphans_go_to_the_tag_handler() -> None:
+    h = Harness()
+    cq = h.d.reserve(10).cq
+    seen: list[tuple[str, list[int]]] = []
+    h.d.set_orphan_handler(0, recorder(seen, "orphan"))
+    tag = h.d.register(7)
+    h.d.register_alias(7, 0)  # SRQ receives carry tag 0, whichever QP takes them
+    h.complete(cq, 7, 0, 1, 2)
+    h.wake()
+    assert seen == []  # kept: the endpoint's handler is not set yet
+    h.d.set_handler(7, tag, recorder(seen, "own"))
+    h.d.set_handler(7, 0, recorder(seen, "srq"))
+    h.complete(cq, 7, 0, 3)
+    h.complete(cq, 7, tag, 9, kind=verbs.WR_KIND_SEND)
+    h.wake()
+    assert ("srq", [1, 2]) in seen and ("srq", [3]) in seen and ("own", [9]) in seen
+    seen.clear()
+    h.d.unregister(7, tag)
+    h.d.unregister_alias(7, 0)
+    h.complete(cq, 7, 0, 4)  # a late completion of a QP that is gone: its buffer must go back
+    h.complete(cq, 7, tag, 5, kind=verbs.WR_KIND_SEND)  # a connection's own: dropped as before
+    h.wake()
+    assert seen == [("orphan", [4])] and h.d.statistics()["dropped"] == 1
+    h.d.set_orphan_handler(0, None)
+    h.complete(cq, 8, 0, 6)
+    h.wake()
+    assert h.d.statistics()["dropped"] == 2
+
+
+def test_unregistering_an_alias_hands_kept_completions_to_the_orphan_handler() -> None:
+    h = Harness()
+    cq = h.d.reserve(10).cq
+    seen: list[tuple[str, list[int]]] = []
+    h.d.set_orphan_handler(0, recorder(seen, "orphan"))
+    h.d.register_alias(5, 0)
+    h.complete(cq, 5, 0, 1, 2)
+    h.wake()
+    h.d.unregister_alias(5, 0)  # the connection failed before its endpoint existed
+    assert seen == [("orphan", [1, 2])]

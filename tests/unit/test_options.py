@@ -28,6 +28,7 @@ def test_defaults_register_4_mib_and_batch_small_messages() -> None:
         ("read_limit", 0),
         ("signal_interval", 0),
         ("rnr_retry_count", 8),
+        ("srq_max_buffers", 3),
     ],
 )
 def test_invalid_values_raise_value_error(field: str, value: int) -> None:
@@ -58,3 +59,12 @@ def test_batching_is_announced_and_negotiated_from_batch_limit() -> None:
     assert Session(on, Handshake.decode(on.encode())).batching
     assert not Session(on, Handshake.decode(off.encode())).batching  # one side off: no batches at all
     assert not Session(off, Handshake.decode(on.encode())).batching
+
+
+def test_shared_receive_queue_is_off_by_default_and_announces_reclaim_when_on() -> None:
+    from rdmaio.protocol import FEATURE_RECLAIM
+
+    assert Options().shared_receive_queue is False
+    assert Options().rnr_retry_count == 1  # finite: an RNR fails the connection (7 would retry forever)
+    assert not local_handshake(Options()).features & FEATURE_RECLAIM
+    assert local_handshake(Options(shared_receive_queue=True)).features & FEATURE_RECLAIM

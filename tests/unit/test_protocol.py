@@ -325,10 +325,10 @@ def test_encode_imm_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="credits -1 out of range"):
         encode_imm(FrameKind.CREDIT, -1)
     with pytest.raises(ValueError):
-        encode_imm(7, 0)  # type: ignore[arg-type]
+        encode_imm(9, 0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("raw_kind", [0, *range(7, 16)])
+@pytest.mark.parametrize("raw_kind", [0, *range(9, 16)])  # 7, 8: RECLAIM, RETURN (FEATURE_RECLAIM)
 def test_decode_imm_unknown_kind(raw_kind: int) -> None:
     with pytest.raises(FrameError, match=f"unknown frame kind {raw_kind}"):
         decode_imm(raw_kind << 28 | 7)
@@ -669,7 +669,8 @@ ON_FRAME_ERRORS: list[tuple[str, Callable[[Session], None], int, int, type[Excep
     ("eof-mid-message", _mid_message, imm(FrameKind.EOF), 0, FrameError, "middle of a message"),
     ("too-many-credits", _nothing, imm(FrameKind.CREDIT, 1), 0, FrameError, "more than its recv_depth 8"),
     ("credit-overflow", _spent_credits, imm(FrameKind.CREDIT, 2), 0, FrameError, "granted 2 credits"),
-    ("bad-kind", _nothing, 7 << 28, 0, FrameError, "unknown frame kind 7"),
+    ("bad-kind", _nothing, 9 << 28, 0, FrameError, "unknown frame kind 9"),
+    ("reclaim-not-negotiated", _nothing, 7 << 28, 0, FrameError, "FEATURE_RECLAIM was not negotiated"),
     ("reserved", _nothing, 1 << 20 | 2 << 28, 0, FrameError, "reserved bits"),
     ("kind-15", _nothing, 15 << 28, 0, FrameError, "unknown frame kind 15"),
     ("kind-0", _nothing, 0, 0, FrameError, "unknown frame kind 0"),

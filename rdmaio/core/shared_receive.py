@@ -1,0 +1,373 @@
+"""The shared receive queue of a Domain (``Options(shared_receive_queue=True)``, issue 10).
+
+One :class:`SharedReceivePool` per Domain (device and loop), created by the first connection that asks for
+it (:func:`shared_pool`): an SRQ, one :class:`~rdmaio.core.rings.SlotRing` of receive buffers registered
+chunk by chunk as the pool grows, and the :class:`~rdmaio.protocol.shared_credits.SharedCreditLedger` that
+lends the posted receives to connections as credits. A connection on it (:class:`SharedMember`, owned by its
+:class:`~rdmaio.core.transport.Transport`) has no receive queue or ring of its own; its session is a
+:class:`SharedSession`, which reports every consumed and reposted receive to the ledger itself, so the
+endpoint's receive path is the same in both modes.
+
+Completions: a receive posted on the SRQ cannot carry a connection's tag in its ``wr_id`` (nobody knows
+which QP will take it), so SRQ receives carry tag 0 (never a connection's) and each QP on the SRQ registers
+the alias ``(qp_num, 0)`` with the dispatcher, routed to its endpoint's handler like its own completions.
+Completions of a QP that is gone go to the pool's orphan handler, which puts their buffers back.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+from rdmaio.core.completions import CompletionHandler
+from rdmaio.core.rings import SlotRing
+from rdmaio.errors import RdmaError
+from rdmaio.protocol import FEATURE_RECLAIM, Handshake, Session
+from rdmaio.protocol.frames import FrameKind, returned_credits
+from rdmaio.protocol.shared_credits import ReclaimSession, SharedCreditLedger
+from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_RECV, MemoryRegion, SharedReceiveQueue, make_wr_id
+
+if TYPE_CHECKING:
+    from rdmaio.core.domain import Domain
+    from rdmaio.core.transport import Transport
+    from rdmaio.options import Options
+
+__all__ = [
+    "SRQ_TAG",
+    "SharedMember",
+    "SharedReceivePool",
+    "SharedReceiveQueueFullError",
+    "SharedSession",
+    "new_session",
+    "shared_pool",
+]
+
+log = logging.getLogger("rdmaio")
+
+
+class SharedReceiveQueueFullError(RdmaError, OSError):
+    """The shared receive queue cannot lend a new connection its initial receives (the pool is at
+    ``Options.srq_max_buffers`` and lent out): the connection is refused (a server rejects it)."""
+
+
+SRQ_TAG = 0
+"""The connection tag of SRQ receives' wr_ids: the dispatcher never gives a connection tag 0."""
+_RECV_BASE = make_wr_id(WR_KIND_RECV, SRQ_TAG, 0)
+_TICK = 1.0  # seconds between idle checks (windows of idle connections go back to the reserve)
+
+
+class SharedSession(ReclaimSession):
+    """The session of a connection on a shared receive queue: every receive its frames consume and every
+    buffer the endpoint reposts goes through the pool's ledger (credits back to this connection or to the
+    pool); grants of other connections' pool share arrive through :meth:`SharedMember.grant`."""
+
+    __slots__ = ("_member",)
+
+    def __init__(self, local: Handshake, peer: Handshake, member: SharedMember) -> None:
+        super().__init__(local, peer, shared=True)
+        self._member = member
+        member.attach(self)
+
+    def on_frame(self, imm: int, byte_len: int) -> FrameKind:
+        """:meth:`ReclaimSession.on_frame`; a RETURN frame's credits go back to the pool. (The consumed
+        receive itself was reported to the ledger when its completion arrived.)"""
+        kind = super().on_frame(imm, byte_len)
+        if kind is FrameKind.RETURN:
+            member = self._member
+            member.pool.ledger.on_returned(member.key, returned_credits(imm))
+            member.pool.apply()
+        return kind
+
+    def on_recv_reposted(self, n: int) -> None:
+        """``n`` buffers were posted on the SRQ again: the ledger says how many credits stay ours."""
+        member = self._member
+        back, released = member.pool.ledger.on_reposted(member.key, n)
+        if back:
+            super().on_recv_reposted(back)
+        if released:
+            self.release_receives(released)
+        member.pool.apply()
+
+
+class SharedMember:
+    """One connection's place on the pool: its QP number, lease key, session and handler."""
+
+    def __init__(self, pool: SharedReceivePool, key: int) -> None:
+        self.pool = pool
+        self.key = key
+        self.qp_num = 0
+        self.session: SharedSession | None = None
+        self.handler: CompletionHandler | None = None
+        self.slots: set[int] = set()  # buffers its frames took that were not posted again
+
+    def attach(self, session: SharedSession) -> None:
+        """``session`` is this connection's (its handshakes say whether the peer answers RECLAIM)."""
+        self.session = session
+        self.pool.ledger.set_reclaimable(self.key, session.reclaim)
+        self.pool.ledger.set_max_window(self.key, session.local.recv_depth)
+
+    def grant(self, n: int) -> None:
+        """The pool lent this connection ``n`` more receives: grow its window and let it send the credit."""
+        if self.session is not None:
+            self.session.grow_receives(n)
+            self.wake()
+
+    def reclaim(self) -> None:
+        """Ask the peer for its unused credits back (a RECLAIM frame)."""
+        if self.session is not None:
+            self.session.request_reclaim()
+            self.wake()
+
+    def wake(self) -> None:
+        """Let the endpoint stage what became due (not while its own completions are being processed:
+        it stages at the end of that anyway)."""
+        # An empty completion group: the endpoint processes nothing, then stages and posts what is due.
+        if self.handler is not None and self.pool.current is not self:
+            self.handler(self.pool.empty, 0, 0)
+
+    def posted(self, slots: list[int]) -> None:
+        """The endpoint put these buffers back on the SRQ."""
+        self.pool.post(slots)
+        self.slots.difference_update(slots)
+
+    def on_completions(self, records: Any, start: int, count: int) -> None:
+        """The alias handler: every SRQ receive this QP took is consumed from the ledger here (whatever
+        the endpoint then makes of it), then the endpoint's handler runs."""
+        ledger = self.pool.ledger
+        slots = self.slots
+        for i in range(start, start + count):
+            slots.add(records[i].wr_id & WR_INDEX_MASK)
+            try:
+                ledger.on_consumed(self.key)
+            except RuntimeError:
+                # The peer sent without a credit: its session rejects the frame and fails the connection.
+                log.warning("rdmaio: QP %d consumed a shared receive beyond its credits", self.qp_num)
+        pool = self.pool
+        previous, pool.current = pool.current, self
+        try:
+            if self.handler is not None:
+                self.handler(records, start, count)
+        finally:
+            pool.current = previous
+
+
+class SharedReceivePool:
+    """The SRQ, its buffers and its ledger on one Domain (see the module docstring)."""
+
+    def __init__(
+        self,
+        domain: Domain,
+        options: Options,
+        call_later: Callable[[float, Callable[[], None]], Any] | None = None,
+    ) -> None:
+        self.domain = domain
+        self.slot_size = options.slot_size
+        device_max = domain.device.query().max_srq_wr
+        self.max_buffers = max(4, min(options.srq_max_buffers, device_max or options.srq_max_buffers))
+        self.srq = SharedReceiveQueue(domain.pd, self.max_buffers)
+        self.ring = SlotRing(self.slot_size, self.max_buffers, self._register)
+        self.ledger = SharedCreditLedger(buffers=0, max_buffers=self.max_buffers)
+        self.members: dict[Hashable, SharedMember] = {}  # lease key -> member
+        self.by_qp: dict[int, SharedMember] = {}  # QP number -> member, until retired
+        self._next_key = 0
+        self.empty = domain.completions  # any object: the handlers ignore records when count is 0
+        domain.completions.set_orphan_handler(SRQ_TAG, self._on_orphans)
+        self._tick_handle: Any = None
+        self._call_later = call_later
+        self.limit_armed = 0
+        self.current: SharedMember | None = None  # whose completions are being processed
+        self.closed = False
+
+    def _register(self, view: memoryview) -> MemoryRegion:
+        return MemoryRegion(self.domain.pd, view)  # local access only, like every slot ring
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of receive buffers the pool pins now."""
+        return self.ring.registered_bytes
+
+    # -- buffers --------------------------------------------------------------------------------------
+
+    def add_buffers(self, n: int) -> int:
+        """Register up to ``n`` more buffers and post them on the SRQ; return how many."""
+        slots = self.ring.grow(n)
+        if slots:
+            self.srq.post_ring_slots(self.ring.lkeys, self.ring.addr, self.slot_size, list(slots), _RECV_BASE)
+            self.ledger.on_buffers_added(len(slots))
+            self._arm_limit()
+        return len(slots)
+
+    def post(self, slots: list[int]) -> None:
+        """Put consumed buffers back on the SRQ (the session reports them to the ledger right after)."""
+        self.srq.post_ring_slots(self.ring.lkeys, self.ring.addr, self.slot_size, slots, _RECV_BASE)
+
+    def _arm_limit(self) -> None:
+        limit = min(self.ledger.srq_limit, self.srq.max_wr)
+        if limit != self.limit_armed:
+            self.srq.arm_limit(limit)
+            self.limit_armed = limit
+
+    def on_limit_event(self) -> None:
+        """``IBV_EVENT_SRQ_LIMIT_REACHED`` for this SRQ (it disarmed itself): pressure, then re-arm."""
+        self.ledger.on_limit_event()
+        self.limit_armed = 0
+        self.apply()
+        self._arm_limit()
+
+    def apply(self) -> None:
+        """Carry out what the ledger decided: post wanted buffers, grow windows, ask for credits back."""
+        ledger = self.ledger
+        want = ledger.want_buffers()
+        if want:
+            self.add_buffers(want)
+        for key, n in ledger.take_grants():
+            member = self.members.get(key)
+            if member is not None:
+                member.grant(n)
+        for key in ledger.take_reclaims():
+            member = self.members.get(key)
+            if member is not None:
+                member.reclaim()
+
+    # -- connections ------------------------------------------------------------------------------------
+
+    def join(self, initial: int, max_window: int) -> SharedMember:
+        """Lend ``initial`` receives to a new connection (growing the pool first if it must); raises
+        :class:`SharedReceiveQueueFullError` if the pool cannot lend them now."""
+        key = self._next_key
+        self._next_key += 1
+        if self.ledger.free < initial:  # grow first: open() counts only real refusals
+            self.add_buffers(initial - self.ledger.free)
+        if not self.ledger.open(key, initial, max_window, reclaimable=False):
+            self.apply()  # idle windows shrink toward the reserve: a later connection may fit
+            raise SharedReceiveQueueFullError(
+                f"the shared receive queue cannot lend {initial} receives to a new connection "
+                f"({self.ledger.connections} connections on {self.ledger.buffers} of at most "
+                f"{self.max_buffers} buffers; raise Options.srq_max_buffers)"
+            )
+        member = SharedMember(self, key)
+        self.members[key] = member
+        self._schedule_tick()
+        return member
+
+    def attach_qp(self, member: SharedMember, qp_num: int) -> None:
+        member.qp_num = qp_num
+        self.by_qp[qp_num] = member
+        self.domain.completions.register_alias(qp_num, SRQ_TAG)
+
+    def set_handler(self, member: SharedMember, handler: CompletionHandler) -> None:
+        member.handler = handler
+        self.domain.completions.set_handler(member.qp_num, SRQ_TAG, member.on_completions)
+
+    def leave(self, member: SharedMember) -> None:
+        """The connection's QP is destroyed: put back the buffers its endpoint still held, poll the CQs (a
+        completion already generated may still name the QP: the orphan handler puts its buffer back), then
+        retire its lease."""
+        self.members.pop(member.key, None)
+        member.handler = None
+        member.session = None
+        if member.qp_num:
+            self.domain.completions.unregister_alias(member.qp_num, SRQ_TAG)
+        self.ledger.close(member.key)
+        self._give_back(member, list(member.slots))
+        try:
+            self.domain.completions.poll_now()
+        finally:
+            self._retire(member)
+
+    def _give_back(self, member: SharedMember, slots: list[int]) -> None:
+        member.slots.clear()
+        if not slots or self.closed:
+            return
+        self.post(slots)
+        # Only what the ledger counts as taken (a frame sent beyond its credits was never counted).
+        self.ledger.on_reposted(member.key, min(len(slots), self.ledger.unreturned(member.key)))
+
+    def _retire(self, member: SharedMember) -> None:
+        self.by_qp.pop(member.qp_num, None)
+        if not self.closed:
+            self.ledger.retire(member.key)
+            self.apply()
+
+    def _on_orphans(self, records: Any, start: int, count: int) -> None:
+        """Completions of a QP that left (or never got a handler): put their buffers back."""
+        if self.closed:
+            return
+        for i in range(start, start + count):
+            wc = records[i]
+            member = self.by_qp.get(int(wc.qp_num))
+            self.post([wc.wr_id & WR_INDEX_MASK])
+            if member is not None:  # a closing lease: the buffer goes to the pool
+                self.ledger.on_consumed(member.key)
+                self.ledger.on_reposted(member.key, 1)
+            # else: a retired QP's late completion (its CQ was polled before it retired): the buffer is
+            # posted again and the ledger, which counted it as posted all along, is right once more.
+        self.apply()
+
+    def _schedule_tick(self) -> None:
+        if self._tick_handle is None and self._call_later is not None and not self.closed:
+            self._tick_handle = self._call_later(_TICK, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_handle = None
+        if self.closed:
+            return
+        self.ledger.tick()
+        self.apply()
+        if self.members:
+            self._schedule_tick()
+
+    def statistics(self) -> dict[str, int]:
+        """Buffers, posted receives, free credits, connections, registered bytes and limit events."""
+        ledger = self.ledger
+        return {
+            "buffers": ledger.buffers,
+            "posted": ledger.posted,
+            "free": ledger.free,
+            "connections": ledger.connections,
+            "registered_bytes": self.registered_bytes,
+            "limit_events": ledger.limit_events,
+            "refused": ledger.refused,
+        }
+
+    def close(self) -> None:
+        """Destroy the SRQ (its QPs first) and deregister the buffers. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+        self.domain.completions.set_orphan_handler(SRQ_TAG, None)
+        self.srq.close()
+        self.ring.close()
+
+
+_pools: weakref.WeakKeyDictionary[Domain, SharedReceivePool] = weakref.WeakKeyDictionary()
+
+
+def shared_pool(
+    domain: Domain, options: Options, call_later: Callable[[float, Callable[[], None]], Any] | None = None
+) -> SharedReceivePool:
+    """The shared receive pool of ``domain`` (created on first use; one slot size per domain)."""
+    pool = _pools.get(domain)
+    if pool is None or pool.closed:
+        pool = _pools[domain] = SharedReceivePool(domain, options, call_later)
+        domain.shared_receive = pool
+    elif pool.slot_size != options.slot_size:
+        raise ValueError(
+            f"the shared receive queue of {domain!r} has {pool.slot_size}-byte slots, not {options.slot_size}"
+        )
+    return pool
+
+
+def new_session(local: Handshake, peer: Handshake, transport: Transport) -> Session:
+    """The session of a new connection: a :class:`SharedSession` on a shared receive queue, a
+    :class:`~rdmaio.protocol.shared_credits.ReclaimSession` (to answer RECLAIM) if both sides announced
+    ``FEATURE_RECLAIM``, else a plain :class:`~rdmaio.protocol.Session`."""
+    if transport.shared is not None:
+        return SharedSession(local, peer, transport.shared)
+    if local.features & peer.features & FEATURE_RECLAIM:
+        return ReclaimSession(local, peer)
+    return Session(local, peer)
