@@ -431,8 +431,9 @@ class OneSidedEngine:
         self.control_handler: Callable[[int, int], None] | None = None
 
     @classmethod
-    def for_endpoint(cls, endpoint: Any, transport: Any, session: Credits, options: Any) -> OneSidedEngine:
-        """The engine of an :class:`~rdmaio.Endpoint`: its memory goes into the Domain's protection domain.
+    def for_connection(cls, conn: Any, transport: Any, session: Credits, options: Any) -> OneSidedEngine:
+        """The engine of a :class:`~rdmaio.core.connection.Connection` (an :class:`~rdmaio.Endpoint`'s core):
+        its memory goes into the Domain's protection domain.
 
         Only grants get remote access flags; staging memory and the caller buffers of ``rdma_read_into``
         are registered for local access only (the latter through the Domain's registration cache).
@@ -452,10 +453,10 @@ class OneSidedEngine:
                 remote_atomic=bool(bits & ACCESS_ATOMIC),
             )
 
-        # A weak reference: a strong one (engine -> endpoint -> engine) would make every endpoint a
+        # A weak reference: a strong one (engine -> connection -> engine) would make every connection a
         # reference cycle, keeping its loop and the loop's Domain (PD, event channel fd) alive until the
         # cyclic GC runs instead of freeing them when the last reference goes.
-        fail_ref = weakref.WeakMethod(endpoint._fail)
+        fail_ref = weakref.WeakMethod(conn.fail)
 
         def fail(exc: BaseException) -> None:
             method = fail_ref()
@@ -466,19 +467,19 @@ class OneSidedEngine:
             atomics = query_caps(transport.device).atomic_cap != "NONE"
         except VerbsError:
             atomics = False
-        endpoint_ref = weakref.ref(endpoint)
+        conn_ref = weakref.ref(conn)
 
         def repost(slot: int) -> None:
             # A held receive (write-notice back-pressure) goes back to the NIC; its credit is granted.
-            ep = endpoint_ref()
-            if ep is not None and not ep._torn_down:
+            owner = conn_ref()
+            if owner is not None and not owner.torn_down:
                 transport.post_receives([slot])
                 session.on_recv_reposted(1)  # type: ignore[attr-defined]
-                ep._pump()
+                owner.pump()
 
         peer = getattr(session, "peer", None)
         return cls(
-            endpoint._io,
+            conn.io,
             transport.qp,
             session,
             register_local=register_local,
@@ -486,11 +487,11 @@ class OneSidedEngine:
             cache_get=lambda view: domain.registrations.get(view, 0),
             fail=fail,
             max_ops=options.max_rdma_ops,
-            max_inline=endpoint._max_inline,
+            max_inline=conn.max_inline,
             revoke_timeout=options.close_timeout,
             atomics=atomics,
             tag=transport.tag or 0,
-            stats=endpoint._stats,
+            stats=conn.stats,
             peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
