@@ -4,10 +4,8 @@ Data path. Every frame travels as one SEND-with-immediate from a registered send
 receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
 (:mod:`rdmaio.protocol`). Completions come from the domain's shared CQs (:mod:`rdmaio.core.completions`): one
 wake-up of its completion channel polls a whole batch through the C helper, grouped by connection, and
-this connection's handler gets its own group of it; receive completions are copied out of their slot (one
-copy) and the slot is re-posted at once, in one chained post per batch, unless the receive buffer
-(:mod:`rdmaio.protocol.rxbuffer`) holds it back for back-pressure: then the peer gets no credit for it,
-and the sender waits. A send never meets an empty receive queue. The send side's queue, coalescing, slots and
+this connection's :class:`~rdmaio.core.processing.CompletionProcessor` gets its own group of it. A send
+never meets an empty receive queue. The send side's queue, coalescing, slots and
 posting are :mod:`rdmaio.core.txengine`'s; this class decides when to stage and post, wakes who waits, and
 owns the connection's lifetime (close, failure, teardown, rdma_cm and async events, keepalive).
 
@@ -28,7 +26,8 @@ from typing import Any
 from rdmaio import verbs
 from rdmaio.core.backend import Event, Handle, Waiter
 from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive
-from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine
+from rdmaio.core.onesided import OneSidedEngine
+from rdmaio.core.processing import CompletionProcessor
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.rndv_engine import RendezvousEngine
 from rdmaio.core.transport import Transport
@@ -42,26 +41,13 @@ from rdmaio.errors import (
     VerbsError,
 )
 from rdmaio.options import Options
-from rdmaio.protocol import FrameKind, Session
+from rdmaio.protocol import Session
 from rdmaio.protocol.rxbuffer import ReceiveBuffer
-from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
+from rdmaio.verbs import CMEvent, CMEventType, CMId, make_wr_id
 
 __all__ = ["Connection"]
 
 log = logging.getLogger("rdmaio")
-
-_RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
-_FLUSH = int(WcStatus.WR_FLUSH_ERR)
-_DATA_MORE = FrameKind.DATA_MORE
-_DATA_END = FrameKind.DATA_END
-_DATA_BATCH = FrameKind.DATA_BATCH
-_EOF = FrameKind.EOF
-_RNDV = FrameKind.RNDV  # zero-copy (issue 12): a rendezvous descriptor, handled by rdmaio.core.rndv_engine
-_RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided (issue 11): a write notice
-_WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided (issue 11): a receive without it is a control message
-# What _on_receive() reports about one receive completion (bits).
-_GOT_DATA = 1  # a reader may have something new: wake it
-_DATA_FRAME = 2  # a data frame consumed a credit (counts towards growing the receive window)
 
 _STAT_KEYS = (
     "bytes_sent",
@@ -109,9 +95,7 @@ class Connection:
         self.generation = verbs.fork_generation()
         qp = transport.qp
         self.qp = qp
-        self._slot_size = transport.slot_size
         self.max_inline = min(transport.max_inline, options.max_inline)
-        self._recv_view = transport.recv_ring.view
         self.extra: dict[str, Any] = {
             "peername": cm_id.peer_address,
             "sockname": cm_id.local_address,
@@ -156,16 +140,8 @@ class Connection:
     def _start(self, reactor: Reactor, cm_id: CMId, transport: Transport) -> None:
         """Route this connection's events and completions here and start the keepalive."""
         qp = self.qp
-        reactor.set_handler(cm_id, self._on_cm_event)
-        self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)
-        reactor.watch_qp(*self._async_key, self._on_async_event)
-        # sharedcq: completions come from the domain's dispatcher (those kept since the QP was registered
-        # go first).
-        transport.set_completion_handler(self._on_completions)
-        # Completions may already be waiting (the peer can send as soon as it is established).
-        self.io.call_soon(self.poll_completions)
         # keepalive (rdmaio.core.keepalive): probes the peer when idle, so a vanished peer fails the
-        # connection
+        # connection. Made first: the completion processor routes the probes' completions to it.
         stats = self.stats
         # The tag routes the probe's completion back here through the shared CQ.
         keepalive_wr_id = make_wr_id(KEEPALIVE_WR_KIND, transport.tag or 0, 0)
@@ -177,6 +153,14 @@ class Connection:
             _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
         )
+        reactor.set_handler(cm_id, self._on_cm_event)
+        self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)
+        reactor.watch_qp(*self._async_key, self._on_async_event)
+        # sharedcq: completions come from the domain's dispatcher (those kept since the QP was registered
+        # go first).
+        transport.set_completion_handler(CompletionProcessor(self, self._keepalive).on_completions)
+        # Completions may already be waiting (the peer can send as soon as it is established).
+        self.io.call_soon(self.poll_completions)
         self._keepalive.start()
         reactor.watch_port(transport.device.handle, cm_id.port_num, qp.qp_num, self._on_port_event)
 
@@ -206,133 +190,12 @@ class Connection:
     # --- completion processing (dispatcher callback) ------------------------------------------------
 
     def poll_completions(self) -> None:
-        """Poll the shared CQs now (sharedcq: replaces calling ``_on_completions`` directly)."""
+        """Poll the shared CQs now: this connection's completions go to its
+        :class:`~rdmaio.core.processing.CompletionProcessor`."""
         if not self.torn_down:
             self.transport.poll_completions()
 
-    def _on_completions(self, records: Any, start: int, count: int) -> None:
-        """The dispatcher's handler: ``records[start:start + count]`` are this connection's, in CQ order."""
-        if self.torn_down:
-            return
-        try:
-            self._process_completions(records, start, count)
-        except ProtocolError as exc:
-            log.warning("rdmaio: protocol violation by %s: %s", self.extra["peername"], exc)
-            self.fail(exc)
-        except Exception as exc:
-            log.exception("rdmaio: completion processing failed")
-            self.fail(exc)
-
-    def _process_completions(self, records: Any, start: int, count: int) -> None:
-        repost: list[int] = []
-        got_data = False
-        data_frames = 0
-        stats = self.stats
-        stats["wakeups"] += 1
-        # sharedcq: the dispatcher calls once per group and re-polls while batches come back full.
-        stats["completions"] += count
-        for i in range(start, start + count):
-            wc = records[i]
-            if wc.status:
-                if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided (issue 11)
-                    self.onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
-                self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
-                if self.torn_down:
-                    return
-                continue
-            if wc.opcode & _RECV_FLAG:
-                outcome = self._on_receive(wc, repost)
-                if outcome & _GOT_DATA:
-                    got_data = True
-                if outcome & _DATA_FRAME:
-                    data_frames += 1
-            else:
-                op_kind = wc.wr_id >> WR_KIND_SHIFT
-                if op_kind == WR_KIND_ONESIDED:  # one-sided (issue 11)
-                    self.onesided.on_completion(int(wc.wr_id), 0)
-                elif op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
-                    self._keepalive.on_completion()
-                else:
-                    self.tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
-        self._after_completions(repost, got_data, data_frames)
-
-    def _on_receive(self, wc: Any, repost: list[int]) -> int:
-        """One successful receive completion: its frame goes to the receive buffer (or an engine); its slot
-        goes to ``repost`` unless held. Returns ``_GOT_DATA`` / ``_DATA_FRAME`` bits."""
-        slot = wc.wr_id & WR_INDEX_MASK
-        length = wc.byte_len
-        off = slot * self._slot_size
-        recv_view = self._recv_view
-        if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided (issue 11)
-            view = recv_view[off : off + length]
-            if self.onesided.on_recv(wc.opcode, wc.imm_data, length, view, slot):
-                repost.append(slot)  # else held: write-notice back-pressure
-            return 0
-        kind = self.session.on_frame(wc.imm_data, length)
-        rxbuf = self.rxbuf
-        stats = self.stats
-        outcome = _DATA_FRAME
-        if kind == _DATA_END:
-            data = rxbuf.add_message(bytes(recv_view[off : off + length]))
-            stats["messages_received"] += 1
-            stats["bytes_received"] += len(data)
-            outcome |= _GOT_DATA
-        elif kind == _DATA_BATCH:
-            messages = self.session.on_batch(recv_view[off : off + length])
-            size = rxbuf.add_messages(messages)
-            stats["messages_received"] += len(messages)
-            stats["bytes_received"] += size
-            outcome |= _GOT_DATA
-        elif kind == _DATA_MORE:
-            rxbuf.add_fragment(bytes(recv_view[off : off + length]))
-        elif kind == _RNDV:  # zero-copy (issue 12): a placeholder now, the data is pulled later
-            assert self.rndv is not None  # on_frame refuses RNDV frames unless negotiated
-            self.rndv.on_request(recv_view[off : off + length])
-            repost.append(slot)
-            return _GOT_DATA
-        else:
-            # CREDIT and EOF carry no payload and never hold their slot: holding it would
-            # withhold the credit the peer needs to keep granting ours (two-way liveness).
-            repost.append(slot)
-            return _GOT_DATA if kind == _EOF else 0
-        if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
-            repost.append(slot)
-        return outcome
-
-    def _after_completions(self, repost: list[int], got_data: bool, data_frames: int) -> None:
-        """End of a batch: re-post receives, maybe grow the window, post what credits allow, wake."""
-        session = self.session
-        if repost:
-            self.transport.post_receives(repost)
-            session.on_recv_reposted(len(repost))
-        self.onesided.pump()  # one-sided (issue 11): credits may have arrived
-        if data_frames > session.credit_threshold and session.can_grow and not self.rxbuf.held:
-            self._grow_receives()
-        self.pump_and_post()
-        if got_data:
-            self.wake_reader()
-        if self.tx_waiters:
-            self.wake_writers()
-
-    def _grow_receives(self) -> None:
-        """One wake-up brought more than half a window of data frames: the peer is sending as fast as our
-        credits let it, so double the receive window (the next frame or a CREDIT frame grants the new
-        slots). Not while slots are held: then the application, not the window, is the limit."""
-        added = self.transport.grow_receives(max(self.session.recv_depth, 1))
-        if added:
-            self.session.grow_receives(added)
-            self.stats["recv_ring_grown"] += 1
-
-    def _on_wc_error(self, status: int, opcode: int, vendor_err: int) -> None:
-        if status == _FLUSH and (self.closing or self.session.peer_eof or self._disconnected):
-            return  # the QP was moved to error by a disconnect: outstanding requests are cancelled
-        message = (
-            f"work completion failed: {verbs.wc_status_str(status)} (opcode {opcode}, vendor {vendor_err})"
-        )
-        error = ConnectionResetError(message, errno=104, call="ibv_poll_cq")
-        self.fail(error)
-
-    _disconnected = False
+    disconnected = False  # rdma_cm said DISCONNECTED: flush completions are cancellations
 
     # --- posting ------------------------------------------------------------------------------------
 
@@ -550,7 +413,7 @@ class Connection:
         """Stop the event routing, disconnect, and release the transport and the CM id (teardown's part)."""
         self._reactor.unwatch_qp(*self._async_key)
         self._reactor.unwatch_port(self._async_key[0], self.extra["port"], self.extra["qp_num"])
-        if not self._disconnected:
+        if not self.disconnected:
             with contextlib.suppress(VerbsError):  # the peer may have disconnected already
                 self._cm_id.disconnect()
         try:
@@ -564,7 +427,7 @@ class Connection:
         if event.event == CMEventType.DISCONNECTED:
             # Completions that raced the disconnect (the peer's last frames, its EOF) come first; the
             # flag makes the flush completions that follow a disconnect count as cancellations.
-            self._disconnected = True
+            self.disconnected = True
             self.poll_completions()
             self.session.on_disconnected()
             self.teardown()
