@@ -170,21 +170,8 @@ class OneSidedEngine(Exports, Operations):
         Only grants get remote access flags; staging memory and the caller buffers of ``rdma_read_into``
         are registered for local access only (the latter through the Domain's registration cache).
         """
-        pd = transport.pd
         domain = transport.domain
-
-        def register_local(buffer: Any) -> Region:
-            return verbs.MemoryRegion(pd, buffer)
-
-        def register_grant(view: memoryview, bits: int) -> Region:
-            return verbs.MemoryRegion(
-                pd,
-                view,
-                remote_read=bool(bits & ACCESS_READ),
-                remote_write=bool(bits & ACCESS_WRITE),
-                remote_atomic=bool(bits & ACCESS_ATOMIC),
-            )
-
+        register_local, register_grant = _registrars(transport.pd)
         # A weak reference: a strong one (engine -> connection -> engine) would make every connection a
         # reference cycle, keeping its loop and the loop's Domain (PD, event channel fd) alive until the
         # cyclic GC runs instead of freeing them when the last reference goes.
@@ -272,3 +259,21 @@ class OneSidedEngine(Exports, Operations):
             "write_notice_slots_held": len(self._held_slots),
             "keys_revoked_by_peer": len(self.revoked_ids),
         }
+
+
+def _registrars(pd: Any) -> tuple[Callable[[Any], Region], Callable[[memoryview, int], Region]]:
+    """``register_local`` and ``register_grant`` of an engine whose memory goes into ``pd``."""
+
+    def register_local(buffer: Any) -> Region:
+        return verbs.MemoryRegion(pd, buffer)
+
+    def register_grant(view: memoryview, bits: int) -> Region:
+        return verbs.MemoryRegion(
+            pd,
+            view,
+            remote_read=bool(bits & ACCESS_READ),
+            remote_write=bool(bits & ACCESS_WRITE),
+            remote_atomic=bool(bits & ACCESS_ATOMIC),
+        )
+
+    return register_local, register_grant
