@@ -33,7 +33,7 @@ async def main(addr: str) -> None:
     port = server.addresses[0][1]
     async with server:
         ep = await rdmaio.connect(addr, port, timeout=30)
-        tr = ep._transport
+        tr = ep._conn.transport
         caps = ffi.new("struct rdmaio_onesided_caps *")
         assert lib.rdmaio_query_onesided_caps(tr.device._ptr, caps) == 0
         flags = int(caps.device_cap_flags)
@@ -83,8 +83,8 @@ async def _pair(addr: str) -> tuple[Any, rdmaio.Endpoint, rdmaio.Endpoint]:
 
 async def _post_and_wait(ep: rdmaio.Endpoint, post: Any) -> str:
     """Run ``post(wr_id)`` (a C probe call) and wait for its completion on the shared CQ; its status."""
-    engine = ep._onesided
-    wr_id = verbs.make_wr_id(WR_KIND_ONESIDED, ep._transport.tag or 0, _PROBE_INDEX)
+    engine = ep._conn.onesided
+    wr_id = verbs.make_wr_id(WR_KIND_ONESIDED, ep._conn.transport.tag or 0, _PROBE_INDEX)
     done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     original = engine.on_completion
 
@@ -108,7 +108,7 @@ async def _post_and_wait(ep: rdmaio.Endpoint, post: Any) -> str:
 
 async def _bind(exporter: rdmaio.Endpoint, buf: bytearray, offset: int, length: int) -> tuple[str, Any, int]:
     """Register ``buf`` with MW_BIND and bind a type 2 window over ``buf[offset:offset+length]``."""
-    pd = exporter._transport.pd._ptr
+    pd = exporter._conn.transport.pd._ptr
     cbuf = ffi.from_buffer(buf, require_writable=True)
     access = lib.IBV_ACCESS_LOCAL_WRITE | lib.IBV_ACCESS_REMOTE_READ | lib.IBV_ACCESS_MW_BIND
     mr = lib.ibv_reg_mr(pd, cbuf, len(buf), access)
@@ -119,7 +119,15 @@ async def _bind(exporter: rdmaio.Endpoint, buf: bytearray, offset: int, length: 
     status = await _post_and_wait(
         exporter,
         lambda wr_id: lib.rdmaio_probe_bind_mw(
-            exporter._transport.qp._ptr, pd, mr, base, length, lib.IBV_ACCESS_REMOTE_READ, wr_id, out, rkey
+            exporter._conn.transport.qp._ptr,
+            pd,
+            mr,
+            base,
+            length,
+            lib.IBV_ACCESS_REMOTE_READ,
+            wr_id,
+            out,
+            rkey,
         ),
     )
     exporter._probe_keep = (cbuf, mr, out)  # type: ignore[attr-defined]  # alive for the probe's length
@@ -156,7 +164,7 @@ async def probe_bind(addr: str) -> None:
             elif step == "before":
                 print("  READ before the window:", await _read_via(importer, base - 4096, rkey, 1024))
             else:
-                qp, inv_rkey = exporter._transport.qp._ptr, rkey
+                qp, inv_rkey = exporter._conn.transport.qp._ptr, rkey
                 inv = await _post_and_wait(
                     exporter,
                     lambda wr_id: lib.rdmaio_probe_local_inv(qp, inv_rkey, wr_id),  # noqa: B023

@@ -40,6 +40,7 @@ from rdmaio import client as client_mod
 from rdmaio import endpoint as endpoint_mod
 from rdmaio import server as server_mod
 from rdmaio import verbs
+from rdmaio.core import connection as connection_mod
 from rdmaio.core import transport as transport_mod
 
 # (object, attribute, label): the synchronous calls whose time is accounted separately.
@@ -66,7 +67,7 @@ _TIMED: list[tuple[Any, str, str]] = [
     (transport_mod.Transport, "__init__", "Transport() total"),
     (transport_mod.Transport, "close", "Transport.close() total"),
     (endpoint_mod.Endpoint, "__init__", "Endpoint() total"),
-    (endpoint_mod.Endpoint, "_teardown", "Endpoint._teardown() total"),
+    (connection_mod.Connection, "teardown", "Connection.teardown() total"),
 ]
 
 _sync: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])

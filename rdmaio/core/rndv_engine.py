@@ -103,8 +103,9 @@ class _Bounce:
 class RendezvousEngine:
     """Rendezvous sends and receives of one :class:`~rdmaio.Endpoint` (see the module docstring).
 
-    The endpoint is held weakly (no reference cycle); ``onesided`` posts the READs and carries the control
-    messages; ``cache`` is the Domain's :class:`~rdmaio.core.domain.RegistrationCache`.
+    ``endpoint`` is the endpoint's :class:`~rdmaio.core.connection.Connection`, held weakly (no reference
+    cycle); ``onesided`` posts the READs and carries the control messages; ``cache`` is the Domain's
+    :class:`~rdmaio.core.domain.RegistrationCache`.
     """
 
     def __init__(
@@ -120,9 +121,9 @@ class RendezvousEngine:
         stats: collections.Counter[str],
     ) -> None:
         self._endpoint = weakref.ref(endpoint)
-        self._io = endpoint._io
-        self._rxbuf = endpoint._rxbuf
-        self._session = endpoint._session
+        self._io = endpoint.io
+        self._rxbuf = endpoint.rxbuf
+        self._session = endpoint.session
         self._onesided = onesided
         self._pd = pd
         self._cache = cache
@@ -140,23 +141,24 @@ class RendezvousEngine:
         onesided.control_handler = self.on_control
 
     @classmethod
-    def for_endpoint(cls, endpoint: Any, transport: Any, options: Any) -> RendezvousEngine | None:
-        """The engine of an endpoint, or None if rendezvous is off or the peer does not support it."""
-        session = endpoint._session
+    def for_connection(cls, conn: Any, transport: Any, options: Any) -> RendezvousEngine | None:
+        """The engine of a connection (an endpoint's core), or None if rendezvous is off or the peer does
+        not support it."""
+        session = conn.session
         if not options.rndv_threshold or not session.rendezvous:
             return None
         cache = transport.domain.registrations
         if options.max_pinned is not None:
             cache.max_pinned = options.max_pinned
         return cls(
-            endpoint,
-            onesided=endpoint._onesided,
+            conn,
+            onesided=conn.onesided,
             pd=transport.pd,
             cache=cache,
             threshold=max(options.rndv_threshold, DESCRIPTOR_SIZE + 1),
             max_message_size=options.max_message_size,
             close_timeout=options.close_timeout,
-            stats=endpoint._stats,
+            stats=conn.stats,
         )
 
     @property
@@ -196,14 +198,14 @@ class RendezvousEngine:
         out.waiter = self._io.event()
         desc = Descriptor(out.msg_id, region.addr, size, region.rkey)
         encoded = bytearray(desc.encode())  # mutable: a cancellation before posting withdraws it in place
-        tx = ep._tx
+        tx = ep.tx
         tx.flush_buffers()  # earlier stream writes and batched messages go first
         tx.txq.append((encoded, RNDV_FRAME))
         tx.queued_frames += 1
         tx.txq_bytes += len(encoded)
         target = tx.queued_frames
         log.debug("rndv send %d: %d bytes rkey %#x frame %d", out.msg_id, size, region.rkey, target)
-        ep._pump()
+        ep.pump()
         try:
             try:
                 await out.waiter.wait()
@@ -230,23 +232,23 @@ class RendezvousEngine:
             "rndv send %d cancelled in %s (frames staged %d, ours %d)",
             out.msg_id,
             out.state.value,
-            ep._tx.posted_frames,
+            ep.tx.posted_frames,
             target,
         )
-        if ep._tx.posted_frames >= target:
+        if ep.tx.posted_frames >= target:
             self.sends.posted(out)
         if not self.sends.cancel(out):
             if out.state is SendState.WITHDRAWN:
                 desc.withdraw_in_place(encoded)  # still queued: the peer never learns the rkey
                 self._stats["rndv_withdrawn_before_post"] += 1
             return
-        ep._post_staged()  # the descriptor goes out before the CANCEL
+        ep.post_staged()  # the descriptor goes out before the CANCEL
         self._onesided.send_control(CTL_CANCEL, out.msg_id)
         self._stats["rndv_cancels_sent"] += 1
         if not await wait_shielded(self._io, out.waiter, self._close_timeout) and not out.finished:
             # No answer: destroying the queue pair is the only way to stop the peer's READs for sure.
             self.sends.finish(out)
-            ep._fail(EndpointClosedError("a cancelled rendezvous send() was not answered in time"))
+            ep.fail(EndpointClosedError("a cancelled rendezvous send() was not answered in time"))
 
     def _release_send(self, out: Outgoing) -> None:
         region, out.region = out.region, None
@@ -363,7 +365,7 @@ class RendezvousEngine:
     def _wake_reader(self) -> None:
         ep = self._endpoint()
         if ep is not None:
-            ep._wake_reader()
+            ep.wake_reader()
 
     async def _read_into(self, msg: Incoming, into: memoryview) -> None:
         """READ the whole message into the caller's buffer (registered through the cache)."""
@@ -503,7 +505,7 @@ class RendezvousEngine:
                     if not await wait_shielded(self._io, msg.event, self._close_timeout):
                         ep = self._endpoint()
                         if ep is not None:
-                            ep._fail(EndpointClosedError("a rendezvous READ did not complete in time"))
+                            ep.fail(EndpointClosedError("a rendezvous READ did not complete in time"))
             raise
         if msg.state is not RecvState.DONE:
             if msg.state is RecvState.WITHDRAWN:

@@ -157,7 +157,7 @@ async def _removal(pair: Pair) -> dict[str, Any]:
     assert ep_a.get_extra_info("device") == pair.a.device
     assert ep_b.get_extra_info("device") == pair.b.device
     reactor = Reactor.current()
-    old_domain = ep_b._transport.domain
+    old_domain = ep_b._conn.transport.domain
     failures: dict[str, tuple[BaseException | None, float]] = {}
     rounds = dict.fromkeys(("a", "b"), 0)
 
@@ -212,7 +212,7 @@ async def _removal(pair: Pair) -> dict[str, Any]:
     ep_d = await rdmaio.connect(pair.a.addr, port, local_addr=(pair.b.addr, 0), options=OPTS, timeout=30)
     for ep in (ep_c, ep_d):
         await _echo_once(ep, os.urandom(100_000))
-    assert ep_d._transport.domain is not old_domain and not ep_d._transport.domain.closed
+    assert ep_d._conn.transport.domain is not old_domain and not ep_d._conn.transport.domain.closed
     for ep in (ep_a, ep_b, ep_c, ep_d):
         await ep.aclose()
     server.close()

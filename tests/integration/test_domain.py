@@ -29,9 +29,9 @@ def test_connections_share_the_device_pd_and_the_event_channel(arun: Runner[Any]
             port = server.addresses[0][1]
             first = await rdmaio.connect(rdma_addr, port, timeout=20)
             second = await rdmaio.connect(rdma_addr, port, timeout=20)
-            assert first._transport.pd is second._transport.pd
+            assert first._conn.transport.pd is second._conn.transport.pd
             server_side = next(iter(server._clients))
-            assert server_side._transport.pd is first._transport.pd
+            assert server_side._conn.transport.pd is first._conn.transport.pd
             channel_fd = Reactor.current().channel.fd
             pds = rdma_resources()["pd"]
             await first.aclose()
@@ -72,7 +72,7 @@ def test_registration_cache_registers_once_and_respects_its_bound(arun: Runner[A
     async def main() -> None:
         server = await rdmaio.serve(echo, rdma_addr, 0)
         async with server, await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=20) as ep:
-            cache = ep._transport.domain.registrations
+            cache = ep._conn.transport.domain.registrations
             cache.max_pinned = 3 << 20
             mrs = rdma_resources()["mr"]
             buf = bytearray(1 << 20)

@@ -86,18 +86,18 @@ def test_read_write_atomics_and_nothing_else_remote(arun: Runner[Any], rdma_addr
             assert await imp.rdma_read(big_key, 0, len(big)) == big == big_buf
             # The QP grants remote READ/atomic (rdma_cm does that only with responder_resources > 0) and
             # more than one READ in flight was negotiated.
-            access, rd, dest_rd = imp._transport.qp.remote_access()
+            access, rd, dest_rd = imp._conn.transport.qp.remote_access()
             assert access & lib.IBV_ACCESS_REMOTE_READ and access & lib.IBV_ACCESS_REMOTE_ATOMIC
             assert rd > 1 and dest_rd > 1
             # Nothing but grants is registered with remote access: the rings and the staging memory.
             for ep in (exp, imp):
-                tr = ep._transport
+                tr = ep._conn.transport
                 rings = tr.recv_ring.regions + tr.send_ring.regions
                 assert rings and all(not mr.access & REMOTE_FLAGS for mr in rings)
-                staging = ep._onesided._staging
+                staging = ep._conn.onesided._staging
                 if staging is not None:
                     assert not staging.access & REMOTE_FLAGS
-            grant = exp._onesided.grants[key.key_id].mr
+            grant = exp._conn.onesided.grants[key.key_id].mr
             assert grant.access & REMOTE_FLAGS == REMOTE_FLAGS and grant.length == 8192
             # the connection still carries messages
             await imp.send(b"ping")
@@ -378,8 +378,8 @@ def test_a_server_without_the_onesided_feature(rdma_addr: str, monkeypatch: pyte
 
     async def main() -> None:
         async with pair(rdma_addr) as (exp, imp):
-            assert exp._session.peer.features & FEATURE_ONESIDED  # the client announced it
-            assert not imp._session.peer.features & FEATURE_ONESIDED
+            assert exp._conn.session.peer.features & FEATURE_ONESIDED  # the client announced it
+            assert not imp._conn.session.peer.features & FEATURE_ONESIDED
             buf = bytearray(4096)
             key = await share(exp, imp, exp.export(buf, access="rw"))
             with pytest.raises(rdmaio.FeatureNotSupportedError):
@@ -498,7 +498,7 @@ def test_peer_sigkill_during_reads_fails_pending_ops(rdma_addr: str) -> None:
             assert len(errors) == 8
             assert all(isinstance(e, ConnectionError) and isinstance(e, rdmaio.RdmaError) for e in errors)
             assert elapsed < 5.0, elapsed
-            assert ep._onesided.ops == {}
+            assert ep._conn.onesided.ops == {}
             ep.abort()
         finally:
             proc.kill()
@@ -523,7 +523,7 @@ def test_no_mr_leak_after_many_export_revoke_cycles(rdma_addr: str) -> None:
                     await imp.rdma_read(await share(exp, imp, key), 0, 8)
                 await exp.revoke(key)
             assert rdma_resources()["mr"] == before
-            assert exp._onesided.grants == {}
+            assert exp._conn.onesided.grants == {}
         after_close = rdma_resources()["mr"]
         assert after_close < before  # the connections' own registrations went too
 

@@ -71,7 +71,7 @@ def test_connections_share_one_channel_fd_and_traffic_on_all_is_correct(
             async with await rdmaio.connect(rdma_addr, port, options=OPTIONS, timeout=30) as ep:
                 await ep.send(b"warm")
                 assert await ep.recv() == b"warm"
-                domain = ep._transport.domain
+                domain = ep._conn.transport.domain
             await asyncio.sleep(0)
             server.close_clients()
             for _ in range(200):
@@ -97,10 +97,10 @@ def test_connections_share_one_channel_fd_and_traffic_on_all_is_correct(
                 await asyncio.sleep(0.05)
             endpoints = [*clients, *server._clients]
             assert len(endpoints) == 2 * CONNECTIONS
-            assert {e._transport.completions for e in endpoints} == {dispatcher}
+            assert {e._conn.transport.completions for e in endpoints} == {dispatcher}
             cqs = dispatcher.cqs
             assert len(cqs) >= 2 * CONNECTIONS * 40 // 200
-            assert {e._transport.cq for e in endpoints} <= set(cqs)
+            assert {e._conn.transport.cq for e in endpoints} <= set(cqs)
             # one channel fd for every connection: no fd per connection
             assert open_fds() == base_fds
             now = rdma_resources()
@@ -186,12 +186,12 @@ def test_late_completions_of_a_closed_connection_do_not_reach_a_new_one(rdma_add
     async def main() -> None:
         reactor = Reactor.current()
         first = await rdmaio.connect(rdma_addr, port, options=OPTIONS, timeout=30)
-        dispatcher = first._transport.completions
+        dispatcher = first._conn.transport.completions
         assert await first.recv() is not None  # the burst is flowing
         # Block the loop (the server thread keeps running): more of the burst lands in the shared CQ,
         # unpolled. Then close the connection at once, with its completions still in the CQ.
         time.sleep(1.0)  # noqa: ASYNC251 - blocking the loop on purpose
-        first_qp, first_tag = first._qp.qp_num, first._transport.tag
+        first_qp, first_tag = first._conn.qp.qp_num, first._conn.transport.tag
         fd = dispatcher.fd
         assert fd is not None
         reactor.unwatch(fd)  # nothing polls the CQ until the new connection exists
@@ -201,8 +201,8 @@ def test_late_completions_of_a_closed_connection_do_not_reach_a_new_one(rdma_add
             second = await rdmaio.connect(rdma_addr, port, options=OPTIONS, timeout=30)
         finally:
             reactor.watch(fd, dispatcher._on_readable)
-        assert second._transport.tag != first_tag
-        assert second._transport.cq is first._transport.cq  # same shared CQ
+        assert second._conn.transport.tag != first_tag
+        assert second._conn.transport.cq is first._conn.transport.cq  # same shared CQ
         dispatcher.poll_now()
         # The first connection's late completions (received frames, flushed receives) were dropped.
         assert dispatcher.dropped > dropped
@@ -213,8 +213,8 @@ def test_late_completions_of_a_closed_connection_do_not_reach_a_new_one(rdma_add
         await second.send(data)
         assert await second.recv() == data
         print(
-            f"\nfirst qp {first_qp} tag {first_tag}; second qp {second._qp.qp_num} "
-            f"tag {second._transport.tag}; dropped {dispatcher.dropped - dropped}"
+            f"\nfirst qp {first_qp} tag {first_tag}; second qp {second._conn.qp.qp_num} "
+            f"tag {second._conn.transport.tag}; dropped {dispatcher.dropped - dropped}"
         )
         await second.aclose()
 

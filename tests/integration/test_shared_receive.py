@@ -64,7 +64,7 @@ async def exchange(ep: rdmaio.Endpoint, seed: int, count: int = MESSAGES) -> tup
 
 
 def pool_of(ep: rdmaio.Endpoint) -> Any:
-    pool = ep._transport.domain.shared_receive
+    pool = ep._conn.transport.domain.shared_receive
     assert pool is not None
     return pool
 
@@ -86,8 +86,8 @@ def test_echo_over_50_connections_on_one_shared_receive_queue(arun: Runner[Any],
                 assert sent == received
             pool.ledger.check()
             busy = pool.statistics()
-            windows = [ep._session.recv_depth for ep in clients]
-            returned = sum(ep._session.statistics()["credits_returned_received"] for ep in clients)
+            windows = [ep._conn.session.recv_depth for ep in clients]
+            returned = sum(ep._conn.session.statistics()["credits_returned_received"] for ep in clients)
             for ep in clients:
                 await ep.aclose()
             for _ in range(200):
@@ -170,7 +170,7 @@ def test_plain_client_large_messages_and_back_pressure_on_a_shared_receive_queue
             assert await ep.recv() == hashlib.sha256(big).digest()
             (served,) = server._clients
             pool = pool_of(served)
-            assert not served._session.reclaim  # the client did not announce FEATURE_RECLAIM
+            assert not served._conn.session.reclaim  # the client did not announce FEATURE_RECLAIM
             for _ in range(200):
                 ep.write(b"x" * 5000)
                 await ep.drain()

@@ -103,7 +103,7 @@ def test_random_sizes_send_recv_recv_into(arun: Runner[Any], rdma_addr: str) -> 
 
     async def main() -> None:
         async with pair(rdma_addr) as (served, client):
-            assert client._rndv is not None and served._rndv is not None  # negotiated
+            assert client._conn.rndv is not None and served._conn.rndv is not None  # negotiated
             on_asyncio = type(asyncio.get_running_loop()).__module__.startswith("asyncio")
             largest = 64 * MiB if on_asyncio else 16 * MiB
             plan = sizes(random.Random(1), 10, largest)
@@ -118,8 +118,8 @@ def test_random_sizes_send_recv_recv_into(arun: Runner[Any], rdma_addr: str) -> 
             assert sent["rndv_sending"] == 0 and got["rndv_receiving"] == 0
             # Nothing remotely accessible is left registered once the sends returned: what is reserved
             # outside the cache is the bounce buffers of the two endpoints (one Domain), nothing else.
-            domain = client._transport.domain
-            bounces = [b for ep in (client, served) for b in ep._rndv._bounces]
+            domain = client._conn.transport.domain
+            bounces = [b for ep in (client, served) for b in ep._conn.rndv._bounces]
             assert domain.registrations.reserved == sum(len(b.buf) for b in bounces)
             assert all(not b.region.access & lib.IBV_ACCESS_REMOTE_READ for b in bounces)
             remote = lib.IBV_ACCESS_REMOTE_READ | lib.IBV_ACCESS_REMOTE_WRITE
@@ -283,7 +283,7 @@ def test_peer_sigkill_mid_transfer_fails_pending_calls(arun: Runner[Any], rdma_a
             assert time.monotonic() - killed < 30
             assert isinstance(sender.exception(), ConnectionResetError), sender.exception()
             assert isinstance(receiver.exception(), ConnectionResetError), receiver.exception()
-            assert ep._transport.domain.registrations.reserved <= 16 * MiB  # the send's region is gone
+            assert ep._conn.transport.domain.registrations.reserved <= 16 * MiB  # the send's region is gone
             await ep.aclose()
         finally:
             proc.kill()
@@ -349,7 +349,7 @@ def test_registration_bound_is_never_exceeded(arun: Runner[Any], rdma_addr: str)
 
     async def main() -> None:
         async with pair(rdma_addr, max_pinned=bound) as (served, client):
-            cache = client._transport.domain.registrations
+            cache = client._conn.transport.domain.registrations
             assert cache.max_pinned == bound
             peak = 0
             stop = False
@@ -430,7 +430,7 @@ def test_rendezvous_off_when_either_side_disables_it(rdma_addr: str) -> None:
 
     async def main() -> None:
         async with pair(rdma_addr, server_options={"rndv_threshold": 0}) as (served, client):
-            assert client._rndv is None and served._rndv is None
+            assert client._conn.rndv is None and served._conn.rndv is None
             payload = os.urandom(300_000)
             await client.send(payload)
             assert await served.recv() == payload

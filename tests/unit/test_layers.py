@@ -79,3 +79,24 @@ def test_a_module_imports_only_what_its_layer_may(path: Path, layer: str) -> Non
     allowed = ALLOWED[layer] | ({own_package} if layer == "compat" else set())
     bad = sorted(imported for imported in _imports(path) if not _allowed(imported, allowed))
     assert not bad, f"{path.relative_to(ROOT)} ({layer}) imports {bad}"
+
+
+# Within a layer, the parts of a split class import only what their job needs (docs/index.md, issue 10):
+# the close state machine knows nothing of frames or credits, an endpoint's read and write sides only its
+# connection, the remote keys nothing of the engine.
+NARROW: dict[str, set[str]] = {
+    "rdmaio.protocol.closestate": {"rdmaio.errors", "rdmaio.protocol.sessionfields"},
+    "rdmaio.protocol.sessionfields": {"rdmaio.protocol.handshake"},
+    "rdmaio.core.reader": {"rdmaio.core.connection", "rdmaio.errors", "rdmaio.protocol"},
+    "rdmaio.core.writer": {"rdmaio.core.connection", "rdmaio.errors"},
+    "rdmaio.core.remotekey": {"rdmaio._ffi", "rdmaio.verbs", "rdmaio.errors"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(NARROW))
+def test_the_parts_of_a_split_class_import_only_what_their_job_needs(module: str) -> None:
+    path = ROOT.parent / (module.replace(".", "/") + ".py")
+    imported = _imports(path)
+    assert imported, f"{module} imports nothing of rdmaio: the table is out of date"
+    bad = sorted(imported - NARROW[module])
+    assert not bad, f"{module} imports {bad}"

@@ -392,7 +392,7 @@ def test_write_copies_data_and_large_ops_get_pooled_registrations(arun: Run) -> 
 
 
 def test_the_large_buffer_pool_is_bounded(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rdmaio.core.onesided, "_LARGE_POOL_BYTES", 2 << 20)
+    monkeypatch.setattr(rdmaio.core.onesided_ops, "_LARGE_POOL_BYTES", 2 << 20)
 
     async def main() -> None:
         rig = Rig(max_ops=4)

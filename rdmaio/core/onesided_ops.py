@@ -1,0 +1,492 @@
+"""Requests of the one-sided engine: RDMA READ, WRITE (with or without immediate data) and atomics.
+
+Every call is checked locally (range, access, alignment, revocation) before anything is posted. An op takes
+one of ``max_ops`` slots and local memory (a staging slot, a pooled large buffer, or the caller's buffer
+registered through the Domain's cache), is posted with others of the same loop iteration in one doorbell
+(writes with immediate data and control messages after a send credit), and completes through
+:meth:`Operations.on_completion`. A cancelled call leaves its op orphaned: the completion frees it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rdmaio import verbs
+from rdmaio._ffi import lib
+from rdmaio.core.backend import Waiter
+from rdmaio.core.onesided_base import MAX_OP_BYTES, EngineCore, Region
+from rdmaio.core.onesided_grants import _CONTROL
+from rdmaio.core.remotekey import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, KEY_VERSION, RemoteKey, access_str
+from rdmaio.errors import (
+    EndpointClosedError,
+    FeatureNotSupportedError,
+    MessageTooLargeError,
+    RemoteAccessError,
+    RemoteKeyRevokedError,
+)
+
+__all__ = ["Operations"]
+
+_INDEX_MASK = verbs.WR_INDEX_MASK  # bits 32..55 are the connection's tag (shared-CQ dispatch)
+_STAGING_SLOT = 64 * 1024  # bytes of rdmaio-owned registered memory per op; larger ops get their own MR
+# Larger ops' MRs are kept for reuse, in power-of-two size classes, up to this many bytes per connection:
+# registering (pinning) 1 MiB per op cost more than the op itself (docs/benchmarks.md, "One-sided").
+_LARGE_POOL_BYTES = 32 << 20
+
+
+_WR_READ: int = lib.IBV_WR_RDMA_READ
+_WR_WRITE: int = lib.IBV_WR_RDMA_WRITE
+_WR_WRITE_IMM: int = lib.IBV_WR_RDMA_WRITE_WITH_IMM
+_WR_SEND: int = lib.IBV_WR_SEND
+_WR_FADD: int = lib.IBV_WR_ATOMIC_FETCH_AND_ADD
+_WR_CSWAP: int = lib.IBV_WR_ATOMIC_CMP_AND_SWP
+_SEND_SIGNALED: int = lib.IBV_SEND_SIGNALED
+_SEND_INLINE: int = lib.IBV_SEND_INLINE
+_WC_REM_ACCESS_ERR = int(verbs.WcStatus.REM_ACCESS_ERR)
+_WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
+_WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
+_U64 = (1 << 64) - 1
+_DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
+
+
+class _Op:
+    __slots__ = (
+        "buffer",
+        "done",
+        "error",
+        "index",
+        "key_id",
+        "length",
+        "mr",
+        "opcode",
+        "orphan",
+        "pooled",
+        "posted",
+        "result",
+        "staging",
+        "waiter",
+        "wr",
+    )
+
+    def __init__(self, index: int, waiter: Waiter) -> None:
+        self.index = index
+        self.waiter = waiter
+        self.done = False
+        self.posted = False
+        self.orphan = False  # nobody waits for it any more: its completion releases its memory
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.staging: int | None = None  # staging slot index, or None
+        self.mr: Any = None  # a Registration (rdma_read_into)
+        self.pooled: _Large | None = None  # a large op's registered memory, from the pool
+        self.buffer: Any = None  # memoryview of the local memory the NIC reads or writes
+        self.key_id: int | None = None
+        self.length = 0
+        self.opcode = 0
+        self.wr: tuple[int, ...] = ()
+
+
+class _Large:
+    """A registered rdmaio-owned buffer for ops above the staging slot (reused through the pool)."""
+
+    __slots__ = ("region", "size", "view")
+
+    def __init__(self, region: Region, view: memoryview) -> None:
+        self.region = region
+        self.view = view
+        self.size = view.nbytes
+
+
+class Operations(EngineCore):
+    """The importer side of a one-sided engine (a part of it): requests, posting and completions."""
+
+    def _check_key(self, key: RemoteKey, offset: int, length: int, need: int) -> None:
+        if not isinstance(key, RemoteKey):
+            raise TypeError(f"expected a RemoteKey, got {type(key).__name__}")
+        if key.key_id in self.revoked_ids:
+            raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
+        if not key.access_bits & need:
+            raise RemoteAccessError(f"{key!r} does not grant {access_str(need)!r} access")
+        if not isinstance(offset, int) or not isinstance(length, int):
+            raise TypeError("offset and length must be ints")
+        if offset < 0 or length < 0 or offset + length > key.length:
+            raise RemoteAccessError(
+                f"range offset={offset} length={length} is outside {key!r} (0..{key.length})"
+            )
+
+    async def read(self, key: RemoteKey, offset: int, length: int) -> bytes:
+        """RDMA READ into rdmaio-owned memory; see ``Endpoint.rdma_read``."""
+        self._check_key(key, offset, length, ACCESS_READ)
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
+        if length == 0:
+            self._raise_if_failed()
+            return b""
+        op = await self._start(key, _WR_READ, length)
+        self._post(op, key.addr + offset, key.rkey)
+        await self._finish(op)
+        assert op.buffer is not None
+        data = bytes(op.buffer[:length])
+        self._release(op)
+        return data
+
+    async def read_into(self, key: RemoteKey, offset: int, buffer: Any) -> int:
+        """RDMA READ straight into a caller buffer; see ``Endpoint.rdma_read_into``."""
+        view = memoryview(buffer)
+        if view.readonly:
+            raise TypeError("rdma_read_into() needs a writable buffer")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        length = view.nbytes
+        self._check_key(key, offset, length, ACCESS_READ)
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
+        if length == 0:
+            self._raise_if_failed()
+            return 0
+        op = await self._start(key, _WR_READ, length, staging=False)
+        try:
+            registration = self._cache_get(view)
+        except BaseException:
+            self._abandon(op)
+            raise
+        op.mr = registration
+        op.buffer = view
+        self._post(op, key.addr + offset, key.rkey, local=(registration.addr, registration.lkey))
+        try:
+            await op.waiter.wait()
+        except BaseException:
+            if not op.done:
+                # The NIC may still write into the caller's buffer: the only way to stop it before we
+                # return is to destroy the queue pair. Documented in Endpoint.rdma_read_into.
+                self._fail_connection(
+                    EndpointClosedError("rdma_read_into() was cancelled with the READ in flight")
+                )
+            self._release(op)
+            raise
+        self._release(op)
+        if op.error is not None:
+            raise op.error
+        return length
+
+    async def write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
+        """RDMA WRITE (with immediate data when ``imm`` is given); see ``Endpoint.rdma_write``."""
+        view = memoryview(data)
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        length = view.nbytes
+        self._check_key(key, offset, length, ACCESS_WRITE)
+        if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
+            raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
+        if imm is not None and not self.peer_onesided:
+            raise FeatureNotSupportedError(
+                "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in its "
+                "handshake); this peer's rdmaio does not: write without imm and notify it with send()"
+            )
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
+        if length == 0 and imm is None:
+            self._raise_if_failed()
+            return
+        op = await self._start(key, _WR_WRITE if imm is None else _WR_WRITE_IMM, length)
+        if length:
+            assert op.buffer is not None
+            op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
+        self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
+        await self._finish(op)
+        self._release(op)
+
+    async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
+        """Atomic fetch-and-add on a u64; see ``Endpoint.fetch_add``."""
+        self._check_atomic(key, offset)
+        if not isinstance(add, int) or not -(1 << 63) <= add <= _U64:
+            raise ValueError(f"add must be an int in -2**63..2**64-1, not {add!r}")
+        op = await self._start(key, _WR_FADD, 8)
+        self._post(op, key.addr + offset, key.rkey, compare_add=add & _U64)
+        return await self._atomic_result(op)
+
+    async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
+        """Atomic compare-and-swap on a u64; see ``Endpoint.compare_swap``."""
+        self._check_atomic(key, offset)
+        for name, value in (("expected", expected), ("desired", desired)):
+            if not isinstance(value, int) or not 0 <= value <= _U64:
+                raise ValueError(f"{name} must be an int in 0..2**64-1, not {value!r}")
+        op = await self._start(key, _WR_CSWAP, 8)
+        self._post(op, key.addr + offset, key.rkey, compare_add=expected, swap=desired)
+        return await self._atomic_result(op)
+
+    def _check_atomic(self, key: RemoteKey, offset: int) -> None:
+        self._check_key(key, offset, 8, ACCESS_ATOMIC)
+        if (key.addr + offset) % 8:
+            raise RemoteAccessError(
+                f"atomic at offset {offset} of {key!r} is not 8-byte aligned (remote address "
+                f"{key.addr + offset:#x})"
+            )
+
+    async def _atomic_result(self, op: _Op) -> int:
+        await self._finish(op)
+        assert op.buffer is not None
+        # The NIC stores the original value as a u64 in this host's byte order.
+        old = int.from_bytes(op.buffer[:8], sys.byteorder)
+        self._release(op)
+        return old
+
+    # --- the op life cycle ---------------------------------------------------------------------------------
+
+    async def _start(self, key: RemoteKey, opcode: int, length: int, *, staging: bool = True) -> _Op:
+        """Wait for an op slot (at most ``max_ops`` in flight), then give the op its local memory."""
+        self._raise_if_failed()
+        while len(self.ops) >= self.max_ops or self._slot_waiters:
+            waiter = self._io.waiter()
+            self._slot_waiters.append(waiter)
+            try:
+                await waiter.wait()
+            except BaseException:
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+                else:
+                    self._wake_slot_waiter()  # we were woken but give up: pass the wake-up on
+                raise
+            self._raise_if_failed()
+            if len(self.ops) < self.max_ops:
+                break
+        # Re-checked after the wait: a REVOKE may have arrived meanwhile.
+        if key.key_id in self.revoked_ids:
+            self._wake_slot_waiter()
+            raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
+        op = _Op(next(self._index) & _INDEX_MASK, self._io.waiter())
+        op.key_id = key.key_id
+        op.length = length
+        op.opcode = opcode
+        if staging and length:
+            self._give_memory(op, length)
+        self.ops[op.index] = op
+        return op
+
+    def _give_memory(self, op: _Op, length: int) -> None:
+        if length <= _STAGING_SLOT:
+            if self._staging is None:
+                buf = bytearray(_STAGING_SLOT * self.max_ops)
+                self._staging = self._register_local(buf)
+                self._staging_view = memoryview(buf)
+            slot = self._free_staging.pop()
+            op.staging = slot
+            assert self._staging_view is not None
+            op.buffer = self._staging_view[slot * _STAGING_SLOT : slot * _STAGING_SLOT + length]
+        else:
+            size = 1 << (length - 1).bit_length()  # size class: the next power of two
+            free = self._large_pool.get(size)
+            if free:
+                large = free.pop()
+                self._large_pooled -= size
+                self._stats["rdma_large_reused"] += 1
+            else:
+                buf = bytearray(size)
+                large = _Large(self._register_local(buf), memoryview(buf))
+                self._stats["rdma_large_registered"] += 1
+            op.pooled = large
+            op.buffer = large.view[:length]
+
+    def _local_of(self, op: _Op) -> tuple[int, int]:
+        if op.staging is not None:
+            return self._staging.addr + op.staging * _STAGING_SLOT, self._staging.lkey
+        if op.pooled is not None:
+            return op.pooled.region.addr, op.pooled.region.lkey
+        if op.mr is not None:
+            return op.mr.addr, op.mr.lkey
+        return 0, 0
+
+    def _post(
+        self,
+        op: _Op,
+        remote_addr: int,
+        rkey: int,
+        *,
+        imm: int = 0,
+        compare_add: int = 0,
+        swap: int = 0,
+        local: tuple[int, int] | None = None,
+    ) -> None:
+        addr, lkey = local if local is not None else self._local_of(op)
+        op.wr = (addr, lkey, remote_addr, rkey, imm, compare_add, swap)
+        if op.opcode == _WR_WRITE_IMM:
+            self._credit_queue.append(op)  # consumes a peer receive: needs a credit
+            self.pump()
+        elif len(self.ops) == 1 and not self._doorbell:
+            self._post_now(op)  # alone in flight: post at once (nothing to share a doorbell with)
+        else:
+            # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
+            # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
+            # system call that runs the requester) for up to _DOORBELL requests.
+            self._doorbell.append(op)
+            if len(self._doorbell) >= _DOORBELL:
+                self._ring()
+            elif self._ring_handle is None:
+                self._ring_handle = self._io.call_soon(self._ring)
+
+    def _ring(self) -> None:
+        """Post the requests collected for one doorbell, as one chain."""
+        if self._ring_handle is not None:
+            self._ring_handle.cancel()
+            self._ring_handle = None
+        ops = [op for op in self._doorbell if not op.done]
+        self._doorbell.clear()
+        if not ops or self._error is not None or self.closed:
+            return
+        for i, op in enumerate(ops):
+            self._fill(i, op)
+        try:
+            self._qp.post_rdma(len(ops))
+        except Exception as exc:
+            # Requests before the failing one may have been posted; the connection fails either way
+            # (its QP is destroyed), which completes every op.
+            self._fail_connection(exc)
+            for op in ops:
+                self._complete(op, exc)
+            return
+        for op in ops:
+            op.posted = True
+        self._stats["rdma_ops_posted"] += len(ops)
+        self._stats["rdma_doorbells"] += 1
+
+    def _post_now(self, op: _Op) -> None:
+        self._fill(0, op)
+        try:
+            self._qp.post_rdma(1)
+        except Exception as exc:
+            self._complete(op, exc)
+            self._fail_connection(exc)
+            return
+        op.posted = True
+        self._stats["rdma_ops_posted"] += 1
+        self._stats["rdma_doorbells"] += 1
+
+    def _fill(self, index: int, op: _Op) -> None:
+        """Write ``op``'s work request into entry ``index`` of the QP's scratch array."""
+        addr, lkey, remote_addr, rkey, imm, compare_add, swap = op.wr
+        wr = self._qp.rdma_array[index]
+        wr.wr_id = self._wr_base | op.index
+        wr.local_addr = addr
+        wr.length = op.length
+        wr.lkey = lkey
+        wr.opcode = op.opcode
+        flags = _SEND_SIGNALED
+        if op.opcode in (_WR_WRITE, _WR_WRITE_IMM, _WR_SEND) and 0 < op.length <= self._max_inline:
+            flags |= _SEND_INLINE
+        wr.send_flags = flags
+        wr.imm_data = imm
+        wr.rkey = rkey
+        wr.remote_addr = remote_addr
+        wr.compare_add = compare_add
+        wr.swap = swap
+
+    def pump(self) -> None:
+        """Post what waits for a credit: control messages first, then writes with immediate data.
+
+        Called after every batch of completions (credits may have arrived) and when something is queued.
+        """
+        if self._error is not None or self.closed:
+            return
+        credits = self._credits
+        while self._pending_acks and len(self.ops) < self.max_ops and credits.can_take_slot():
+            word = self._pending_acks.popleft()
+            op = _Op(next(self._index) & _INDEX_MASK, self._io.waiter())
+            op.opcode = _WR_SEND
+            op.orphan = True
+            op.length = _CONTROL.size
+            self._give_memory(op, _CONTROL.size)
+            assert op.buffer is not None
+            op.buffer[:] = _CONTROL.pack(KEY_VERSION, word >> 64, word & _U64)
+            addr, lkey = self._local_of(op)
+            op.wr = (addr, lkey, 0, 0, 0, 0, 0)
+            self.ops[op.index] = op
+            credits.take_slot()
+            self._post_now(op)
+            self._stats["control_sent"] += 1
+        while self._credit_queue and credits.can_take_slot():
+            op = self._credit_queue.popleft()
+            if op.done:
+                continue
+            if op.key_id in self.revoked_ids:
+                self._complete(op, RemoteKeyRevokedError("the key was revoked by the peer"))
+                continue
+            credits.take_slot()
+            self._post_now(op)
+
+    async def _finish(self, op: _Op) -> None:
+        """Wait for the op's completion. A cancelled wait leaves the op to complete on its own: its memory
+        is rdmaio's (staging or a private MR) and is released only by the completion."""
+        try:
+            await op.waiter.wait()
+        except BaseException:
+            if op.done:
+                self._release(op)
+            else:
+                op.orphan = True
+            raise
+        if op.error is not None:
+            self._release(op)
+            raise op.error
+
+    def on_completion(self, wr_id: int, status: int, vendor_err: int = 0) -> None:
+        """A completion of one of our work requests (``wr_id >> 56 == 2``), successful or not."""
+        op = self.ops.get(wr_id & _INDEX_MASK)
+        if op is None:
+            return
+        if status == 0:
+            self._complete(op, None)
+            return
+        if status == _WC_REM_ACCESS_ERR:
+            error: BaseException = RemoteAccessError(
+                "the peer's NIC refused the request (remote access error); the connection is lost",
+                call="ibv_poll_cq",
+            )
+        elif status == _WC_FLUSH:
+            error = self._error or EndpointClosedError("the request was flushed: the connection is closing")
+        else:
+            error = EndpointClosedError(
+                f"one-sided request failed: {verbs.wc_status_str(status)} (vendor {vendor_err})",
+                call="ibv_poll_cq",
+            )
+        self._complete(op, error)
+
+    def _complete(self, op: _Op, error: BaseException | None) -> None:
+        if op.done:
+            return
+        op.done = True
+        op.error = error
+        self.ops.pop(op.index, None)
+        if op.orphan:  # a cancelled call or a control message: nobody will release its memory
+            self._release(op)
+        op.waiter.set()
+        self._wake_slot_waiter()
+
+    def _wake_slot_waiter(self) -> None:
+        if self._slot_waiters and len(self.ops) < self.max_ops:
+            self._slot_waiters.popleft().set()
+        if self._pending_acks:
+            self.pump()
+
+    def _release(self, op: _Op) -> None:
+        """Give back the op's local memory (only once the NIC is done with it)."""
+        if op.staging is not None:
+            self._free_staging.append(op.staging)
+            op.staging = None
+        if op.pooled is not None:
+            large, op.pooled = op.pooled, None
+            if not self.closed and self._large_pooled + large.size <= _LARGE_POOL_BYTES:
+                self._large_pool.setdefault(large.size, []).append(large)
+                self._large_pooled += large.size
+            else:
+                large.region.close()
+        if op.mr is not None:
+            mr, op.mr = op.mr, None
+            if hasattr(mr, "release"):
+                mr.release()
+            else:
+                mr.close()
+        op.buffer = None
+
+    def _abandon(self, op: _Op) -> None:
+        self.ops.pop(op.index, None)
+        self._release(op)
+        self._wake_slot_waiter()

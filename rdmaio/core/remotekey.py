@@ -1,0 +1,182 @@
+"""Remote keys of one-sided RDMA: access bits, the wire form of a key, write notices, device capabilities.
+
+A :class:`RemoteKey` is what an exporter hands to its peer (see :mod:`rdmaio.core.onesided` for the model):
+address, rkey, length, access bits and a key id, 32 bytes on the wire with a version byte. Parsing is strict:
+the key comes from an untrusted peer. Also here: the device's one-sided capabilities and the RDMA READ /
+atomic depth negotiated at connection setup.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from rdmaio import verbs
+from rdmaio._ffi import ffi, lib
+from rdmaio.errors import (
+    InvalidRemoteKeyError,
+    VerbsError,
+)
+
+__all__ = [
+    "ACCESS_ATOMIC",
+    "ACCESS_READ",
+    "ACCESS_WRITE",
+    "KEY_VERSION",
+    "OneSidedCaps",
+    "RemoteKey",
+    "WriteNotice",
+    "access_str",
+    "parse_access",
+    "query_caps",
+    "rd_atomic_depth",
+]
+
+ACCESS_READ = 0x1
+"""Key access bit: RDMA READ (``"r"``)."""
+ACCESS_WRITE = 0x2
+"""Key access bit: RDMA WRITE, with or without immediate data (``"w"``)."""
+ACCESS_ATOMIC = 0x4
+"""Key access bit: fetch-and-add and compare-and-swap (``"a"``)."""
+_ACCESS_ALL = ACCESS_READ | ACCESS_WRITE | ACCESS_ATOMIC
+_ACCESS_CHARS = {"r": ACCESS_READ, "w": ACCESS_WRITE, "a": ACCESS_ATOMIC}
+
+KEY_VERSION = 1
+"""Version byte of the wire form of a :class:`RemoteKey`."""
+# version u8, access u8, reserved u16 (0), rkey u32, key id u64, address u64, length u64; network order.
+_KEY = struct.Struct("!BBHIQQQ")
+_U64 = (1 << 64) - 1
+
+
+def parse_access(access: str) -> int:
+    """Turn an access string of ``"r"``, ``"w"``, ``"a"`` (e.g. ``"rw"``, ``"rwa"``) into access bits."""
+    if not isinstance(access, str) or not access:
+        raise ValueError(f"access must be a non-empty string of 'r', 'w', 'a', not {access!r}")
+    bits = 0
+    for char in access:
+        bit = _ACCESS_CHARS.get(char)
+        if bit is None or bits & bit:
+            raise ValueError(f"access must be a string of distinct 'r', 'w', 'a', not {access!r}")
+        bits |= bit
+    return bits
+
+
+def access_str(bits: int) -> str:
+    return "".join(c for c, b in _ACCESS_CHARS.items() if bits & b)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteKey:
+    """A bounded grant of access to ``length`` bytes of the exporter's memory.
+
+    ``bytes(key)`` is the wire form (32 bytes; see docs/one-sided.md): a version byte, the access bits, the
+    rkey, a key id, the address and the length. :meth:`from_bytes` parses and validates it. A key is meant
+    for the connection it was exported on; the importer uses it with ``ep.rdma_read`` and friends.
+    """
+
+    addr: int
+    """Remote virtual address of the first byte of the grant."""
+    rkey: int
+    """The NIC's remote key of the grant."""
+    length: int
+    """Bytes the grant covers (offsets ``0 .. length - 1``)."""
+    access_bits: int
+    """:data:`ACCESS_READ` | :data:`ACCESS_WRITE` | :data:`ACCESS_ATOMIC`."""
+    key_id: int
+    """The exporter's identifier of this grant (used to revoke it)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.addr <= _U64 or not 0 <= self.rkey <= 0xFFFF_FFFF or not 0 <= self.key_id <= _U64:
+            raise InvalidRemoteKeyError("remote key field out of range")
+        if not 1 <= self.length <= _U64 or self.addr + self.length - 1 > _U64:
+            raise InvalidRemoteKeyError(f"remote key length {self.length} out of range")
+        if not self.access_bits or self.access_bits & ~_ACCESS_ALL:
+            raise InvalidRemoteKeyError(f"remote key access bits {self.access_bits:#x} invalid")
+
+    @property
+    def access(self) -> str:
+        """The access granted, as given to ``export``: a string of ``"r"``, ``"w"``, ``"a"``."""
+        return access_str(self.access_bits)
+
+    def __bytes__(self) -> bytes:
+        return _KEY.pack(KEY_VERSION, self.access_bits, 0, self.rkey, self.key_id, self.addr, self.length)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview | None) -> RemoteKey:
+        """Parse the wire form of a key received from a peer; :class:`~rdmaio.InvalidRemoteKeyError` if
+        it is not exactly one valid key of a version this side knows."""
+        if data is None:
+            raise InvalidRemoteKeyError("no remote key (None: the peer closed the stream)")
+        raw = bytes(data)
+        if len(raw) != _KEY.size:
+            raise InvalidRemoteKeyError(f"a remote key is {_KEY.size} bytes, got {len(raw)}")
+        version, access, reserved, rkey, key_id, addr, length = _KEY.unpack(raw)
+        if version != KEY_VERSION:
+            raise InvalidRemoteKeyError(f"unsupported remote key version {version} (expected {KEY_VERSION})")
+        if reserved:
+            raise InvalidRemoteKeyError("remote key has reserved bits set")
+        return cls(addr, rkey, length, access, key_id)
+
+    def __repr__(self) -> str:
+        return f"<RemoteKey id={self.key_id:#x} length={self.length} access={self.access!r}>"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteNotice:
+    """The peer wrote into memory we exported with ``imm=`` set: ``length`` bytes, its 32-bit ``imm``."""
+
+    length: int
+    imm: int
+
+
+@dataclass(frozen=True, slots=True)
+class OneSidedCaps:
+    """What a device offers one-sided operations (``ibv_query_device``)."""
+
+    atomic_cap: str
+    """``"NONE"``, ``"HCA"`` (atomic among this device's requests) or ``"GLOB"``."""
+    max_qp_rd_atom: int
+    max_qp_init_rd_atom: int
+    max_mw: int
+    mw_type1: bool
+    mw_type2: bool
+
+
+def query_caps(device: verbs.DeviceContext) -> OneSidedCaps:
+    """Query the one-sided capabilities of a device."""
+    caps = ffi.new("struct rdmaio_onesided_caps *")
+    rc = lib.rdmaio_query_onesided_caps(device._ptr, caps)
+    if rc < 0:
+        raise VerbsError.from_errno("ibv_query_device", -rc)
+    names = {lib.IBV_ATOMIC_NONE: "NONE", lib.IBV_ATOMIC_HCA: "HCA", lib.IBV_ATOMIC_GLOB: "GLOB"}
+    flags = int(caps.device_cap_flags)
+    return OneSidedCaps(
+        atomic_cap=names.get(int(caps.atomic_cap), str(caps.atomic_cap)),
+        max_qp_rd_atom=int(caps.max_qp_rd_atom),
+        max_qp_init_rd_atom=int(caps.max_qp_init_rd_atom),
+        max_mw=int(caps.max_mw),
+        mw_type1=bool(flags & lib.IBV_DEVICE_MEM_WINDOW),
+        mw_type2=bool(flags & (lib.IBV_DEVICE_MEM_WINDOW_TYPE_2A | lib.IBV_DEVICE_MEM_WINDOW_TYPE_2B)),
+    )
+
+
+_DEPTH_LIMITS: dict[tuple[int, str], int] = {}
+"""Per device (context handle, name): the READ/atomic depth limit, queried once per process (device
+attributes do not change, and ``ibv_query_device`` is a system call in every connection's setup path)."""
+
+
+def rd_atomic_depth(device: verbs.DeviceContext, wanted: int) -> int:
+    """The READ/atomic depth to negotiate (``responder_resources``/``initiator_depth``): ``wanted``, capped
+    by the device's limits. rdma_cm grants the QP remote READ/atomic access only when it is above 0."""
+    key = (device.handle, device.name)
+    limit = _DEPTH_LIMITS.get(key)
+    if limit is None:
+        try:
+            caps = query_caps(device)
+        except VerbsError:
+            return 1
+        limit = _DEPTH_LIMITS[key] = min(caps.max_qp_rd_atom, caps.max_qp_init_rd_atom, 255)
+    return max(1, min(wanted, limit))
+
+
+# --- what the engine needs of the connection (the unit tests give fakes) --------------------------------

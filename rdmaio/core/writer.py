@@ -1,0 +1,118 @@
+"""Writer: the send calls of one connection - messages (``send``) and the byte stream (``write``/``drain``).
+
+Sends copy the caller's data into send slots before they are posted, so the caller's buffer is free the
+moment ``send()`` returns or is cancelled; a send slot is reused only after its completion (selective
+signalling: one signalled completion releases every earlier slot, because an RC queue completes in order).
+Small messages and stream writes are coalesced by the send engine (:mod:`rdmaio.core.txengine`) and flushed at
+the end of the loop iteration; large messages may go by rendezvous (:mod:`rdmaio.core.rndv_engine`). The
+public docstrings are :class:`rdmaio.Endpoint`'s; this class is internal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rdmaio.core.connection import Connection
+from rdmaio.errors import EndpointClosedError
+
+__all__ = ["Writer"]
+
+
+class Writer:
+    """The send side of a :class:`~rdmaio.core.connection.Connection`: decides what to queue and who waits."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._tx = conn.tx
+
+    async def send(self, data: Any) -> None:
+        """:meth:`rdmaio.Endpoint.send`."""
+        conn = self._conn
+        conn.raise_send_error()
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        size = view.nbytes
+        conn.session.check_message_size(size)
+        if conn.rndv is not None and size >= conn.rndv.threshold and await conn.rndv.send(view):
+            return  # zero-copy (issue 12): the peer pulled it; False: no room to pin it, sent eagerly
+        tx = self._tx
+        if size <= tx.batch_limit:
+            await self._send_batched(view, size)
+            return
+        tx.flush_buffers()  # keep the order of earlier stream writes and batched messages
+        added = tx.queue_message(view)
+        target = tx.queued_frames
+        conn.pump()
+        if tx.txq:
+            tx.own_queued(added)
+        while tx.posted_frames < target:
+            conn.raise_send_error()
+            await conn.wait_writable()
+
+    async def _send_batched(self, view: memoryview, size: int) -> None:
+        """Append one small message to the batch of this loop iteration; wait only above high water.
+
+        The first message of an iteration on an idle connection is posted at once instead (as a request
+        or a reply usually is): waiting for the end of the iteration would cost a round trip one more
+        loop iteration on each side, and there is nothing yet to batch it with.
+        """
+        conn = self._conn
+        tx = self._tx
+        if tx.wbuf:
+            tx.flush_wbuf()
+        if (
+            conn.flush_handle is None
+            and not tx.mbuf_count
+            and not tx.txq
+            and tx.free_slots
+            and conn.session.can_send_data()
+        ):
+            tx.queue_message(view)
+            conn.pump_and_post()
+            if tx.txq:
+                tx.own_queued(1)
+            # Later sends of this iteration are batched, and flushed at its end.
+            conn.schedule_flush()
+            return
+        tx.queue_small(view, size)
+        conn.schedule_flush()
+        if tx.buffered > conn.options.write_high_water:
+            await self.drain()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """:meth:`rdmaio.Endpoint.write`."""
+        conn = self._conn
+        conn.raise_send_error()
+        if conn.session.eof_pending() or conn.session.eof_sent:
+            raise EndpointClosedError("write() after write_eof()")
+        if not data:
+            return
+        added, coalescing = self._tx.queue_stream(data)
+        if added or not coalescing:
+            conn.pump()
+            self._tx.own_queued(added)
+        if coalescing:
+            conn.schedule_flush()
+
+    async def drain(self) -> None:
+        """:meth:`rdmaio.Endpoint.drain`."""
+        conn = self._conn
+        conn.raise_flush_error()
+        tx = self._tx
+        if tx.buffered <= conn.options.write_high_water:
+            return
+        tx.flush_buffers()
+        conn.pump()
+        while tx.txq_bytes > conn.options.write_low_water:
+            conn.raise_flush_error()
+            await conn.wait_writable()
+
+    def write_eof(self) -> None:
+        """:meth:`rdmaio.Endpoint.write_eof`."""
+        conn = self._conn
+        if conn.torn_down:
+            return
+        self._tx.flush_buffers()
+        conn.session.write_eof()
+        conn.pump()

@@ -1,0 +1,294 @@
+"""Unit tests of rdmaio.core.connection.Connection and the Endpoint front over it, against fake verbs objects.
+
+Two connections are wired back to back through fake queue pairs: what one side posts is written into a
+receive slot of the other and completes there one loop iteration later, as a NIC would (a signalled send
+also completes on the sender). No device: the whole message and stream path, credits, EOF, close and
+teardown run natively.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+from collections.abc import Callable, Coroutine
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import rdmaio
+import rdmaio.core.onesided
+from rdmaio import verbs
+from rdmaio.core.backend import AsyncioBackend
+from rdmaio.core.connection import Connection
+from rdmaio.core.rings import SlotRing
+from rdmaio.endpoint import Endpoint
+from rdmaio.errors import VerbsError
+from rdmaio.protocol import FEATURE_BATCH, FEATURE_ONESIDED, Handshake, Session
+from rdmaio.verbs import CMEventType
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+SLOT = 4096
+DEPTH = 8
+OPTIONS = rdmaio.Options(
+    slot_size=SLOT,
+    recv_depth=DEPTH,
+    send_depth=DEPTH,
+    initial_depth=DEPTH,
+    batch_limit=1024,
+    keepalive_interval=None,
+    rndv_threshold=0,
+)
+_RECV = int(verbs.WcOpcode.RECV)
+_SEND = int(verbs.WcOpcode.SEND)
+
+
+def _no_device(device: Any) -> Any:
+    raise VerbsError("no device in unit tests", call="ibv_query_device")
+
+
+class FakeQP:
+    """Posts go to the peer's receive slots one loop iteration later (the wire)."""
+
+    def __init__(self, ring: SlotRing, qp_num: int) -> None:
+        self.qp_num = qp_num
+        self.send_array = [SimpleNamespace() for _ in range(DEPTH)]
+        self._ring = ring
+        self.wire: Callable[[list[tuple[int, bytes, int, int]]], None] | None = None
+        self.chains = 0
+
+    def post_sends(self, count: int) -> None:
+        ring = self._ring
+        chain = []
+        for wr in self.send_array[:count]:
+            off = wr.addr - ring.addr
+            chain.append((int(wr.wr_id), bytes(ring.view[off : off + wr.length]), wr.imm_data, wr.send_flags))
+        self.chains += 1
+        assert self.wire is not None
+        asyncio.get_running_loop().call_soon(self.wire, chain)
+
+    def post_empty_write(self, wr_id: int) -> None:
+        raise AssertionError("keepalive is off in these tests")
+
+
+class FakeTransport:
+    """The verbs resources of one side: a send ring, a receive ring, a queue pair (all in memory)."""
+
+    def __init__(self, qp_num: int, tag: int) -> None:
+        self.slot_size = SLOT
+        self.max_inline = 0
+        self.tag = tag
+        registrar = lambda view: SimpleNamespace(lkey=100, close=lambda: None)  # noqa: E731
+        self.send_ring = SlotRing(SLOT, DEPTH, registrar)
+        self.qp = FakeQP(self.send_ring, qp_num)
+        self.recv_ring = SimpleNamespace(view=memoryview(bytearray(SLOT * DEPTH)))
+        self.device = SimpleNamespace(name="fake0", handle=1)
+        self.cq = SimpleNamespace(handle=2)
+        self.pd = None
+        self.domain = SimpleNamespace(registrations=None)
+        self.registered_bytes = 2 * SLOT * DEPTH
+        self.posted: collections.deque[int] = collections.deque(range(DEPTH))
+        self.handler: Callable[[Any, int, int], None] | None = None
+        self.closed = False
+
+    def set_completion_handler(self, handler: Callable[[Any, int, int], None]) -> None:
+        self.handler = handler
+
+    def poll_completions(self) -> None:
+        pass  # the fake wire delivers completions itself
+
+    def post_receives(self, slots: list[int]) -> None:
+        self.posted.extend(slots)
+
+    def grow_receives(self, n: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeReactor:
+    def __init__(self) -> None:
+        self.backend = AsyncioBackend(asyncio.get_running_loop())
+        self.cm_handlers: dict[Any, Callable[[Any], None]] = {}
+        self.released: list[Any] = []
+        self.watched: set[Any] = set()
+
+    def set_handler(self, cm_id: Any, handler: Callable[[Any], None]) -> None:
+        self.cm_handlers[cm_id] = handler
+
+    def watch_qp(self, *key: Any) -> None:
+        self.watched.add(key[:-1])
+
+    def unwatch_qp(self, *key: Any) -> None:
+        self.watched.discard(key)
+
+    def watch_port(self, *args: Any) -> None:
+        pass
+
+    def unwatch_port(self, *args: Any) -> None:
+        pass
+
+    def release_id(self, cm_id: Any) -> None:
+        self.released.append(cm_id)
+
+
+class FakeCMId:
+    def __init__(self, name: str) -> None:
+        self.peer_address = ("198.18.0.2", 1)
+        self.local_address = (name, 2)
+        self.port_num = 1
+        self.disconnects = 0
+        self.on_disconnect: Callable[[], None] | None = None
+
+    def disconnect(self) -> None:
+        self.disconnects += 1
+        if self.on_disconnect is not None:
+            asyncio.get_running_loop().call_soon(self.on_disconnect)
+
+
+def _wire(
+    sender: FakeTransport, receiver: FakeTransport
+) -> Callable[[list[tuple[int, bytes, int, int]]], None]:
+    """The NIC: each frame lands in the receiver's next posted slot; signalled sends complete here."""
+
+    def deliver(chain: list[tuple[int, bytes, int, int]]) -> None:
+        recvs = []
+        sends = []
+        for wr_id, data, imm, flags in chain:
+            slot = receiver.posted.popleft()  # credits guarantee one is posted (no RNR)
+            receiver.recv_ring.view[slot * SLOT : slot * SLOT + len(data)] = data
+            recv_id = verbs.make_wr_id(verbs.WR_KIND_RECV, receiver.tag, slot)
+            recvs.append(_wc(recv_id, _RECV, len(data), imm, verbs.WC_WITH_IMM))
+            if flags & verbs.SEND_SIGNALED:
+                sends.append(_wc(wr_id, _SEND, 0, 0, 0))
+        assert receiver.handler is not None and sender.handler is not None
+        if not receiver.closed:
+            receiver.handler(recvs, 0, len(recvs))
+        if sends and not sender.closed:
+            sender.handler(sends, 0, len(sends))
+
+    return deliver
+
+
+def _wc(wr_id: int, opcode: int, byte_len: int, imm: int, flags: int) -> Any:
+    return SimpleNamespace(
+        wr_id=wr_id, status=0, opcode=opcode, byte_len=byte_len, imm_data=imm, flags=flags, vendor_err=0
+    )
+
+
+def pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Endpoint, Endpoint]:
+    """Two endpoints connected back to back through fake verbs objects (call inside a running loop)."""
+    monkeypatch.setattr(rdmaio.core.onesided, "query_caps", _no_device)
+    hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH | FEATURE_ONESIDED)
+    transports = [FakeTransport(10, 1), FakeTransport(11, 2)]
+    for a, b in ((0, 1), (1, 0)):
+        transports[a].qp.wire = _wire(transports[a], transports[b])
+    ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
+    reactor: Any = FakeReactor()
+    endpoints = [Endpoint(reactor, ids[i], transports[i], Session(hs, hs), OPTIONS) for i in (0, 1)]  # type: ignore[arg-type]
+    event: Any = SimpleNamespace(event=CMEventType.DISCONNECTED)
+    for i in (0, 1):
+        # Our disconnect reaches the peer as DISCONNECTED one loop iteration later.
+        ids[i].on_disconnect = functools.partial(endpoints[1 - i]._conn._on_cm_event, event)
+    return endpoints[0], endpoints[1]
+
+
+def test_messages_and_stream_bytes_travel_in_order(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        big = bytes(range(256)) * 40  # 10 KiB: fragmented into three frames of the 4 KiB slots
+        await a.send(b"small")  # batched path
+        await a.send(big)  # fragmented path
+        a.write(b"line one\nline ")
+        a.write(b"two\n")
+        await a.drain()
+        assert await b.recv() == b"small"
+        assert await b.recv() == big
+        assert await b.readline() == b"line one\n"
+        assert await b.readexactly(4) == b"line"
+        assert await b.readuntil(b"\n") == b" two\n"
+        stats = b.statistics()
+        # The two writes of one loop iteration were coalesced into one frame: three messages in all.
+        assert stats["messages_received"] == 3 and stats["bytes_received"] == 5 + len(big) + 18
+        assert stats["wakeups"] >= 1 and stats["completions"] >= 5  # small, big's three fragments, stream
+
+    arun(main())
+
+
+def test_many_messages_need_credits_back_and_all_arrive(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        messages = [bytes([i]) * 3000 for i in range(5 * DEPTH)]  # more frames than the window holds
+
+        async def sender() -> None:
+            for m in messages:
+                await a.send(m)
+
+        task = asyncio.ensure_future(sender())
+        got = [await b.recv() for _ in messages]
+        await task
+        assert got == messages
+        assert a.statistics()["send_credits"] >= 1
+
+    arun(main())
+
+
+def test_write_eof_is_read_as_eof_and_close_tears_both_sides_down(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        a.write(b"last words")
+        a.write_eof()
+        assert await b.read() == b"last words"
+        assert b.at_eof() and await b.recv() is None
+        await b.send(b"reply after the peer's EOF")  # half-close: the other direction still works
+        assert await a.recv() == b"reply after the peer's EOF"
+        closed: list[Endpoint] = []
+        a._add_close_callback(closed.append)
+        await asyncio.wait_for(a.aclose(), 5)
+        assert closed == [a] and a.is_closing() and "closed" in repr(a)
+        conn = a._conn
+        assert conn.transport.closed and conn.torn_down and conn.statistics()["registered_bytes"] == 0  # type: ignore[attr-defined]
+        await asyncio.wait_for(b.wait_closed(), 5)  # the peer saw DISCONNECTED and tore down too
+        with pytest.raises(rdmaio.EndpointClosedError):
+            await a.send(b"x")
+
+    arun(main())
+
+
+def test_a_failed_completion_fails_pending_reads_with_a_reset(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        reader = asyncio.ensure_future(b.recv())
+        await asyncio.sleep(0)
+        conn: Connection = b._conn
+        transport: Any = conn.transport
+        failed = _wc(0, _SEND, 0, 0, 0)
+        failed.status = int(verbs.WcStatus.RETRY_EXC_ERR)
+        transport.handler([failed], 0, 1)
+        with pytest.raises(rdmaio.ConnectionResetError, match="work completion failed"):
+            await reader
+        assert conn.torn_down and transport.closed and b.is_closing()
+        a.abort()
+
+    arun(main())
+
+
+def test_abort_drops_queued_data_and_fails_waiters(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        reader = asyncio.ensure_future(a.recv())
+        await asyncio.sleep(0)
+        a.abort()
+        with pytest.raises(rdmaio.EndpointClosedError):
+            await reader
+        assert a._conn.transport.closed and a.get_write_buffer_size() == 0  # type: ignore[attr-defined]
+        assert a.get_extra_info("qp_num") == 10 and a.get_extra_info("device") == "fake0"
+        b.abort()
+
+    arun(main())
