@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's demo, run inside the test host: `rdmaio doctor`, echo server + client on asyncio and uvloop,
 # the asyncio-streams and anyio (trio) examples, the one-sided KV store, zero-copy large messages,
+# many connections on one shared receive queue,
 # `rdmaio ping` against `ping --server`, then a short
 # benchmark table. Exits non-zero if any step fails.
 set -euo pipefail
@@ -40,6 +41,8 @@ echo "== one-sided key-value store: compare_swap / fetch_add / rdma_write puts, 
 "$PY" examples/onesided_kv.py "$ADDR" --clients 4
 echo "== zero-copy: large messages by rendezvous (RDMA READ into the receiver's buffer), SHA-256 checked =="
 "$PY" examples/zerocopy_transfer.py "$ADDR" --sizes 64K,1M,16M
+echo "== shared receive queue: 20 connections' echoes on one SRQ, credits lent from what it holds =="
+"$PY" examples/shared_receive_queue.py "$ADDR" --clients 20 --messages 100
 echo "== rdmaio ping =="
 "$PY" -m rdmaio ping --server "$ADDR" 7479 > .testhost/ping_server.log 2>&1 &
 ping_server=$!

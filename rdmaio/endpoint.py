@@ -104,7 +104,9 @@ class Endpoint:
         ``send()`` may still deliver the whole message (never a part of it) and leaves the endpoint
         usable.
         """
-        await self._writer.send(data)
+        view = self._writer.send_nowait(data)  # a small message needs no coroutine below this one
+        if view is not None:
+            await self._writer.send_rest(view)
 
     async def recv(self) -> bytes | None:
         """Return the next message, or ``None`` at a clean end of stream (the peer closed or wrote EOF).
@@ -112,7 +114,10 @@ class Endpoint:
         Raises :class:`~rdmaio.ConnectionResetError` if the peer went away without closing cleanly. A
         cancelled ``recv()`` takes nothing: the message stays for the next read.
         """
-        return await self._reader.recv()
+        data = self._reader.recv_nowait()  # a message already here needs no coroutine below this one
+        if data is None:
+            return await self._reader.recv()
+        return data
 
     async def recv_into(self, buffer: bytearray | memoryview) -> int:
         """Copy the next message into ``buffer`` and return its size (0 at end of stream).
@@ -142,7 +147,8 @@ class Endpoint:
         :meth:`write_eof` it still waits for the data written before (as asyncio's ``drain()``): only new
         writes are refused.
         """
-        await self._writer.drain()
+        if self._writer.must_drain():
+            await self._writer.drain()
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         """Set the high- and low-water marks of :meth:`drain`, with ``WriteTransport``'s defaults.

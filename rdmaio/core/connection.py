@@ -44,6 +44,7 @@ from rdmaio.options import Options
 from rdmaio.protocol import Session
 from rdmaio.protocol.rxbuffer import ReceiveBuffer
 from rdmaio.verbs import CMEvent, CMEventType, CMId, make_wr_id
+from rdmaio.verbs import _base as _fork_state  # its _generation is read on every send: no call
 
 __all__ = ["Connection"]
 
@@ -301,14 +302,18 @@ class Connection:
             self.tx_waiters.pop(waiter, None)  # cancelled: do not pile up until the next wake-up
 
     def check_fork(self) -> None:
-        if self.generation != verbs.fork_generation():
+        if self.generation != _fork_state._generation:
             raise ForkError(
                 "this Endpoint was created before fork(); RDMA connections cannot be used in "
                 "the child process: connect again there"
             )
 
+    # The two checks below run on every send/write/drain: the common case (same process, open, no error)
+    # costs attribute reads and the session's own fast path, not a chain of calls.
+
     def raise_send_error(self) -> None:
-        self.check_fork()
+        if self.generation != _fork_state._generation:
+            self.check_fork()
         error = self.session.send_error()
         if error is not None:
             raise error
@@ -317,7 +322,8 @@ class Connection:
 
     def raise_flush_error(self) -> None:
         """What waiting for data already accepted raises: not a requested EOF, which comes after it."""
-        self.check_fork()
+        if self.generation != _fork_state._generation:
+            self.check_fork()
         error = self.session.flush_error()
         if error is not None:
             raise error

@@ -27,6 +27,15 @@ class Reader:
 
     # --- messages -----------------------------------------------------------------------------------
 
+    def recv_nowait(self) -> bytes | None:
+        """The next message if one is here and needs no pulling, else None (nothing taken)."""
+        rxbuf = self._rxbuf
+        if not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes)):
+            return None
+        data = rxbuf.pop_message()
+        self._after_read()
+        return data
+
     async def recv(self) -> bytes | None:
         """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`)."""
         rxbuf = self._rxbuf

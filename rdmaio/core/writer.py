@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from rdmaio.core.connection import Connection
-from rdmaio.errors import EndpointClosedError
 
 __all__ = ["Writer"]
+
+_DRAIN = memoryview(b"")
+"""What :meth:`Writer.send_nowait` returns for a message it queued when the caller must still drain."""
 
 
 class Writer:
@@ -25,8 +27,10 @@ class Writer:
         self._conn = conn
         self._tx = conn.tx
 
-    async def send(self, data: Any) -> None:
-        """:meth:`rdmaio.Endpoint.send`."""
+    def send_nowait(self, data: Any) -> memoryview | None:
+        """:meth:`rdmaio.Endpoint.send`'s synchronous part: check, and queue a small message at once.
+        None: done (most small messages end here, so the front creates no coroutine for them); otherwise
+        the view that :meth:`send_rest` must finish (nothing of it queued yet, or :data:`_DRAIN`)."""
         conn = self._conn
         conn.raise_send_error()
         view = memoryview(data)
@@ -34,11 +38,29 @@ class Writer:
             view = view.cast("B")
         size = view.nbytes
         conn.session.check_message_size(size)
+        if size > self._tx.batch_limit or (conn.rndv is not None and size >= conn.rndv.threshold):
+            return view
+        return _DRAIN if self._queue_batched(view, size) else None
+
+    async def send(self, data: Any) -> None:
+        """:meth:`rdmaio.Endpoint.send`."""
+        view = self.send_nowait(data)
+        if view is not None:
+            await self.send_rest(view)
+
+    async def send_rest(self, view: memoryview) -> None:
+        """What :meth:`send_nowait` left: wait below high water, or a rendezvous or a large message."""
+        if view is _DRAIN:
+            await self.drain()
+            return
+        conn = self._conn
+        size = view.nbytes
         if conn.rndv is not None and size >= conn.rndv.threshold and await conn.rndv.send(view):
             return  # zero-copy (issue 12): the peer pulled it; False: no room to pin it, sent eagerly
         tx = self._tx
         if size <= tx.batch_limit:
-            await self._send_batched(view, size)
+            if self._queue_batched(view, size):
+                await self.drain()
             return
         tx.flush_buffers()  # keep the order of earlier stream writes and batched messages
         added = tx.queue_message(view)
@@ -50,8 +72,9 @@ class Writer:
             conn.raise_send_error()
             await conn.wait_writable()
 
-    async def _send_batched(self, view: memoryview, size: int) -> None:
-        """Append one small message to the batch of this loop iteration; wait only above high water.
+    def _queue_batched(self, view: memoryview, size: int) -> bool:
+        """Append one small message to the batch of this loop iteration; True if the caller must then
+        drain (above high water).
 
         The first message of an iteration on an idle connection is posted at once instead (as a request
         or a reply usually is): waiting for the end of the iteration would cost a round trip one more
@@ -74,18 +97,15 @@ class Writer:
                 tx.own_queued(1)
             # Later sends of this iteration are batched, and flushed at its end.
             conn.schedule_flush()
-            return
+            return False
         tx.queue_small(view, size)
         conn.schedule_flush()
-        if tx.buffered > conn.options.write_high_water:
-            await self.drain()
+        return tx.buffered > conn.options.write_high_water
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """:meth:`rdmaio.Endpoint.write`."""
         conn = self._conn
-        conn.raise_send_error()
-        if conn.session.eof_pending() or conn.session.eof_sent:
-            raise EndpointClosedError("write() after write_eof()")
+        conn.raise_send_error()  # also refuses a write after write_eof() (the session's send_error)
         if not data:
             return
         added, coalescing = self._tx.queue_stream(data)
@@ -95,13 +115,20 @@ class Writer:
         if coalescing:
             conn.schedule_flush()
 
-    async def drain(self) -> None:
-        """:meth:`rdmaio.Endpoint.drain`."""
+    def must_drain(self) -> bool:
+        """:meth:`rdmaio.Endpoint.drain`'s synchronous part: raise the connection's error, or say whether
+        there is anything to wait for (above the high-water mark). Most drains end here, so the front calls
+        it before it creates the coroutine of :meth:`drain`."""
         conn = self._conn
         conn.raise_flush_error()
-        tx = self._tx
-        if tx.buffered <= conn.options.write_high_water:
+        return self._tx.buffered > conn.options.write_high_water
+
+    async def drain(self) -> None:
+        """:meth:`rdmaio.Endpoint.drain`."""
+        if not self.must_drain():
             return
+        conn = self._conn
+        tx = self._tx
         tx.flush_buffers()
         conn.pump()
         while tx.txq_bytes > conn.options.write_low_water:
