@@ -231,7 +231,9 @@ class Endpoint:
         await self.wait_closed()
 
     def abort(self) -> None:
-        """Close at once: queued data is dropped and pending calls fail with ConnectionAbortedError."""
+        """Close at once: queued data is dropped, and pending and later calls fail with
+        :class:`~rdmaio.EndpointClosedError` ("endpoint was aborted"). A connection that rdmaio aborts
+        itself, on a protocol violation by the peer, raises :class:`~rdmaio.ConnectionAbortedError`."""
         self._conn.abort()
 
     async def __aenter__(self) -> Self:
