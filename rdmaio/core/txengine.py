@@ -110,6 +110,7 @@ class SendEngine:
         self._slot_size = slot_size
         self._max_inline = max_inline
         self._signal_interval = signal_interval
+        self._interval = self._effective_interval()
         self._stats = stats
         self._wr_id_base = verbs.make_wr_id(verbs.WR_KIND_SEND, tag, 0)  # | slot
         self.max_fragment = min(session.max_fragment, slot_size)
@@ -264,8 +265,16 @@ class SendEngine:
             self._addr = ring.addr
             self._lkeys = ring.lkeys
         self.free_slots.extend(reversed(added))  # pop() takes the lowest index first
+        self._interval = self._effective_interval()
         self._stats["send_ring_grown"] += 1
         return True
+
+    def _effective_interval(self) -> int:
+        """The signal interval for the ring as it is: ``signal_interval``, but at most half the ring. A ring
+        smaller than the interval (an idle connection's 4 first slots) would otherwise be "short of slots"
+        on every post, and every send would be signalled: one more loop wake-up per message for a
+        request/reply connection."""
+        return min(self._signal_interval, max(1, self._slot_ring.slots // 2))
 
     def stage(self) -> bool:
         """Copy queued frames (and a due EOF or CREDIT frame) into send slots and fill their work requests
@@ -365,7 +374,7 @@ class SendEngine:
             return
         self.staged = 0
         # Whatever runs short of send slots must get a completion to release them.
-        if len(self.free_slots) < self._signal_interval:
+        if len(self.free_slots) < self._interval:
             self._sends[count - 1].send_flags |= _SEND_SIGNALED
             self._unsignaled = 0
         self._qp.post_sends(count)
@@ -381,7 +390,7 @@ class SendEngine:
         wr.opcode = _WR_SEND_WITH_IMM
         flags = _SEND_INLINE if length <= self._max_inline and length else 0
         self._unsignaled += 1
-        if self._unsignaled >= self._signal_interval:
+        if self._unsignaled >= self._interval:
             flags |= _SEND_SIGNALED
             self._unsignaled = 0
         wr.send_flags = flags

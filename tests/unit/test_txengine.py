@@ -147,6 +147,25 @@ def test_selective_signalling_and_a_signal_when_short_of_slots() -> None:
     assert signalled[4]  # fewer free slots than the interval: the last one asks for a completion too
 
 
+def test_a_small_ring_is_not_signalled_on_every_post() -> None:
+    """An idle connection's send ring starts with 4 slots, below the default interval of 8: the "short of
+    slots" rule signalled every post, so a request/reply connection woke its loop once more per message
+    for the send completion (echo: 4 wake-ups per round trip instead of 2, the before/after bench of
+    issue 10). The interval is now at most half the ring; slots are still recycled before they run out."""
+    engine, qp, _peer = make(depth=8, peer_depth=64, signal_interval=8, initial=4)
+    signalled = []
+    for i in range(12):  # one message per post, as a request/reply connection sends
+        engine.queue_message(memoryview(bytes([i])))
+        assert engine.stage()
+        engine.post()
+        ((wr_id, _data, _imm, flags),) = qp.posts[-1]
+        signalled.append(bool(flags & verbs.SEND_SIGNALED))
+        if signalled[-1]:
+            engine.on_send_completion(wr_id & verbs.WR_INDEX_MASK)
+    assert engine._slot_ring.slots == 4  # never ran out, never grew
+    assert signalled == [False, True] * 6
+
+
 def test_stream_frames_respect_the_peers_max_message_size() -> None:
     # The peer accepts at most 20-byte messages although its slots hold 64: stream frames are cut at 20.
     engine, qp, peer = make(peer_max=20)
