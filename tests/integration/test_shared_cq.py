@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+import traffic
 from loops import Runner, arun
 from rdma_state import open_fds, rdma_resources
 
@@ -33,30 +34,8 @@ async def echo(ep: rdmaio.Endpoint) -> None:
             await ep.send(msg)
 
 
-def payloads(seed: int) -> list[bytes]:
-    """Mixed sizes: batched small messages, single frames and fragmented large ones."""
-    rng = random.Random(seed)
-    sizes = [rng.choice((1, 100, 3000, 8000, 20000)) for _ in range(MESSAGES)]
-    return [rng.randbytes(size) for size in sizes]
-
-
 async def exchange(ep: rdmaio.Endpoint, seed: int) -> tuple[str, str]:
-    """Send every payload while receiving the echoes; return (sent digest, received digest)."""
-    sent, received = hashlib.sha256(), hashlib.sha256()
-
-    async def send_all() -> None:
-        for data in payloads(seed):
-            sent.update(data)
-            await ep.send(data)
-
-    async def recv_all() -> None:
-        for _ in range(MESSAGES):
-            msg = await ep.recv()
-            assert msg is not None
-            received.update(msg)
-
-    await asyncio.gather(send_all(), recv_all())
-    return sent.hexdigest(), received.hexdigest()
+    return await traffic.exchange(ep, seed, MESSAGES)
 
 
 def test_connections_share_one_channel_fd_and_traffic_on_all_is_correct(

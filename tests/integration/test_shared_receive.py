@@ -15,6 +15,7 @@ import hashlib
 import random
 from typing import Any
 
+import traffic
 from loops import Runner, arun
 
 import rdmaio
@@ -40,27 +41,8 @@ async def echo(ep: rdmaio.Endpoint) -> None:
             await ep.send(msg)
 
 
-def payloads(seed: int, count: int = MESSAGES) -> list[bytes]:
-    rng = random.Random(seed)
-    return [rng.randbytes(rng.choice((1, 100, 3000, 8000, 20000))) for _ in range(count)]
-
-
 async def exchange(ep: rdmaio.Endpoint, seed: int, count: int = MESSAGES) -> tuple[str, str]:
-    sent, received = hashlib.sha256(), hashlib.sha256()
-
-    async def send_all() -> None:
-        for data in payloads(seed, count):
-            sent.update(data)
-            await ep.send(data)
-
-    async def recv_all() -> None:
-        for _ in range(count):
-            msg = await ep.recv()
-            assert msg is not None
-            received.update(msg)
-
-    await asyncio.gather(send_all(), recv_all())
-    return sent.hexdigest(), received.hexdigest()
+    return await traffic.exchange(ep, seed, count)
 
 
 def pool_of(ep: rdmaio.Endpoint) -> Any:
