@@ -42,7 +42,8 @@ class Options:
     read_limit: int = 64 * KiB
     """Line/separator length limit of ``readuntil``/``readline`` (as asyncio's ``limit``)."""
     max_inline: int = 256
-    """Frames up to this size are sent inline (copied by the CPU at post time; no DMA read)."""
+    """Frames up to this size are sent inline (copied by the CPU at post time; no DMA read). They hold no
+    send slot while in flight, only a send-queue entry, so small messages never register send memory."""
     batch_limit: int = 8 * KiB
     """``send()`` packs messages up to this size several to a frame (DATA_BATCH) if the peer supports it,
     and returns once the message is queued (``drain()`` semantics); 0 turns batching off."""

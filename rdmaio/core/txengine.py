@@ -14,6 +14,14 @@ reused only after its completion; with selective signalling one signalled comple
 posted before it (an RC queue completes in order). The slots live in a
 :class:`~rdmaio.core.rings.SlotRing` that starts empty: the first frame registers ``initial`` slots and
 the ring doubles whenever every slot is in flight and more is queued.
+
+Frames of at most ``max_inline`` bytes (control frames, RNDV descriptors, small messages and replies) take
+no slot: they are sent inline, their bytes copied into the work request when it is posted, so nothing
+registered is held while they are in flight. They still take a send-queue entry (``ring.max_slots`` of them
+belong to the engine); their wr_id index is ``_SLOTLESS | sequence``. Why: an idle connection's ring has 4
+slots, so signalling had to come every 2 sends to keep slots coming back, and every signalled completion can
+wake the loop once more; a request/reply connection whose frames are all small never registers a slot and is
+signalled once per ``signal_interval`` sends, as with the full ring.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import struct
 from typing import Any, Protocol
 
 from rdmaio import verbs
+from rdmaio._ffi import ffi
 from rdmaio.protocol import Session
 from rdmaio.protocol.shared_credits import ReclaimSession
 
@@ -35,6 +44,8 @@ _WR_SEND_WITH_IMM = verbs.WR_SEND_WITH_IMM
 _SEND_SIGNALED = verbs.SEND_SIGNALED
 _SEND_INLINE = verbs.SEND_INLINE
 _RECORD_HEADER = struct.Struct("<I")  # DATA_BATCH record: u32 little-endian length, then the message
+_SLOTLESS = 1 << 31  # wr index bit of a frame that holds no send slot (inline or empty)
+_SEQ_MASK = _SLOTLESS - 1
 
 Payload = bytes | bytearray | memoryview
 
@@ -111,6 +122,15 @@ class SendEngine:
         self._max_inline = max_inline
         self._signal_interval = signal_interval
         self._interval = self._effective_interval()
+        # Send-queue entries the engine may have in flight (slots or not), and the signal interval for them.
+        self._sq_depth = ring.max_slots
+        self._sq_interval = min(signal_interval, max(1, self._sq_depth // 2))
+        self._seq = 0  # numbers slotless frames (their wr index)
+        # Inline frames' bytes between stage() and post(), one max_inline area per send-array entry; the
+        # post copies them into the work requests. Allocated by the first inline frame.
+        self._scratch: memoryview | None = None
+        self._scratch_cdata: Any = None
+        self._scratch_addr = 0
         self._stats = stats
         self._wr_id_base = verbs.make_wr_id(verbs.WR_KIND_SEND, tag, 0)  # | slot
         self.max_fragment = min(session.max_fragment, slot_size)
@@ -132,7 +152,7 @@ class SendEngine:
         self.mbuf = bytearray()  # small messages being batched ([u32 length][bytes] records)
         self.mbuf_count = 0
         self.free_slots = list(range(ring.slots))
-        self._inflight: collections.deque[int] = collections.deque()
+        self._inflight: collections.deque[int] = collections.deque()  # slot, or _SLOTLESS | sequence
         self._unsignaled = 0
         self.staged = 0  # entries of the send array filled but not yet posted
         self._eof_slot: int | None = None  # send slot of the EOF frame, once staged
@@ -144,6 +164,13 @@ class SendEngine:
     def buffered(self) -> int:
         """Bytes accepted and not yet copied into a send slot (what ``drain()`` waits on)."""
         return self.txq_bytes + len(self.wbuf) + len(self.mbuf)
+
+    def room_for(self, length: int) -> bool:
+        """Whether a frame of ``length`` bytes could be staged now as far as the send queue and slots go
+        (credits aside): the writer posts an idle connection's first small message at once when it can."""
+        if len(self._inflight) >= self._sq_depth:
+            return False
+        return length <= self._max_inline or bool(self.free_slots)
 
     def clear(self) -> None:
         """Drop everything not yet staged (abort)."""
@@ -282,20 +309,19 @@ class SendEngine:
         session = self.session
         txq = self.txq
         free = self.free_slots
-        if not free and (
-            (txq and session.can_send_data()) or session.credit_frame_due() or session.eof_pending()
-        ):
-            self._grow()
         sends = self._sends
         slot_size = self._slot_size
-        ring = self._ring
+        max_inline = self._max_inline
+        sq_depth = self._sq_depth
         inflight = self._inflight
         first = count = self.staged
         nbytes = 0
         messages = 0
-        while txq and free and session.can_send_data():
+        while txq and len(inflight) < sq_depth and session.can_send_data():
             data, kind = txq[0]
             length = len(data)
+            if length > max_inline and not free and not self._grow():
+                break  # every slot is in flight and the ring is at its size
             # The frame is accounted for first: if that raises, no slot or queued data is lost.
             if kind == RNDV_FRAME:  # a rendezvous descriptor; its message is counted by rndv_engine
                 imm = session.take_rndv_frame(length)
@@ -307,16 +333,16 @@ class SendEngine:
                 messages -= kind
             txq.popleft()
             self.txq_bytes -= length
-            slot = free.pop()
-            off = slot * slot_size
-            if length:
-                ring[off : off + length] = data
-            self._fill(sends[count], slot, off, length, imm)
-            inflight.append(slot)
+            if length > max_inline:
+                slot = free.pop()
+                off = slot * slot_size
+                self._ring[off : off + length] = data
+                self._fill(sends[count], slot, self._addr + off, length, self._lkeys[slot], imm, 0)
+                inflight.append(slot)
+            else:
+                self._fill_slotless(sends[count], count, data, imm)
             count += 1
             nbytes += length
-            if not free and txq and session.can_send_data():
-                self._grow()
         self._stats["messages_sent"] += messages
         self.posted_frames += count - first
         count = self._stage_control(count)
@@ -329,8 +355,7 @@ class SendEngine:
     def _stage_control(self, count: int) -> int:
         """Stage the EOF frame once all data is out, or a CREDIT frame when one is due."""
         session = self.session
-        free = self.free_slots
-        if not free:
+        if len(self._inflight) >= self._sq_depth:
             return count
         wr = self._sends[count]
         if (
@@ -340,21 +365,16 @@ class SendEngine:
             and session.eof_pending()
             and session.can_send_eof()
         ):
-            slot = free.pop()
-            self._fill(wr, slot, slot * self._slot_size, 0, session.take_eof_frame())
+            self._eof_slot = self._fill_slotless(wr, count, b"", session.take_eof_frame())
             wr.send_flags = _SEND_SIGNALED
             self._unsignaled = 0
-            self._eof_slot = slot
         elif session.credit_frame_due():
-            slot = free.pop()
-            self._fill(wr, slot, slot * self._slot_size, 0, session.take_credit_frame())
+            self._fill_slotless(wr, count, b"", session.take_credit_frame())
             self._stats["credit_frames"] += 1
         elif self._reclaim is not None and (imm := self._reclaim_frame()) is not None:
-            slot = free.pop()  # shared receive queues (issue 10): RETURN or RECLAIM
-            self._fill(wr, slot, slot * self._slot_size, 0, imm)
+            self._fill_slotless(wr, count, b"", imm)  # shared receive queues (issue 10): RETURN or RECLAIM
         else:
             return count
-        self._inflight.append(slot)
         return count + 1
 
     def _reclaim_frame(self) -> int | None:
@@ -373,36 +393,68 @@ class SendEngine:
         if not count:
             return
         self.staged = 0
-        # Whatever runs short of send slots must get a completion to release them.
-        if len(self.free_slots) < self._interval:
+        # Whatever runs short of send slots or send-queue entries must get a completion to release them
+        # (slots count only while some are in flight: a completion releases no slot otherwise).
+        free = len(self.free_slots)
+        if (free < self._interval and free < self._slot_ring.slots) or (
+            self._sq_depth - len(self._inflight) < self._sq_interval
+        ):
             self._sends[count - 1].send_flags |= _SEND_SIGNALED
             self._unsignaled = 0
         self._qp.post_sends(count)
         self._stats["frames_posted"] += count
         self._stats["post_calls"] += 1
 
-    def _fill(self, wr: Any, slot: int, off: int, length: int, imm: int) -> None:
-        wr.wr_id = self._wr_id_base | slot
-        wr.addr = self._addr + off
+    def _fill(self, wr: Any, index: int, addr: int, length: int, lkey: int, imm: int, inline: int) -> None:
+        """Fill one SEND_WITH_IMM work request (``inline``: 0 or ``SEND_INLINE``). It is signalled every
+        ``interval`` requests: the slot ring's for a frame in a slot, the send queue's for a slotless one."""
+        wr.wr_id = self._wr_id_base | index
+        wr.addr = addr
         wr.length = length
-        wr.lkey = self._lkeys[slot]
+        wr.lkey = lkey
         wr.imm_data = imm
         wr.opcode = _WR_SEND_WITH_IMM
-        flags = _SEND_INLINE if length <= self._max_inline and length else 0
         self._unsignaled += 1
-        if self._unsignaled >= self._interval:
-            flags |= _SEND_SIGNALED
+        if self._unsignaled >= (self._sq_interval if index & _SLOTLESS else self._interval):
+            inline |= _SEND_SIGNALED
             self._unsignaled = 0
-        wr.send_flags = flags
+        wr.send_flags = inline
+
+    def _fill_slotless(self, wr: Any, count: int, data: Payload, imm: int) -> int:
+        """Fill the work request of a frame that needs no slot: empty (no SGE), or inline from the scratch
+        area of send-array entry ``count``. Put it in flight and return its wr index."""
+        index = _SLOTLESS | self._seq
+        self._seq = (self._seq + 1) & _SEQ_MASK
+        length = len(data)
+        if length:
+            scratch = self._scratch
+            if scratch is None:
+                scratch = self._alloc_scratch()
+            off = count * self._max_inline
+            scratch[off : off + length] = data
+            self._fill(wr, index, self._scratch_addr + off, length, 0, imm, _SEND_INLINE)
+        else:
+            self._fill(wr, index, 0, 0, 0, imm, 0)
+        self._inflight.append(index)
+        return index
+
+    def _alloc_scratch(self) -> memoryview:
+        # Plain memory, not registered: the post copies inline data into the work request.
+        cdata = ffi.new("char[]", (self._sq_depth + 1) * self._max_inline)
+        self._scratch_cdata = cdata  # keeps the memory alive
+        self._scratch = memoryview(ffi.buffer(cdata)).cast("B")
+        self._scratch_addr = int(ffi.cast("uintptr_t", cdata))
+        return self._scratch
 
     def on_send_completion(self, slot: int) -> None:
         """A signalled send completed (``slot``: the index part of its wr_id): RC completes in order, so
-        every slot posted before it is free."""
+        every slot and send-queue entry posted before it is free."""
         inflight = self._inflight
         free = self.free_slots
         while inflight:
             done = inflight.popleft()
-            free.append(done)
+            if done < _SLOTLESS:
+                free.append(done)
             if done == slot:
                 break
         if slot == self._eof_slot:

@@ -88,7 +88,7 @@ class Writer:
             conn.flush_handle is None
             and not tx.mbuf_count
             and not tx.txq
-            and tx.free_slots
+            and tx.room_for(size)
             and conn.session.can_send_data()
         ):
             tx.queue_message(view)

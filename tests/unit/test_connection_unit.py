@@ -20,6 +20,7 @@ import pytest
 import rdmaio
 import rdmaio.core.onesided
 from rdmaio import verbs
+from rdmaio._ffi import ffi
 from rdmaio.core.backend import AsyncioBackend
 from rdmaio.core.connection import Connection
 from rdmaio.core.rings import SlotRing
@@ -59,11 +60,11 @@ class FakeQP:
         self.chains = 0
 
     def post_sends(self, count: int) -> None:
-        ring = self._ring
         chain = []
         for wr in self.send_array[:count]:
-            off = wr.addr - ring.addr
-            chain.append((int(wr.wr_id), bytes(ring.view[off : off + wr.length]), wr.imm_data, wr.send_flags))
+            # A slot of the ring, or an inline frame's scratch bytes: read them at post time, as the NIC does.
+            data = bytes(ffi.buffer(ffi.cast("char *", wr.addr), wr.length)) if wr.length else b""
+            chain.append((int(wr.wr_id), data, wr.imm_data, wr.send_flags))
         self.chains += 1
         assert self.wire is not None
         asyncio.get_running_loop().call_soon(self.wire, chain)

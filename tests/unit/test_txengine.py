@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 
 from rdmaio import verbs
+from rdmaio._ffi import ffi
 from rdmaio.core.rings import SlotRing
 from rdmaio.core.txengine import SendEngine
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
 
 SLOT = 64
+SLOTLESS = 1 << 31  # wr index bit of a frame sent without a slot
 
 
 class FakeQP:
@@ -28,12 +30,19 @@ class FakeQP:
         chain = []
         ring = self._ring
         for wr in self.send_array[:count]:
-            off = wr.addr - ring.addr
-            # Every posted slot is registered, with the key of its chunk.
-            assert verbs.wr_index(wr.wr_id) < ring.slots
-            if wr.length:
-                assert wr.lkey == ring.lkeys[verbs.wr_index(wr.wr_id)] >= 100
-            chain.append((wr.wr_id, bytes(ring.view[off : off + wr.length]), wr.imm_data, wr.send_flags))
+            index = verbs.wr_index(wr.wr_id)
+            if index & SLOTLESS:
+                # No slot: empty, or inline (the bytes are read at post time, as ibv_post_send copies them).
+                assert wr.length == 0 or wr.send_flags & verbs.SEND_INLINE
+                data = bytes(ffi.buffer(ffi.cast("char *", wr.addr), wr.length)) if wr.length else b""
+            else:
+                # Every posted slot is registered, with the key of its chunk.
+                assert index < ring.slots and wr.length
+                assert wr.lkey == ring.lkeys[index] >= 100
+                assert not wr.send_flags & verbs.SEND_INLINE
+                off = wr.addr - ring.addr
+                data = bytes(ring.view[off : off + wr.length])
+            chain.append((wr.wr_id, data, wr.imm_data, wr.send_flags))
         self.posts.append(chain)
 
 
@@ -56,6 +65,7 @@ def make(
     signal_interval: int = 4,
     initial: int = 64,
     tag: int = 0,
+    max_inline: int = 0,
 ) -> tuple[SendEngine, FakeQP, Session]:
     features = FEATURE_BATCH if batch_limit else 0
     local = Handshake(8, SLOT, 1 << 20, features=features)
@@ -68,7 +78,7 @@ def make(
         ring,
         SLOT,
         initial=initial,
-        max_inline=16,
+        max_inline=max_inline,
         signal_interval=signal_interval,
         batch_limit=batch_limit,
         stats=collections.Counter(),
@@ -254,7 +264,7 @@ def test_the_send_ring_does_not_grow_when_credits_are_the_limit() -> None:
     assert registrar.chunks == [4]  # a free slot is left: no reason to pin more
 
 
-def test_a_credit_frame_registers_the_first_slots_when_the_ring_is_empty() -> None:
+def test_a_credit_frame_takes_no_slot_and_registers_nothing() -> None:
     engine, qp, peer = make(depth=8, peer_depth=8, initial=4)
     engine.session.on_frame(peer.take_data_frame(True, 1), 1)
     for _ in range(4):
@@ -265,8 +275,68 @@ def test_a_credit_frame_registers_the_first_slots_when_the_ring_is_empty() -> No
     assert engine.session.credit_frame_due()
     assert engine.stage()
     engine.post()
-    assert engine._slot_ring._register.chunks == [4]
-    assert qp.posts[0][-1][2] >> 28 == FrameKind.CREDIT
+    assert engine._slot_ring._register.chunks == []  # an empty frame needs no memory
+    ((wr_id, data, imm, _flags),) = qp.posts[0]
+    assert imm >> 28 == FrameKind.CREDIT and data == b"" and verbs.wr_index(wr_id) & SLOTLESS
+
+
+def test_small_frames_go_inline_without_a_slot_and_are_signalled_every_interval() -> None:
+    """A request/reply connection sends one small message per post. Those frames are inline: they take no
+    send slot, so the ring is never registered, and the "short of slots" rule does not apply to them; only
+    the send queue's interval does (signal_interval, at most half the queue). Before, each took one of the
+    4 first slots and every second send was signalled: one more loop wake-up per two messages."""
+    engine, qp, peer = make(depth=32, peer_depth=64, signal_interval=8, initial=4, max_inline=16)
+    signalled = []
+    sent = []
+    for i in range(24):
+        message = bytes([i]) * (1 + i % 16)
+        sent.append(message)
+        engine.queue_message(memoryview(message))
+        assert engine.stage()
+        engine.post()
+        ((wr_id, _data, _imm, flags),) = qp.posts[-1]
+        assert flags & verbs.SEND_INLINE
+        signalled.append(bool(flags & verbs.SEND_SIGNALED))
+        if signalled[-1]:
+            engine.on_send_completion(verbs.wr_index(wr_id))
+    assert engine._slot_ring._register.chunks == []
+    assert signalled == ([False] * 7 + [True]) * 3
+    assert [m for chain in qp.posts for m in deliver(peer, chain)] == sent
+
+
+def test_the_send_queue_bounds_slotless_frames_and_a_completion_releases_them() -> None:
+    engine, qp, peer = make(depth=4, peer_depth=64, signal_interval=4, max_inline=16)
+    for i in range(10):
+        engine.queue_message(memoryview(bytes([i]) * 8))
+    engine.stage()
+    engine.stage()  # staged again before the post: the inline bytes of every entry survive until it
+    engine.post()
+    chain = qp.posts[0]
+    assert len(chain) == 4 and len(engine.txq) == 6  # the send queue's 4 entries, no slot used
+    assert chain[-1][3] & verbs.SEND_SIGNALED
+    assert not engine.room_for(1) and engine.stage() is False
+    engine.on_send_completion(verbs.wr_index(chain[-1][0]))
+    assert engine.room_for(1)
+    engine.stage()
+    engine.post()
+    messages = deliver(peer, chain) + deliver(peer, qp.posts[1])
+    assert messages == [bytes([i]) * 8 for i in range(8)]
+
+
+def test_slot_frames_and_inline_frames_keep_their_order_and_release_only_slots() -> None:
+    engine, qp, peer = make(depth=8, peer_depth=64, signal_interval=8, initial=4, max_inline=16)
+    messages = [b"s" * 10, b"L" * 40, b"t" * 3, b"M" * 64, b""]
+    for m in messages:
+        engine.queue_message(memoryview(m))
+    engine.stage()
+    engine.post()
+    chain = qp.posts[0]
+    slotted = [verbs.wr_index(wr_id) for wr_id, *_ in chain if not verbs.wr_index(wr_id) & SLOTLESS]
+    assert len(slotted) == 2 and engine._slot_ring.slots == 4
+    assert sorted(engine.free_slots + slotted) == [0, 1, 2, 3]
+    engine.on_send_completion(verbs.wr_index(chain[-1][0]))
+    assert sorted(engine.free_slots) == [0, 1, 2, 3] and not engine._inflight
+    assert deliver(peer, chain) == messages
 
 
 def test_send_wr_ids_carry_kind_send_and_the_connection_tag() -> None:
