@@ -367,7 +367,8 @@ def test_cli_cluster_detects_a_killed_worker(tmp_path: Path) -> None:
             assert not [f.exception() for f in futures if f.status == "error"]
             os.kill(victim_pid, signal.SIGKILL)
             assert client.gather(futures) == [i * i for i in range(8)]
-            _wait_for(lambda: victim not in _scheduler_identity(client)["workers"], 120, "the victim's removal")
+            gone = lambda: victim not in _scheduler_identity(client)["workers"]  # noqa: E731
+            _wait_for(gone, 120, "the victim's removal")
             assert list(_scheduler_identity(client)["workers"]) == [by_name["survivor"]]
     finally:
         for proc in reversed(procs):
