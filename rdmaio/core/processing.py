@@ -58,6 +58,7 @@ class CompletionProcessor:
         self._stats = conn.stats
         self._keepalive = keepalive
         self._slot_size = transport.slot_size
+        self._window_bytes = 0  # data frame bytes received since the receive window last grew
         self._recv_view = transport.recv_ring.view
 
     def on_completions(self, records: Any, start: int, count: int) -> None:
@@ -119,6 +120,7 @@ class CompletionProcessor:
                 repost.append(slot)  # else held: write-notice back-pressure
             return 0
         kind = self._session.on_frame(wc.imm_data, length)
+        self._window_bytes += length
         rxbuf = self._rxbuf
         stats = self._stats
         outcome = _DATA_FRAME
@@ -156,7 +158,15 @@ class CompletionProcessor:
             self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))
         self._onesided.pump()  # one-sided (issue 11): credits may have arrived
-        if data_frames > session.credit_threshold and session.can_grow and not self._rxbuf.held:
+        if (
+            data_frames
+            and session.can_grow
+            and not self._rxbuf.held
+            and (
+                data_frames > session.credit_threshold
+                or self._window_bytes >= 2 * session.recv_depth * self._slot_size
+            )
+        ):
             self._grow_receives()
         self._conn.pump_and_post()
         if got_data:
@@ -165,9 +175,14 @@ class CompletionProcessor:
             self._conn.wake_writers()
 
     def _grow_receives(self) -> None:
-        """One wake-up brought more than half a window of data frames: the peer is sending as fast as our
-        credits let it, so double the receive window (the next frame or a CREDIT frame grants the new
-        slots). Not while slots are held: then the application, not the window, is the limit."""
+        """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer
+        is sending as fast as our credits let it: one wake-up brought more than half a window of data
+        frames, or full frames worth two windows arrived since the window last grew. The second rule is
+        for a loop that wakes for every frame (a VM, a busy host): it never sees half a 4-slot window at
+        once, and a bulk sender stayed at 3 frames per round trip. Small messages never add up to it, so a
+        request/reply connection keeps its small window. Not while slots are held: then the application,
+        not the window, is the limit."""
+        self._window_bytes = 0
         added = self._transport.grow_receives(max(self._session.recv_depth, 1))
         if added:
             self._session.grow_receives(added)
