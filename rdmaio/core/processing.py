@@ -58,7 +58,8 @@ class CompletionProcessor:
         self._stats = conn.stats
         self._keepalive = keepalive
         self._slot_size = transport.slot_size
-        self._window_bytes = 0  # data frame bytes received since the receive window last grew
+        self._big_frame = transport.slot_size // 2  # frames at least this long count towards growth
+        self._big_frames = 0  # such frames received since the receive window last grew
         self._recv_view = transport.recv_ring.view
 
     def on_completions(self, records: Any, start: int, count: int) -> None:
@@ -120,7 +121,8 @@ class CompletionProcessor:
                 repost.append(slot)  # else held: write-notice back-pressure
             return 0
         kind = self._session.on_frame(wc.imm_data, length)
-        self._window_bytes += length
+        if length >= self._big_frame:
+            self._big_frames += 1
         rxbuf = self._rxbuf
         stats = self._stats
         outcome = _DATA_FRAME
@@ -162,10 +164,7 @@ class CompletionProcessor:
             data_frames
             and session.can_grow
             and not self._rxbuf.held
-            and (
-                data_frames > session.credit_threshold
-                or self._window_bytes >= 2 * session.recv_depth * self._slot_size
-            )
+            and (data_frames > session.credit_threshold or self._big_frames >= 2 * session.recv_depth)
         ):
             self._grow_receives()
         self._conn.pump_and_post()
@@ -175,14 +174,14 @@ class CompletionProcessor:
             self._conn.wake_writers()
 
     def _grow_receives(self) -> None:
-        """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer
-        is sending as fast as our credits let it: one wake-up brought more than half a window of data
-        frames, or full frames worth two windows arrived since the window last grew. The second rule is
-        for a loop that wakes for every frame (a VM, a busy host): it never sees half a 4-slot window at
+        """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer is
+        sending as fast as our credits let it: one wake-up brought more than half a window of data frames, or
+        two windows of big frames (at least half a slot) arrived since the window last grew. The second rule
+        is for a loop that wakes for every frame (a VM, a busy host): it never sees half a 4-slot window at
         once, and a bulk sender stayed at 3 frames per round trip. Small messages never add up to it, so a
-        request/reply connection keeps its small window. Not while slots are held: then the application,
-        not the window, is the limit."""
-        self._window_bytes = 0
+        request/reply connection keeps its small window. Not while slots are held: then the application, not
+        the window, is the limit."""
+        self._big_frames = 0
         added = self._transport.grow_receives(max(self._session.recv_depth, 1))
         if added:
             self._session.grow_receives(added)
