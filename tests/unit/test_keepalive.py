@@ -91,7 +91,7 @@ def test_detection_bound_of_the_defaults_is_under_30_s() -> None:
     assert opts.keepalive_interval is not None and opts.ack_timeout is not None
     bound = detection_bound(opts.keepalive_interval, opts.ack_timeout, opts.retry_count)
     assert ack_timeout_seconds(17) == pytest.approx(0.536870912)
-    assert bound == pytest.approx(2 * 10.0 + 6 * 0.536870912)
+    assert bound == pytest.approx(2 * 10.0 + 8 * 0.536870912)  # retry_count 7: 24.3 s
     assert bound <= 30.0
 
 
