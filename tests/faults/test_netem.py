@@ -11,8 +11,11 @@ by going back to the missing packet, and counts each such retry of a work reques
 ``retry_count``; a 64 KiB frame is 64 packets at rxe's 1024-byte MTU, so under steady reordering a
 frame never gets through ``retry_count + 1`` times in order, and the connection fails with
 ``ConnectionResetError`` ("transport retry counter exceeded"). netem's jitter (``delay 5ms 1ms``)
-reorders too. Those cases check that the failure is typed, bounded, and that a new connection works
-once the reordering stops.
+reorders too, but only packets sent less than about a millisecond apart, so how much it reorders
+depends on how fast the VM sends: with ``retry_count=7`` some runs get all 200 frames through. The
+jitter case therefore accepts either outcome (every echo intact, or a typed failure); the 25 %
+reordering case must fail. Both check that nothing hangs, nothing arrives corrupted, and that a new
+connection works once the reordering stops.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ REORDERING = {
     "jitter": "delay 5ms 1ms distribution normal",
     "reorder": "delay 5ms reorder 25% 50%",
 }
+# Reordering that no frame of 64 packets survives retry_count + 1 times; jitter may let frames through.
+REORDERING_ALWAYS_FATAL = {"reorder"}
 # What CI's bounded run includes (loss 10 % is slow in the VM; the echo repeats what the stream shows).
 STREAM_BOUNDED = {"none", "loss1", "delay5ms"}
 ECHO_BOUNDED = {"loss1"}
@@ -154,28 +159,32 @@ def test_message_echo_intact_under(
     "impairment",
     [pytest.param(n, id=n, marks=() if n in REORDERING_BOUNDED else pytest.mark.long) for n in REORDERING],
 )
-def test_reordering_fails_the_connection_typed_and_bounded(
+def test_reordering_is_intact_or_fails_typed_and_bounded(
     impairment: str, pair: Pair, record_property: Callable[[str, object], None]
 ) -> None:
     proc = peer(ECHO_SERVER, pair.b.addr)
     try:
         port = int(wait_ready(proc).split()[1])
 
-        async def main() -> tuple[float, int]:
+        async def main() -> tuple[float, int, BaseException | None]:
             ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
             netem(pair, REORDERING[impairment])
             started = time.monotonic()
             rounds = 0
-            with pytest.raises(ConnectionResetError) as failed:
-                for _ in range(200):  # 200 round trips of 64 KiB: never completes under reordering
+            failure: BaseException | None = None
+            try:
+                for _ in range(200):  # 200 round trips of 64 KiB
                     block = os.urandom(65536)
                     await ep.send(block)
                     assert await ep.recv() == block  # what does arrive is never corrupted
                     rounds += 1
+            except ConnectionResetError as exc:
+                failure = exc
             elapsed = time.monotonic() - started
-            assert isinstance(failed.value, rdmaio.RdmaError)
-            with pytest.raises(ConnectionResetError):
-                await ep.send(b"later")  # later calls fail too
+            if failure is not None:
+                assert isinstance(failure, rdmaio.RdmaError)
+                with pytest.raises(ConnectionResetError):
+                    await ep.send(b"later")  # later calls fail too
             await ep.aclose()
             # Once the reordering stops, a new connection works.
             clear_netem(pair)
@@ -183,12 +192,16 @@ def test_reordering_fails_the_connection_typed_and_bounded(
             await ep2.send(b"again")
             assert await ep2.recv() == b"again"
             await ep2.aclose()
-            return elapsed, rounds
+            return elapsed, rounds, failure
 
-        elapsed, rounds = asyncio.run(asyncio.wait_for(main(), 240))
+        elapsed, rounds, failure = asyncio.run(asyncio.wait_for(main(), 240))
     finally:
         proc.kill()
         proc.wait()
-    print(f"{REORDERING[impairment]}: ConnectionResetError after {elapsed:.1f} s ({rounds} round trips)")
-    record_property("failed_after_s", round(elapsed, 2))
+    if impairment in REORDERING_ALWAYS_FATAL:
+        assert failure is not None, f"{rounds} round trips of 64 KiB got through {REORDERING[impairment]}"
+    outcome = f"ConnectionResetError ({failure})" if failure else "every echo intact"
+    print(f"{REORDERING[impairment]}: {outcome} after {elapsed:.1f} s ({rounds} round trips)")
+    record_property("failed", failure is not None)
+    record_property("elapsed_s", round(elapsed, 2))
     record_property("round_trips", rounds)
