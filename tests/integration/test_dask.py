@@ -5,10 +5,10 @@ shipped in its wheel): round trips with serialisation, closing with reads in fli
 and timeouts, many listeners, addresses and ``repr``, loading through the entry point. They run on
 asyncio and uvloop (``arun``).
 
-The cluster tests run ``LocalCluster(protocol="rdma", processes=True)`` with every process on uvloop (one
-cluster, shared by the tests that use it) and a scheduler and two workers started as separate ``dask``
-CLI processes, the scheduler and one worker on asyncio and the other worker on uvloop. distributed picks
-its event loop from the config ``distributed.admin.event-loop``, which its
+The cluster tests run ``LocalCluster(protocol="rdma", processes=True)`` with every process on asyncio, then
+on uvloop (one cluster per loop, shared by the tests that use it) and a scheduler and two workers started
+as separate ``dask`` CLI processes, the scheduler and one worker on asyncio and the other worker on
+uvloop. distributed picks its event loop from the config ``distributed.admin.event-loop``, which its
 worker processes inherit from the nanny and the CLI reads from ``DASK_DISTRIBUTED__ADMIN__EVENT_LOOP``.
 Importing distributed, numpy and pandas is slow in the test host's VM, so the data are small and the
 processes few.
@@ -246,14 +246,14 @@ def test_wildcard_and_loopback_listeners_advertise_the_rdma_address(
 # --- clusters ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def local_cluster() -> Iterator[tuple[str, Client]]:
-    """``LocalCluster(protocol="rdma", n_workers=2, processes=True)``, every process on uvloop.
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def local_cluster(request: pytest.FixtureRequest) -> Iterator[tuple[str, Client]]:
+    """``LocalCluster(protocol="rdma", n_workers=2, processes=True)``, every process on one loop.
 
-    One cluster for the module: starting one costs minutes in the VM. asyncio is covered by the CLI
-    cluster below (its scheduler and one of its workers run on asyncio).
+    One cluster per loop for the module (pytest runs every test of one parameter before the next
+    cluster starts): starting one costs minutes in the VM.
     """
-    kind = "uvloop"
+    kind: str = request.param
     with (
         dask.config.set({"distributed.admin.event-loop": kind}),
         LocalCluster(
