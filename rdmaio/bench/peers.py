@@ -69,9 +69,15 @@ __all__ = [
 ]
 
 READ_SIZE = 1 << 20
+"""Bytes asked for per ``read()`` by the stream receivers (rdmaio and TCP alike)."""
 ZERO_COPY_SIZE = 64 * 1024
 """The message workload's server receives messages of at least this size with ``recv_into`` (issue 12)."""
-"""Bytes asked for per ``read()`` by the stream receivers (rdmaio and TCP alike)."""
+SEND_WINDOW = 4
+"""``send()`` calls the message workload's rdmaio client keeps in flight for messages that go by
+rendezvous (at least ``Options.rndv_threshold``): such a ``send()`` returns only once the peer has pulled
+the data, so one call at a time leaves the link idle for a round trip per message, where a
+throughput-minded caller overlaps a few (perftest keeps up to 128 transfers in flight). Smaller messages
+are sent one call at a time: their ``send()`` returns once the frame is queued."""
 CONNECT_TIMEOUT = 60.0
 """Seconds allowed to connect (the emulated test VM is slow)."""
 _FRAME_HEADER = 4  # TCP message framing: 4-byte big-endian length prefix
@@ -447,6 +453,29 @@ async def _write_loop(
     return done, False
 
 
+async def _windowed_sends(
+    send: Callable[[bytes], Awaitable[None]], payload: bytes, count: int, deadline: float, window: int
+) -> tuple[int, bool]:
+    """Send ``payload`` ``count`` times with up to ``window`` ``send()`` calls in flight (rdmaio queues
+    concurrent sends in call order); stop starting new ones after ``deadline``. Returns (sent, capped)."""
+    pending: set[asyncio.Future[None]] = set()
+    started = done = 0
+    try:
+        while True:
+            while started < count and len(pending) < window and time.perf_counter() <= deadline:
+                pending.add(asyncio.ensure_future(send(payload)))
+                started += 1
+            if not pending:
+                return done, done < count
+            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in finished:
+                future.result()  # a failed send fails the measurement
+                done += 1
+    finally:
+        for future in pending:
+            future.cancel()
+
+
 async def _rdmaio_measure(
     host: str, port: int, workload: Workload, size: int, count: int, cap: float, drain_every: int
 ) -> Sample:
@@ -463,6 +492,8 @@ async def _rdmaio_measure(
         deadline = start + cap
         if workload is Workload.STREAM:
             done, capped = await _write_loop(ep.write, ep.drain, payload, count, deadline, drain_every)
+        elif workload is Workload.MESSAGE and size >= rdmaio.Options().rndv_threshold:
+            done, capped = await _windowed_sends(ep.send, payload, count, deadline, SEND_WINDOW)
         elif workload is Workload.MESSAGE:
             send = ep.send
             while done < count:

@@ -6,6 +6,7 @@ orchestration against stand-in scripts that print captured perftest/rstream repo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ from rdmaio.bench.parsers import (
     parse_perftest_lat,
     parse_rstream,
 )
-from rdmaio.bench.peers import _percentile, rdmaio_stats
+from rdmaio.bench.peers import _percentile, _windowed_sends, rdmaio_stats
 from rdmaio.bench.report import (
     SCHEMA,
     best_rdma,
@@ -696,3 +698,34 @@ def test_render_table_shows_only_measured_sizes_and_workloads() -> None:
     rows = [line.split()[0:2] for line in text.splitlines()]
     assert ["64", "B"] in rows and ["4", "KiB"] in rows
     assert ["64", "KiB"] not in rows and ["1", "MiB"] not in rows
+
+
+def test_windowed_sends_keep_the_window_full_and_stop_at_the_deadline() -> None:
+    """The message workload's rendezvous sends: at most ``window`` in flight, all ``count`` of them sent,
+    none started after the deadline, and a failed send fails the measurement."""
+
+    async def main() -> None:
+        in_flight = peak = 0
+        sent: list[bytes] = []
+
+        async def send(payload: bytes) -> None:
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            await asyncio.sleep(0.001)
+            in_flight -= 1
+            sent.append(payload)
+
+        assert await _windowed_sends(send, b"x", 10, time.perf_counter() + 60, 4) == (10, False)
+        assert len(sent) == 10 and peak == 4
+        sent.clear()
+        assert await _windowed_sends(send, b"x", 10, 0.0, 4) == (0, True)  # deadline passed: nothing starts
+        assert sent == []
+
+        async def failing(payload: bytes) -> None:
+            raise ConnectionResetError("peer gone")
+
+        with pytest.raises(ConnectionResetError):
+            await _windowed_sends(failing, b"x", 3, time.perf_counter() + 60, 2)
+
+    asyncio.run(main())
