@@ -12,6 +12,7 @@ ran inside the test host.
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 from collections.abc import Callable, Generator
@@ -66,3 +67,15 @@ def require_device(request: pytest.FixtureRequest) -> None:
             f"no RDMA device in {SYSFS_INFINIBAND}; run through the test host: "
             "python -m rdmaio.testing.host -- python -m pytest tests/integration"
         )
+
+
+@pytest.fixture(autouse=True)
+def _collect_earlier_loops() -> None:
+    """Collect what earlier tests left to the cyclic garbage collector before each test starts.
+
+    A loop that ``asyncio.run`` closed releases its reactor's Domains (PD, shared CQ, pooled rings) when
+    it is collected; a loop caught in a reference cycle waits for the collector, which could otherwise run
+    in the middle of a later test and change the kernel's object counts between its "before" and "after"
+    snapshots (the likely cause of what CI saw once: test_scale's baseline held one Domain more than
+    its end state; test_scale now also counts only its own processes' objects)."""
+    gc.collect()
