@@ -347,3 +347,43 @@ def test_the_receive_window_grows_for_full_frames_arriving_one_per_wake_up(
         assert b.statistics()["recv_ring_grown"] == 1 and transports[1].depth == 2 * GrowingTransport.INITIAL
 
     arun(main())
+
+
+def test_request_reply_sends_no_credit_frame_per_message(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a 4-slot window the credit threshold is 2: the slot a CREDIT frame consumes at the peer plus
+    one request made the next CREDIT frame due there before the reply could carry the credits, so once one
+    extra message put the two sides out of step (the bench's header), every request and every reply cost a
+    CREDIT frame too (2 frames and twice the wake-ups per echo, 1.4x the round trip of before issue 10).
+    The woken reader's reply now carries them."""
+
+    async def main() -> None:
+        monkeypatch.setattr(rdmaio.core.onesided, "query_caps", _no_device)
+        initial = GrowingTransport.INITIAL
+        hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH | FEATURE_GROW, initial_depth=initial)
+        transports = [GrowingTransport(10, 1), GrowingTransport(11, 2)]
+        for x, y in ((0, 1), (1, 0)):
+            transports[x].qp.wire = _wire(transports[x], transports[y])
+            transports[x].max_inline = 256  # small frames go inline, as on the test host's rxe
+        ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
+        reactor: Any = FakeReactor()
+        options = dataclasses.replace(OPTIONS, initial_depth=initial)
+        a, b = (Endpoint(reactor, ids[i], transports[i], Session(hs, hs), options) for i in (0, 1))  # type: ignore[arg-type]
+
+        async def server() -> None:
+            assert await b.recv() == b"header"
+            while (message := await b.recv()) is not None:
+                await b.send(message)
+
+        task = asyncio.ensure_future(server())
+        await a.send(b"header")  # one message more in one direction: the two sides are out of step
+        for i in range(100):
+            await a.send(bytes([i]) * 64)
+            assert await a.recv() == bytes([i]) * 64
+        for ep in (a, b):
+            stats = ep.statistics()
+            assert stats["protocol_credit_frames_sent"] <= 1, stats
+            assert stats["frames_posted"] <= 102, stats
+        a.write_eof()
+        await task
+
+    arun(main())
