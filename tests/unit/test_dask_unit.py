@@ -275,7 +275,7 @@ def test_comm_chunks_by_the_peers_max_message_size(
 ) -> None:
     async def main() -> None:
         a, b = FakeEndpoint.pair()
-        a.extra["peer_max_message_size"] = 100_000  # below the 4 MiB chunk size
+        a.extra["peer_max_message_size"] = 100_000  # below the default chunk size
         ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]
         cb = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
         assert ca.extra_info["peer_max_message_size"] == 100_000
