@@ -72,12 +72,12 @@ READ_SIZE = 1 << 20
 """Bytes asked for per ``read()`` by the stream receivers (rdmaio and TCP alike)."""
 ZERO_COPY_SIZE = 64 * 1024
 """The message workload's server receives messages of at least this size with ``recv_into`` (issue 12)."""
-SEND_WINDOW = 4
-"""``send()`` calls the message workload's rdmaio client keeps in flight for messages that go by
-rendezvous (at least ``Options.rndv_threshold``): such a ``send()`` returns only once the peer has pulled
-the data, so one call at a time leaves the link idle for a round trip per message, where a
-throughput-minded caller overlaps a few (perftest keeps up to 128 transfers in flight). Smaller messages
-are sent one call at a time: their ``send()`` returns once the frame is queued."""
+SEND_WINDOW = int(os.environ.get("RDMAIO_BENCH_SEND_WINDOW", "4"))
+"""``send()`` calls (``RDMAIO_BENCH_SEND_WINDOW``, default 4) the message workload's rdmaio client keeps in
+flight for messages that go by rendezvous (at least ``Options.rndv_threshold``): such a ``send()`` returns
+only once the peer has pulled the data, so one call at a time leaves the link idle for a round trip per
+message, where a throughput-minded caller overlaps a few (perftest keeps up to 128 transfers in flight).
+Smaller messages are sent one call at a time: their ``send()`` returns once the frame is queued."""
 CONNECT_TIMEOUT = 60.0
 """Seconds allowed to connect (the emulated test VM is slow)."""
 _FRAME_HEADER = 4  # TCP message framing: 4-byte big-endian length prefix
