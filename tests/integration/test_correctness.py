@@ -397,7 +397,13 @@ def test_failed_transport_setup_closes_its_fd_and_cq(
 def test_backlog_bounds_a_connection_flood(arun: Runner[Any], rdma_addr: str) -> None:
     """200 concurrent connection attempts to a listen() server with backlog 8 that accepts nothing yet: at
     most 8 connections hold resources on the server, the others are refused at once; then every connection
-    that was not refused is served. Before the fix all 200 were accepted and queued, 4 MiB pinned each."""
+    that was not refused is served. Before the fix all 200 were accepted and queued, 4 MiB pinned each.
+
+    The connect timeout is generous on purpose: the flood takes 8-13 s in the test host (also under load, in
+    sequence with the modules before it), but it took 52-60 s once in CI, and 60 s timed some attempts out.
+    Not reproduced; likely the VM starved long enough that the server answered REQs after the IB CM's
+    response timeout (about 4 s), so the CM retransmitted them. What is checked is the outcome of every
+    attempt (served or refused, never timed out), not its speed."""
     backlog = 8
 
     async def main() -> None:
@@ -405,7 +411,7 @@ def test_backlog_bounds_a_connection_flood(arun: Runner[Any], rdma_addr: str) ->
         server = await rdmaio.listen(rdma_addr, 0, backlog=backlog)
         port = server.addresses[0][1]
         outcomes = await asyncio.gather(
-            *(rdmaio.connect(rdma_addr, port, timeout=60) for _ in range(200)), return_exceptions=True
+            *(rdmaio.connect(rdma_addr, port, timeout=240) for _ in range(200)), return_exceptions=True
         )
         connected = [ep for ep in outcomes if isinstance(ep, rdmaio.Endpoint)]
         refused = [exc for exc in outcomes if isinstance(exc, rdmaio.ConnectionRefusedError)]
