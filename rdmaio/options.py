@@ -57,11 +57,14 @@ class Options:
     """Address and route resolution timeout of rdma_cm."""
     rnr_retry_count: int = 1
     """Kept low on purpose: credits guarantee a posted receive, so an RNR is a bug to surface."""
-    retry_count: int = 7
+    retry_count: int = 6
     """Transport retries before a silent peer fails the QP (RETRY_EXC_ERR). Sent in the connect request;
-    the accepting side's QP uses the connecting side's value (rdma_cm/IB CM semantics). 7, rdma_cm's and
-    UCX's default: rxe counts every go-back-N retry after a lost packet against it, so on a lossy link a
-    smaller budget fails a healthy connection now and then (5 did, rarely, under 1 % loss in CI)."""
+    the accepting side's QP uses the connecting side's value (rdma_cm/IB CM semantics). 6, the largest
+    budget that is finite on every device: Soft-RoCE (rxe) never counts a budget of 7 down (its completer
+    skips the decrement at 7, as for the RNR count), so with 7 a dead peer is never detected and the
+    keepalive bound does not hold there. rxe counts every go-back-N retry after a lost packet against the
+    budget (it starts again when a work request completes), so a small one fails a healthy lossy link now
+    and then (5 did, rarely, under 1 % loss in CI)."""
     rndv_threshold: int = 256 * KiB
     """``send()`` of a message of at least this many bytes uses rendezvous if the peer supports it (the
     caller's buffer is registered and the peer pulls it with RDMA READ: no copy; see docs/endpoint.md,
@@ -86,7 +89,7 @@ class Options:
     keepalive_interval: float | None = 10.0
     """Seconds without any completion or post after which an idle connection probes its peer with a
     zero-length RDMA WRITE (:mod:`rdmaio.core.keepalive`); None turns keepalive off. A peer that vanished is
-    detected within ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (24.3 s
+    detected within ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (23.8 s
     with the defaults). A busy connection sends no probes."""
     shared_receive_queue: bool = False
     """Take receives from one shared receive queue per device and loop (issue 10) instead of a receive

@@ -251,7 +251,7 @@ class CMId(_Resource):
         self,
         private_data: bytes = b"",
         *,
-        retry_count: int = 7,
+        retry_count: int = 6,
         rnr_retry_count: int = 1,
         responder_resources: int = 1,
         initiator_depth: int = 1,

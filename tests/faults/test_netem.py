@@ -12,9 +12,10 @@ by going back to the missing packet, and counts each such retry of a work reques
 frame never gets through ``retry_count + 1`` times in order, and the connection fails with
 ``ConnectionResetError`` ("transport retry counter exceeded"). netem's jitter (``delay 5ms 1ms``)
 reorders too, but only packets sent less than about a millisecond apart, so how much it reorders
-depends on how fast the VM sends: with ``retry_count=7`` a connection limps along, each frame getting
-through after some retries (about 40 s per 64 KiB round trip in the test host, and no failure: forward
-progress resets the retry counter). The jitter case therefore echoes for at most 90 s and accepts either
+depends on how fast the VM sends: a frame may get through after some retries (rxe's budget starts again
+with each completed work request), and with ``retry_count=7``, which rxe never counts down, the connection
+limped at about 40 s per 64 KiB round trip without failing. The jitter case therefore echoes for at most
+90 s and accepts either
 outcome (every echo intact, or a typed failure); the 25 % reordering case must fail. Both check that
 every round trip ends within a stall bound (no hang), that nothing arrives corrupted, and that a new
 connection works once the reordering stops.
@@ -53,10 +54,10 @@ REORDERING_ALWAYS_FATAL = {"reorder"}
 STREAM_BOUNDED = {"none", "loss1", "delay5ms"}
 ECHO_BOUNDED = {"loss1"}
 REORDERING_BOUNDED = {"jitter"}
-# Under jitter a connection may limp along: each 64 KiB frame gets through after some go-back-N retries,
-# and the forward progress resets rxe's retry counter, so nothing fails (the test host, retry_count=7:
-# 39-44 s per 64 KiB round trip, 117 retries and no retry_exceeded_err in 120 s). Echo for this long, then
-# stop; a round trip that neither completes nor fails within STALL_BOUND is a hang.
+# Under jitter a connection may limp along: a 64 KiB frame gets through after some go-back-N retries
+# (retry_count=7, which rxe never counts down: 39-44 s per round trip, 117 retries and no
+# retry_exceeded_err in 120 s). Echo for this long, then stop; a round trip that neither completes nor
+# fails within STALL_BOUND is a hang.
 REORDERING_SECONDS = 90.0
 STALL_BOUND = 120.0
 
