@@ -129,7 +129,6 @@ class Connection:
         self.rndv = RendezvousEngine.for_connection(self, transport, options)  # issue 12 (None: not used)
         self.flush_handle: Handle | None = None  # the end-of-iteration flush of coalesced writes
         self._post_handle: Handle | None = None
-        self._credit_handle: Handle | None = None  # a CREDIT frame held back (pump_holding_credit)
         self._in_callback = False  # in pump_and_post(): it posts right after pump, so pump must not
         self.tx_waiters: dict[Waiter, None] = {}  # an ordered set: a cancelled wait removes its own
         # lifetime
@@ -224,36 +223,6 @@ class Connection:
         if self._post_handle is not None:
             self._post_handle.cancel()  # it would find nothing left to post
         self.post_staged()
-
-    def pump_holding_credit(self) -> None:
-        """:meth:`pump_and_post` at the end of a batch of receive completions, with a CREDIT frame that is
-        due held back: the caller wakes the reader, then calls :meth:`send_held_credit_soon`. The reader
-        usually sends at once (a reply), and its frame carries the owed credits for free. Sent at once, the
-        CREDIT frame would consume a slot at the peer, and with a 4-slot window (threshold 2) that slot plus
-        the reply made the next one due there, so a request/reply connection once out of step sent a CREDIT
-        frame with every message both ways (twice the frames and wake-ups per round trip)."""
-        tx = self.tx
-        tx.credit_held = True
-        try:
-            self.pump_and_post()
-        finally:
-            tx.credit_held = False
-
-    def send_held_credit_soon(self) -> None:
-        """After :meth:`pump_holding_credit` and the wake-ups: if a CREDIT frame is due, send it once the
-        tasks just woken have run (a loop callback queued behind them). The liveness rules are unchanged:
-        the frame goes out one loop iteration later if nothing carried the credits meanwhile."""
-        if self._credit_handle is None and self.session.credit_frame_due():
-            self._credit_handle = self.io.call_soon(self._credit_soon)
-
-    def _credit_soon(self) -> None:
-        """The held-back CREDIT frame (a loop callback): staged and posted if still due."""
-        self._credit_handle = None
-        try:
-            self.pump_and_post()
-        except Exception as exc:
-            log.exception("rdmaio: posting a CREDIT frame failed")
-            self.fail(exc)
 
     def _post_staged_soon(self) -> None:
         """The end-of-iteration post (a loop callback): a failure fails the connection, nothing escapes."""
@@ -426,10 +395,10 @@ class Connection:
         self.torn_down = True
         self.closing = True
         self._keepalive.stop()
-        for handle in (self.flush_handle, self._post_handle, self._credit_handle):
+        for handle in (self.flush_handle, self._post_handle):
             if handle is not None:
                 handle.cancel()
-        self.flush_handle = self._post_handle = self._credit_handle = None
+        self.flush_handle = self._post_handle = None
         if self.generation == verbs.fork_generation():  # not forked
             self._release_verbs()
         self.session.mark_closed()

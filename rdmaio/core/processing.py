@@ -167,13 +167,11 @@ class CompletionProcessor:
             and (data_frames > session.credit_threshold or self._big_frames >= 2 * session.recv_depth)
         ):
             self._grow_receives()
-        conn = self._conn
-        conn.pump_holding_credit()
+        self._conn.pump_and_post()
         if got_data:
-            conn.wake_reader()
-        if conn.tx_waiters:
-            conn.wake_writers()
-        conn.send_held_credit_soon()  # behind the tasks just woken: a reply of theirs carries the credits
+            self._conn.wake_reader()
+        if self._conn.tx_waiters:
+            self._conn.wake_writers()
 
     def _grow_receives(self) -> None:
         """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer is

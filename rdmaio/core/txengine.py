@@ -156,7 +156,6 @@ class SendEngine:
         self._unsignaled = 0
         self.staged = 0  # entries of the send array filled but not yet posted
         self._eof_slot: int | None = None  # send slot of the EOF frame, once staged
-        self.credit_held = False  # set by Connection.pump_holding_credit: no CREDIT frame staged now
         self.eof_done = False  # the EOF frame completed
 
     # --- state ----------------------------------------------------------------------------------
@@ -369,7 +368,7 @@ class SendEngine:
             self._eof_slot = self._fill_slotless(wr, count, b"", session.take_eof_frame())
             wr.send_flags = _SEND_SIGNALED
             self._unsignaled = 0
-        elif not self.credit_held and session.credit_frame_due():
+        elif session.credit_frame_due():
             self._fill_slotless(wr, count, b"", session.take_credit_frame())
             self._stats["credit_frames"] += 1
         elif self._reclaim is not None and (imm := self._reclaim_frame()) is not None:

@@ -79,6 +79,8 @@ class SendCredits(CloseState):
             if grant > _CREDIT_MASK:
                 grant = _CREDIT_MASK
             self._ungranted -= grant
+            if self._ungranted_ctl > self._ungranted:
+                self._ungranted_ctl = self._ungranted
         self._send_credits = send_credits
         if send_credits < self._min_send_credits:
             self._min_send_credits = send_credits
@@ -141,8 +143,21 @@ class SendCredits(CloseState):
         return self._take(_IMM_RNDV)
 
     def credit_frame_due(self) -> bool:
-        """True if a standalone CREDIT frame should be sent now."""
-        return self._ungranted >= self._threshold and self._send_credits >= 1 and not self._wire_down
+        """True if a standalone CREDIT frame should be sent now: ``threshold`` credits are owed for slots that
+        data (or EOF) frames consumed, or the peer may be stuck (``recv_depth - 1`` owed in all).
+
+        Credits owed for the slots of the peer's own CREDIT frames do not count towards the threshold: with
+        a 4-slot window (threshold 2) one request plus the slot of the requester's CREDIT frame made a CREDIT
+        frame due before the reply could carry the credits, and a request/reply connection once out of step
+        sent a CREDIT frame with every message in both directions. They are granted on the next frame, and
+        the liveness rule (a peer with fewer than two credits is owed ``recv_depth - 1``) still sends one.
+        """
+        owed = self._ungranted
+        return (
+            (owed - self._ungranted_ctl >= self._threshold or owed >= self._recv_depth - 1)
+            and self._send_credits >= 1
+            and not self._wire_down
+        )
 
     def take_credit_frame(self) -> int:
         """Account for one CREDIT frame about to be posted and return its immediate value.
@@ -160,6 +175,8 @@ class SendCredits(CloseState):
         if grant > _CREDIT_MASK:
             grant = _CREDIT_MASK
         self._ungranted -= grant
+        if self._ungranted_ctl > self._ungranted:
+            self._ungranted_ctl = self._ungranted
         self._send_credits = send_credits
         if send_credits < self._min_send_credits:
             self._min_send_credits = send_credits
@@ -210,6 +227,8 @@ class SendCredits(CloseState):
         # Shared by the less frequent frames (EOF, DATA_BATCH); take_data_frame/take_credit_frame inline it.
         grant = min(self._ungranted, MAX_CREDITS)
         self._ungranted -= grant
+        if self._ungranted_ctl > self._ungranted:
+            self._ungranted_ctl = self._ungranted
         self._send_credits -= 1
         self._min_send_credits = min(self._min_send_credits, self._send_credits)
         self._frames_sent += 1

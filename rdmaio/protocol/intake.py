@@ -126,6 +126,7 @@ class FrameIntake(CloseState):
             if byte_len:
                 self._reject(imm, byte_len)
             self._credit_frames_received += 1
+            self._ungranted_ctl += 1  # its slot is re-posted at once: owed, but no reason for a CREDIT frame
             result = _CREDIT
         elif kind == _K_BATCH:
             if (

@@ -67,6 +67,7 @@ class Session(SendCredits, FrameIntake):
         # The peer posted initial_depth receives; its recv_depth bounds what it may grant us later.
         self._send_credits = peer.initial_depth
         self._ungranted = 0
+        self._ungranted_ctl = 0
         self._posted = depth
         self._recv_in_message = False
         self._recv_message_bytes = 0
@@ -127,6 +128,12 @@ class Session(SendCredits, FrameIntake):
     def ungranted(self) -> int:
         """Slots reposted locally that the peer has not been told about yet."""
         return self._ungranted
+
+    @property
+    def ungranted_for_credit_frames(self) -> int:
+        """The part of :attr:`ungranted` owed for slots the peer's CREDIT frames consumed (it does not count
+        towards the credit threshold: see :meth:`credit_frame_due`)."""
+        return self._ungranted_ctl
 
     @property
     def posted(self) -> int:

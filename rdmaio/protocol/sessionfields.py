@@ -64,6 +64,7 @@ class SessionFields:
         "_transport_error",
         "_transport_lost",
         "_ungranted",
+        "_ungranted_ctl",
         "_wire_down",
     )
 
@@ -113,4 +114,5 @@ class SessionFields:
     _transport_error: BaseException | None
     _transport_lost: bool
     _ungranted: int
+    _ungranted_ctl: int  # the part of _ungranted owed for slots the peer's CREDIT frames consumed
     _wire_down: bool

@@ -354,7 +354,7 @@ def test_request_reply_sends_no_credit_frame_per_message(arun: Run, monkeypatch:
     one request made the next CREDIT frame due there before the reply could carry the credits, so once one
     extra message put the two sides out of step (the bench's header), every request and every reply cost a
     CREDIT frame too (2 frames and twice the wake-ups per echo, 1.4x the round trip of before issue 10).
-    The woken reader's reply now carries them."""
+    Credits owed for CREDIT-frame slots no longer count towards the threshold: the replies carry them."""
 
     async def main() -> None:
         monkeypatch.setattr(rdmaio.core.onesided, "query_caps", _no_device)
