@@ -223,12 +223,18 @@ class SendCredits(CloseState):
         self._eof_sent = True
         return self._take(_IMM_EOF)
 
-    def _take(self, kind_bits: int) -> int:
-        # Shared by the less frequent frames (EOF, DATA_BATCH); take_data_frame/take_credit_frame inline it.
-        grant = min(self._ungranted, MAX_CREDITS)
+    def _grant_owed(self, limit: int) -> int:
+        """Take up to ``limit`` owed credits for a frame about to be posted and return them (the part owed
+        for CREDIT-frame slots shrinks with them). take_data_frame/take_credit_frame inline it."""
+        grant = min(self._ungranted, limit)
         self._ungranted -= grant
         if self._ungranted_ctl > self._ungranted:
             self._ungranted_ctl = self._ungranted
+        return grant
+
+    def _take(self, kind_bits: int) -> int:
+        # Shared by the less frequent frames (EOF, DATA_BATCH); take_data_frame/take_credit_frame inline it.
+        grant = self._grant_owed(MAX_CREDITS)
         self._send_credits -= 1
         self._min_send_credits = min(self._min_send_credits, self._send_credits)
         self._frames_sent += 1

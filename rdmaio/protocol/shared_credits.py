@@ -179,10 +179,7 @@ class ReclaimSession(Session):
             self._raise_wire_error()
             raise RuntimeError("no RETURN frame is due")
         returned = min(max(0, self._send_credits - 1 - RETURN_KEEP), MAX_RETURN)
-        grant = min(self._ungranted, _CREDIT_MASK)
-        self._ungranted -= grant
-        if self._ungranted_ctl > self._ungranted:
-            self._ungranted_ctl = self._ungranted
+        grant = self._grant_owed(_CREDIT_MASK)
         self._send_credits -= 1 + returned
         self._min_send_credits = min(self._min_send_credits, self._send_credits)
         self._frames_sent += 1

@@ -28,7 +28,7 @@ def rdma_resources(pids: Collection[int] | None = None) -> dict[str, int]:
 
 
 def _owned(kind: str, pids: set[int]) -> int:
-    """How many objects of ``kind`` (``rdma resource show`` name: cm_id is ``cm_id``) ``pids`` own."""
+    """How many objects of ``kind`` (a ``rdma resource show`` object: qp, cq, mr, pd, cm_id) ``pids`` own."""
     out = subprocess.run(
         ["rdma", "-j", "resource", "show", kind], check=True, capture_output=True, text=True
     ).stdout
