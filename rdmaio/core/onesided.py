@@ -119,8 +119,12 @@ class OneSidedEngine(Exports, Operations):
         peer_onesided: bool = True,
         notice_limit: int = 64,
         repost: Callable[[int], None] | None = None,
+        poll_completions: Callable[[], None] | None = None,
     ) -> None:
         self._io = io
+        # Polls the completion queue once right after a lone request is posted (see Operations._post).
+        self._poll_completions = poll_completions
+        self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
         # The connection's tag routes our completions to us through the Domain's shared CQ.
         self._wr_base = verbs.make_wr_id(WR_KIND_ONESIDED, tag, 0)
         self._qp = qp
@@ -214,6 +218,7 @@ class OneSidedEngine(Exports, Operations):
             peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
+            poll_completions=transport.poll_completions,
         )
 
     def close(self, error: BaseException | None) -> None:

@@ -107,6 +107,8 @@ class EngineCore:
     notice_limit: int
     _held_slots: collections.deque[int]
     _repost: Callable[[int], None] | None
+    _poll_completions: Callable[[], None] | None
+    _at_post_streak: int
     _error: BaseException | None
     closed: bool
     control_handler: Callable[[int, int], None] | None

@@ -48,6 +48,8 @@ _WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
 _WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
 _U64 = (1 << 64) - 1
 _DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
+# Calls completed at their post that may return in a row without yielding to the loop (see _wait).
+_AT_POST_BUDGET = 16
 
 
 class _Op:
@@ -154,7 +156,7 @@ class Operations(EngineCore):
         op.buffer = view
         self._post(op, key.addr + offset, key.rkey, local=(registration.addr, registration.lkey))
         try:
-            await op.waiter.wait()
+            await self._wait(op)
         except BaseException:
             if not op.done:
                 # The NIC may still write into the caller's buffer: the only way to stop it before we
@@ -313,6 +315,19 @@ class Operations(EngineCore):
             self.pump()
         elif len(self.ops) == 1 and not self._doorbell:
             self._post_now(op)  # alone in flight: post at once (nothing to share a doorbell with)
+            if self._poll_completions is not None and op.posted:
+                # Look once before sleeping, as asyncio's sock_recv tries the call before it waits for
+                # the fd: a device may have completed the request before ibv_post_send returned (rxe
+                # runs a whole loopback READ inside the call), and then the caller resumes without a
+                # sleep in epoll and a wake-up of the completion channel (which still fires later and
+                # finds the CQ empty). One non-blocking poll of the shared CQ, no spinning: on a NIC
+                # that has not finished yet it costs one look at the CQ.
+                self._poll_completions()
+                if op.done:
+                    self._stats["rdma_completed_at_post"] += 1
+                    self._at_post_streak += 1
+                else:
+                    self._at_post_streak = 0
         else:
             # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
             # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
@@ -416,7 +431,7 @@ class Operations(EngineCore):
         """Wait for the op's completion. A cancelled wait leaves the op to complete on its own: its memory
         is rdmaio's (staging or a private MR) and is released only by the completion."""
         try:
-            await op.waiter.wait()
+            await self._wait(op)
         except BaseException:
             if op.done:
                 self._release(op)
@@ -426,6 +441,16 @@ class Operations(EngineCore):
         if op.error is not None:
             self._release(op)
             raise op.error
+
+    async def _wait(self, op: _Op) -> None:
+        """Wait for the op's waiter. An op that completed at its post does not suspend on asyncio (an
+        awaited done future returns at once; trio's set Event still checkpoints), so a task calling in a
+        loop would never let the event loop run: after ``_AT_POST_BUDGET`` such calls in a row on this
+        engine, one yields to the loop first (a cooperative budget, as Tokio gives each task)."""
+        if op.done and self._at_post_streak >= _AT_POST_BUDGET:
+            self._at_post_streak = 0
+            await self._io.sleep(0)
+        await op.waiter.wait()
 
     def on_completion(self, wr_id: int, status: int, vendor_err: int = 0) -> None:
         """A completion of one of our work requests (``wr_id >> 56 == 2``), successful or not."""

@@ -12,6 +12,7 @@ import pytest
 
 import rdmaio
 from rdmaio._ffi import ffi, lib
+from rdmaio.core import onesided_ops
 from rdmaio.core.backend import AsyncioBackend
 from rdmaio.core.onesided import (
     ACCESS_ATOMIC,
@@ -109,6 +110,7 @@ class Rig:
         atomics: bool = True,
         peer_onesided: bool = True,
         notice_limit: int = 64,
+        poll: Callable[[], None] | None = None,
     ) -> None:
         self.qp = FakeQP()
         self.reposted: list[int] = []
@@ -132,6 +134,7 @@ class Rig:
             peer_onesided=peer_onesided,
             notice_limit=notice_limit,
             repost=self.reposted.append,
+            poll_completions=poll,
         )
 
     def _local(self, buffer: Any) -> FakeRegion:
@@ -722,3 +725,84 @@ def test_session_rejects_a_one_sided_request_without_credit() -> None:
         receiver.on_slot_used()
     with pytest.raises(rdmaio.FrameError):
         receiver.on_slot_used()
+
+
+# --- a completion that is there when the post returns (rxe runs a loopback READ inside ibv_post_send) ----
+
+
+def test_a_lone_request_completed_at_post_returns_without_sleeping(arun: Run) -> None:
+    async def main() -> None:
+        polls: list[int] = []
+
+        def poll() -> None:  # the device finished before ibv_post_send returned
+            polls.append(len(rig.qp.posted))
+            rig.complete(-1, data=b"v" * 64)
+
+        rig = Rig(poll=poll)
+        loop_ran = asyncio.Event()
+        asyncio.get_running_loop().call_soon(loop_ran.set)
+        assert await rig.engine.read(key(), 0, 64) == b"v" * 64
+        assert await rig.engine.fetch_add(key(), 8, 1) == int.from_bytes(b"v" * 8, sys.byteorder)
+        # Neither call slept: a callback scheduled before them has not run yet.
+        assert not loop_ran.is_set()
+        assert polls == [1, 2]
+        assert rig.engine._stats["rdma_completed_at_post"] == 2
+        assert rig.engine.statistics()["rdma_ops_pending"] == 0
+
+    arun(main())
+
+
+def test_calls_completed_at_post_still_let_the_loop_run(arun: Run) -> None:
+    """A task calling in a loop whose every request completes at its post yields to the loop at least
+    once per _AT_POST_BUDGET calls: other tasks and callbacks are not starved."""
+
+    async def main() -> None:
+        rig = Rig(poll=lambda: rig.complete(-1, data=b"x" * 8))
+        ticks: list[int] = []
+        calls = 0
+
+        def tick() -> None:
+            ticks.append(calls)
+            if len(ticks) < 5:
+                asyncio.get_running_loop().call_soon(tick)
+
+        asyncio.get_running_loop().call_soon(tick)
+        for _ in range(100):
+            await rig.engine.read(key(), 0, 8)
+            calls += 1
+        assert len(ticks) == 5
+        gaps = [b - a for a, b in zip([0, *ticks], ticks, strict=False)]
+        assert max(gaps) <= onesided_ops._AT_POST_BUDGET + 1, gaps
+        assert rig.engine._stats["rdma_completed_at_post"] == 100
+
+    arun(main())
+
+
+def test_a_request_not_complete_at_post_waits_for_its_completion(arun: Run) -> None:
+    async def main() -> None:
+        polls: list[int] = []
+        rig = Rig(poll=lambda: polls.append(1))  # nothing in the CQ yet
+        task = asyncio.create_task(rig.engine.read(key(), 0, 4))
+        await settle()
+        assert not task.done() and polls == [1]
+        rig.complete(-1, data=b"late")
+        assert await task == b"late"
+        assert rig.engine._stats["rdma_completed_at_post"] == 0
+
+    arun(main())
+
+
+def test_requests_sharing_a_doorbell_do_not_poll_at_post(arun: Run) -> None:
+    async def main() -> None:
+        polls: list[int] = []
+        rig = Rig(poll=lambda: polls.append(1))
+        tasks = [asyncio.create_task(rig.engine.fetch_add(key(), 0, 1)) for _ in range(3)]
+        await settle()
+        # The first went alone (and looked once); the other two were rung together at the end of the
+        # loop iteration, where a poll would find nothing the reactor's wake-up does not.
+        assert polls == [1] and rig.qp.calls == [1, 2]
+        for i in range(3):
+            rig.complete(i, data=(7).to_bytes(8, sys.byteorder))
+        assert await asyncio.gather(*tasks) == [7, 7, 7]
+
+    arun(main())
