@@ -141,7 +141,7 @@ def wait_ready(proc: subprocess.Popen[str]) -> str:
 
 
 ECHO_SERVER = """
-    import asyncio, sys, rdmaio
+    import asyncio, json, sys, rdmaio
     async def handler(ep):
         try:
             while (msg := await ep.recv()) is not None:
@@ -149,16 +149,18 @@ ECHO_SERVER = """
         except ConnectionError:
             pass
     async def main():
-        server = await rdmaio.serve(handler, sys.argv[1], 0, options={"keepalive_interval": None})
+        options = {"keepalive_interval": None, **json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")}
+        server = await rdmaio.serve(handler, sys.argv[1], 0, options=options)
         print("READY", server.addresses[0][1], flush=True)
         await server.serve_forever()
     asyncio.run(main())
 """
-"""An echo server (keepalive off: only the side under test probes) for ``peer(ECHO_SERVER, addr)``."""
+"""An echo server (keepalive off: only the side under test probes) for ``peer(ECHO_SERVER, addr)``;
+``peer(ECHO_SERVER, addr, json.dumps(options))`` adds Options fields."""
 
 
 SINK_SERVER = """
-    import asyncio, hashlib, sys, rdmaio
+    import asyncio, hashlib, json, sys, rdmaio
     async def handler(ep):
         digest = hashlib.sha256()
         total = 0
@@ -168,7 +170,8 @@ SINK_SERVER = """
         await ep.send(digest.digest() + total.to_bytes(8, "big"))
         await ep.aclose()
     async def main():
-        server = await rdmaio.serve(handler, sys.argv[1], 0, options={"keepalive_interval": None})
+        options = {"keepalive_interval": None, **json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")}
+        server = await rdmaio.serve(handler, sys.argv[1], 0, options=options)
         print("READY", server.addresses[0][1], flush=True)
         await server.serve_forever()
     asyncio.run(main())
