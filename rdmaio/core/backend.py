@@ -102,6 +102,9 @@ class Backend(Protocol):
     async def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``."""
 
+    def current_task(self) -> object:
+        """An object identifying the running task (compared by identity only)."""
+
 
 # --- asyncio (and uvloop, and anyio on asyncio) -------------------------------------------------------
 
@@ -210,6 +213,10 @@ class AsyncioBackend:
     async def sleep(self, seconds: float) -> None:
         """``asyncio.sleep``."""
         await asyncio.sleep(seconds)
+
+    def current_task(self) -> object:
+        """``asyncio.current_task()`` (of the running loop, which is this backend's)."""
+        return asyncio.current_task()
 
 
 # --- trio ---------------------------------------------------------------------------------------------
@@ -382,6 +389,10 @@ class TrioBackend:
     async def sleep(self, seconds: float) -> None:
         """``trio.sleep``."""
         await self._trio.sleep(seconds)
+
+    def current_task(self) -> object:
+        """``trio.lowlevel.current_task()``."""
+        return self._trio.lowlevel.current_task()
 
 
 def trio_run_key() -> object:

@@ -125,6 +125,7 @@ class OneSidedEngine(Exports, Operations):
         # Polls the completion queue once right after a lone request is posted (see Operations._post).
         self._poll_completions = poll_completions
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
+        self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
         # The connection's tag routes our completions to us through the Domain's shared CQ.
         self._wr_base = verbs.make_wr_id(WR_KIND_ONESIDED, tag, 0)
         self._qp = qp

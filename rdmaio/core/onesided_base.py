@@ -109,6 +109,7 @@ class EngineCore:
     _repost: Callable[[int], None] | None
     _poll_completions: Callable[[], None] | None
     _at_post_streak: int
+    _last_poster: int
     _error: BaseException | None
     closed: bool
     control_handler: Callable[[int, int], None] | None

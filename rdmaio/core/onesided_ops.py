@@ -315,13 +315,19 @@ class Operations(EngineCore):
             self.pump()
         elif len(self.ops) == 1 and not self._doorbell:
             self._post_now(op)  # alone in flight: post at once (nothing to share a doorbell with)
-            if self._poll_completions is not None and op.posted:
-                # Look once before sleeping, as asyncio's sock_recv tries the call before it waits for
-                # the fd: a device may have completed the request before ibv_post_send returned (rxe
-                # runs a whole loopback READ inside the call), and then the caller resumes without a
-                # sleep in epoll and a wake-up of the completion channel (which still fires later and
-                # finds the CQ empty). One non-blocking poll of the shared CQ, no spinning: on a NIC
-                # that has not finished yet it costs one look at the CQ.
+            poster = id(self._io.current_task())
+            serial = poster == self._last_poster
+            self._last_poster = poster
+            if serial and self._poll_completions is not None and op.posted:
+                # One task calling one request at a time: look once before sleeping, as asyncio's
+                # sock_recv tries the call before it waits for the fd. A device may have completed the
+                # request before ibv_post_send returned (rxe runs a whole loopback READ inside the call),
+                # and then the caller resumes without a sleep in epoll and a wake-up of the completion
+                # channel (which still fires later and finds the CQ empty). One non-blocking poll of the
+                # shared CQ, no spinning: on a NIC that has not finished yet it costs one look at the CQ.
+                # Not when another task posted the previous request: several tasks calling concurrently
+                # are served better by waiting, so that their requests share doorbells (one system call
+                # for up to 16 on rxe) and one wake-up, than by completing one by one.
                 self._poll_completions()
                 if op.done:
                     self._stats["rdma_completed_at_post"] += 1
@@ -332,6 +338,7 @@ class Operations(EngineCore):
             # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
             # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
             # system call that runs the requester) for up to _DOORBELL requests.
+            self._last_poster = id(self._io.current_task())
             self._doorbell.append(op)
             if len(self._doorbell) >= _DOORBELL:
                 self._ring()

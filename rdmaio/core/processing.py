@@ -79,6 +79,7 @@ class CompletionProcessor:
         repost: list[int] = []
         got_data = False
         data_frames = 0
+        only_onesided = True  # every completion was a successful one-sided request of ours
         stats = self._stats
         stats["wakeups"] += 1
         # sharedcq: the dispatcher calls once per group and re-polls while batches come back full.
@@ -86,6 +87,7 @@ class CompletionProcessor:
         for i in range(start, start + count):
             wc = records[i]
             if wc.status:
+                only_onesided = False
                 if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided (issue 11)
                     self._onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
                 self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
@@ -93,6 +95,7 @@ class CompletionProcessor:
                     return
                 continue
             if wc.opcode & _RECV_FLAG:
+                only_onesided = False
                 outcome = self._on_receive(wc, repost)
                 if outcome & _GOT_DATA:
                     got_data = True
@@ -102,10 +105,18 @@ class CompletionProcessor:
                 op_kind = wc.wr_id >> WR_KIND_SHIFT
                 if op_kind == WR_KIND_ONESIDED:  # one-sided (issue 11)
                     self._onesided.on_completion(int(wc.wr_id), 0)
-                elif op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
+                    continue
+                only_onesided = False
+                if op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
                     self._keepalive.on_completion()
                 else:
                     self._tx.on_send_completion(wc.wr_id & WR_INDEX_MASK)
+        if only_onesided:
+            # READ/WRITE/atomic completions free no send slot, bring no credit and no data: the send
+            # engine and the readers have nothing new (a serial one-sided caller polls after every post,
+            # so this is its per-request path). What waits for a free op slot was woken by on_completion.
+            self._onesided.pump()
+            return
         self._after_completions(repost, got_data, data_frames)
 
     def _on_receive(self, wc: Any, repost: list[int]) -> int:

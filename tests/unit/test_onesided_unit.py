@@ -730,6 +730,20 @@ def test_session_rejects_a_one_sided_request_without_credit() -> None:
 # --- a completion that is there when the post returns (rxe runs a loopback READ inside ibv_post_send) ----
 
 
+async def first_call_completed_later(rig: Rig, call: Coroutine[Any, Any, Any], data: bytes = b"0" * 8) -> Any:
+    """Make a first call from the running task (it does not poll: no previous request of this task) and
+    complete it from elsewhere: later calls of this task are the serial ones."""
+
+    async def complete_soon() -> None:
+        await settle()
+        rig.complete(-1, data=data)
+
+    helper = asyncio.create_task(complete_soon())
+    result = await call
+    await helper
+    return result
+
+
 def test_a_lone_request_completed_at_post_returns_without_sleeping(arun: Run) -> None:
     async def main() -> None:
         polls: list[int] = []
@@ -739,13 +753,15 @@ def test_a_lone_request_completed_at_post_returns_without_sleeping(arun: Run) ->
             rig.complete(-1, data=b"v" * 64)
 
         rig = Rig(poll=poll)
+        await first_call_completed_later(rig, rig.engine.read(key(), 0, 8))
+        assert polls == []  # the task's first request: nothing says it calls serially yet
         loop_ran = asyncio.Event()
         asyncio.get_running_loop().call_soon(loop_ran.set)
         assert await rig.engine.read(key(), 0, 64) == b"v" * 64
         assert await rig.engine.fetch_add(key(), 8, 1) == int.from_bytes(b"v" * 8, sys.byteorder)
         # Neither call slept: a callback scheduled before them has not run yet.
         assert not loop_ran.is_set()
-        assert polls == [1, 2]
+        assert polls == [2, 3]
         assert rig.engine._stats["rdma_completed_at_post"] == 2
         assert rig.engine.statistics()["rdma_ops_pending"] == 0
 
@@ -758,6 +774,7 @@ def test_calls_completed_at_post_still_let_the_loop_run(arun: Run) -> None:
 
     async def main() -> None:
         rig = Rig(poll=lambda: rig.complete(-1, data=b"x" * 8))
+        await first_call_completed_later(rig, rig.engine.read(key(), 0, 8))
         ticks: list[int] = []
         calls = 0
 
@@ -782,8 +799,14 @@ def test_a_request_not_complete_at_post_waits_for_its_completion(arun: Run) -> N
     async def main() -> None:
         polls: list[int] = []
         rig = Rig(poll=lambda: polls.append(1))  # nothing in the CQ yet
-        task = asyncio.create_task(rig.engine.read(key(), 0, 4))
-        await settle()
+
+        async def caller() -> bytes:
+            await first_call_completed_later(rig, rig.engine.read(key(), 0, 4))
+            return await rig.engine.read(key(), 0, 4)
+
+        task = asyncio.create_task(caller())
+        for _ in range(3):
+            await settle()
         assert not task.done() and polls == [1]
         rig.complete(-1, data=b"late")
         assert await task == b"late"
@@ -792,17 +815,23 @@ def test_a_request_not_complete_at_post_waits_for_its_completion(arun: Run) -> N
     arun(main())
 
 
-def test_requests_sharing_a_doorbell_do_not_poll_at_post(arun: Run) -> None:
+def test_concurrent_callers_share_doorbells_and_do_not_poll_at_post(arun: Run) -> None:
     async def main() -> None:
         polls: list[int] = []
         rig = Rig(poll=lambda: polls.append(1))
-        tasks = [asyncio.create_task(rig.engine.fetch_add(key(), 0, 1)) for _ in range(3)]
-        await settle()
-        # The first went alone (and looked once); the other two were rung together at the end of the
-        # loop iteration, where a poll would find nothing the reactor's wake-up does not.
-        assert polls == [1] and rig.qp.calls == [1, 2]
-        for i in range(3):
-            rig.complete(i, data=(7).to_bytes(8, sys.byteorder))
-        assert await asyncio.gather(*tasks) == [7, 7, 7]
+
+        async def caller() -> list[int]:
+            return [await rig.engine.fetch_add(key(), 0, 1) for _ in range(2)]
+
+        tasks = [asyncio.create_task(caller()) for _ in range(3)]
+        for round_ in range(2):
+            await settle()
+            # The first went alone, the other two were rung together at the end of the loop iteration;
+            # in the second round too: another task posted the previous request, so nobody polls.
+            assert rig.qp.calls == [1, 2] * (round_ + 1)
+            for i in range(3):
+                rig.complete(3 * round_ + i, data=(7).to_bytes(8, sys.byteorder))
+        assert await asyncio.gather(*tasks) == [[7, 7]] * 3
+        assert polls == []
 
     arun(main())
