@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,8 +51,9 @@ __all__ = [
     "serve_onesided",
 ]
 
-DEPTH = 16
-"""Calls in flight on the rdmaio side (the default ``Options.max_rdma_ops``)."""
+DEPTH = int(os.environ.get("RDMAIO_BENCH_ONESIDED_DEPTH", "16"))
+"""Calls in flight on the rdmaio side (16: the default ``Options.max_rdma_ops``; the connection's
+``max_rdma_ops`` is set to it). ``RDMAIO_BENCH_ONESIDED_DEPTH`` changes it."""
 ATOMIC_SIZE = 8
 READ_LAT_SIZE = 64
 CONNECT_TIMEOUT = 60.0
