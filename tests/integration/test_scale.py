@@ -10,9 +10,11 @@ never skips) a count whose rings cannot fit in the machine's available memory, n
 What is checked, in both processes: the kernel's RDMA objects (QPs, CQs, MRs, PDs, cm ids: ``rdma resource
 show``, the same after as before), open fds (``/proc/PID/fd``: the same after as before), the Endpoint and
 Transport objects alive in the heap (none may outlive its close) and, in a second test on the same run,
-``VmRSS`` after closing and trimming the C heap (at most :data:`RSS_TOLERANCE` above the baseline). The
-trim is there because glibc keeps the freed 2 MiB rings otherwise (see that test; the untrimmed figures
-go to the junit report). One run takes about 2 s per connection in the test host (193 s at 100).
+``VmRSS`` after closing and trimming the C heap. The whole open/echo/close cycle runs twice: a leak grows
+RSS again in the second round, while what the allocators keep after the first (at most
+:data:`RSS_TOLERANCE`, or a sixteenth of the peak) does not. The trim is there because glibc keeps freed
+heap memory otherwise (see that test; the untrimmed figures go to the junit report). One round takes
+about 2 s per connection in the test host (193 s at 100).
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ CONNS = int(os.environ.get("RDMAIO_SCALE_CONNS", "100"))
 """Connections held open at once."""
 OPEN_BATCH = 25
 """Connections opened concurrently (well below the server's backlog of 128)."""
-# pytest-timeout's 600 s covers the module fixture too (it runs in the first test's setup): about 2 s per
-# connection were measured in the test host at N=100 (open, echo on a sample, close: 193 s in all).
-pytestmark = pytest.mark.timeout(max(600, 3 * CONNS))
+# pytest-timeout covers the module fixture too (it runs in the first test's setup): about 2 s per
+# connection and round were measured in the test host at N=100 (open, echo on a sample, close: 193 s).
+pytestmark = pytest.mark.timeout(max(900, 6 * CONNS))
 SAMPLE_EVERY = 10
 """Every this many connections carries traffic (a few echoes) before the close."""
 RSS_TOLERANCE = 16 * 1024 * 1024
@@ -237,7 +239,11 @@ def scale_run(rdma_addr: str) -> dict[str, Any]:
 def test_idle_connections_leave_no_kernel_object_fd_or_endpoint(
     scale_run: dict[str, Any],
 ) -> None:
-    before, during, after = scale_run["before"], scale_run["during"], scale_run["after"]
+    before, during = scale_run["before"], scale_run["during"]
+    for after in (scale_run["after"], scale_run["after2"]):
+        _check_released(before, after)
+    assert scale_run["echoed"] == scale_run["echoed2"] == len(range(0, CONNS, SAMPLE_EVERY)) * 70_101
+    assert scale_run["server_status"] == 0
     # While open: each connection holds its own QP on each side (CQs are per connection or shared per
     # device, depending on the core: not counted here), fds, and its objects.
     assert during["rdma"]["qp"] - before["rdma"]["qp"] == 2 * CONNS
@@ -245,15 +251,17 @@ def test_idle_connections_leave_no_kernel_object_fd_or_endpoint(
     # No fd per connection: the completion channel and the rdma_cm event channel are the loop's, shared.
     assert during["client_fds"] - before["client_fds"] < 4 and during["server_fds"] - before["server_fds"] < 4
     assert during["server_alive"] >= 2 * CONNS and during["client_alive"] >= 2 * CONNS
-    assert scale_run["echoed"] == len(range(0, CONNS, SAMPLE_EVERY)) * 70_101
+
+
+def _check_released(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """What must be back to its baseline once a round of connections is closed."""
     # After: the kernel's QPs, CQs, MRs, PDs and cm ids, both processes' fds, and no Endpoint or
     # Transport outlives its close (a survivor would keep its slot buffers, MiBs each).
-    assert after["rdma"] == before["rdma"], (before["rdma"], during["rdma"], after["rdma"])
+    assert after["rdma"] == before["rdma"], (before["rdma"], after["rdma"])
     assert after["client_fds"] == before["client_fds"]
     assert after["server_fds"] == before["server_fds"]
     assert after["server_alive"] == before["server_alive"]
     assert after["client_alive"] == before["client_alive"]
-    assert scale_run["server_status"] == 0
 
 
 def test_idle_connections_leak_no_memory(
@@ -281,9 +289,19 @@ def test_idle_connections_leak_no_memory(
         assert peak > CONNS * 64 * 1024  # the connections did cost memory: the check can see a leak
         # The issue's bound: an idle connection grows its process's RSS by at most 512 KiB.
         assert peak <= CONNS * 512 * 1024, f"{side}: {peak // CONNS >> 10} KiB RSS per idle connection"
-        assert grown <= RSS_TOLERANCE, (
+        # The first round may leave the allocators' retention behind, which grows with the peak (at
+        # 1,000 connections the client kept 19 MiB of a 352 MiB peak); the second round must add nothing
+        # beyond noise: a leak of 4 KiB per connection would show at 1,000.
+        regrown = scale_run["after2"][f"{side}_rss"] - after[f"{side}_rss"]
+        record_testsuite_property(f"{side}_rss_kept_round1_kib", grown >> 10)
+        record_testsuite_property(f"{side}_rss_added_round2_kib", regrown >> 10)
+        assert grown <= max(RSS_TOLERANCE, peak // 16), (
             f"{side} RSS is {grown >> 10} KiB above its baseline after closing {CONNS} connections and "
-            f"trimming the heap (it grew by {peak >> 10} KiB while they were open): a leak"
+            f"trimming the heap (it grew by {peak >> 10} KiB while they were open)"
+        )
+        assert regrown <= max(RSS_TOLERANCE // 4, CONNS * 4096), (
+            f"{side} RSS grew by another {regrown >> 10} KiB over a second round of {CONNS} connections "
+            f"(first round: {peak >> 10} KiB while open, {grown >> 10} KiB kept): a leak"
         )
 
 
@@ -301,19 +319,22 @@ def _run(host: str) -> dict[str, Any]:
             # let them, on both sides, before each measurement (the client's loop runs only in run()).
             runner.run(asyncio.sleep(POOL_LINGER + 1))
             result["before"] = before = _state(server)
-            endpoints = runner.run(_open(host, server.port, CONNS))
-            assert server.wait_clients(CONNS) == CONNS
-            result["during"] = _state(server)
-            result["echoed"] = runner.run(_traffic(endpoints))
-            runner.run(_close(endpoints))
-            assert all(ep.is_closing() for ep in endpoints)
-            assert server.wait_clients(0) == 0
-            del endpoints
-            runner.run(asyncio.sleep(POOL_LINGER + 1))
-            result["after_untrimmed"] = _wait_released(server, before)
-            server.trim()
-            trim_heap()
-            result["after"] = _state(server)
+            # Two rounds: what the first leaves behind may be the allocators' (Python's arenas keep pages
+            # that still hold one live object); a leak grows again in the second, caches do not.
+            for suffix in ("", "2"):
+                endpoints = runner.run(_open(host, server.port, CONNS))
+                assert server.wait_clients(CONNS) == CONNS
+                result["during" + suffix] = _state(server)
+                result["echoed" + suffix] = runner.run(_traffic(endpoints))
+                runner.run(_close(endpoints))
+                assert all(ep.is_closing() for ep in endpoints)
+                assert server.wait_clients(0) == 0
+                del endpoints
+                runner.run(asyncio.sleep(POOL_LINGER + 1))
+                result["after_untrimmed" + suffix] = _wait_released(server, before)
+                server.trim()
+                trim_heap()
+                result["after" + suffix] = _state(server)
     finally:
         result["server_status"] = server.stop()
     return result
