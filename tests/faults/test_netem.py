@@ -15,10 +15,11 @@ reorders too, but only packets sent less than about a millisecond apart, so how 
 depends on how fast the VM sends: a frame may get through after some retries (rxe's budget starts again
 with each completed work request), and with ``retry_count=7``, which rxe never counts down, the connection
 limped at about 40 s per 64 KiB round trip without failing. The jitter case therefore echoes for at most
-90 s and accepts either
-outcome (every echo intact, or a typed failure); the 25 % reordering case must fail. Both check that
-every round trip ends within a stall bound (no hang), that nothing arrives corrupted, and that a new
-connection works once the reordering stops.
+90 s and accepts either outcome (every echo intact, or a typed failure). So does the 25 % reordering
+case: it failed typed after 27 round trips in one long run, and limped through 41 round trips in 90 s in
+a boot that shared the machine with a CI run (netem reorders only packets sent less than its 5 ms delay
+apart, so a slower sender sees less of it). Both check that every round trip ends within a stall bound
+(no hang), that nothing arrives corrupted, and that a new connection works once the reordering stops.
 
 Loss 10 % is heavy: with the default ``Options`` (``retry_count=6``, ``ack_timeout=17``) a 64 KiB frame of
 64 packets loses about 6 of them per pass, each costs rxe a retry of that work request, and the connection
@@ -67,8 +68,6 @@ REORDERING = {
     "jitter": "delay 5ms 1ms distribution normal",
     "reorder": "delay 5ms reorder 25% 50%",
 }
-# Reordering that no frame of 64 packets survives retry_count + 1 times; jitter may let frames through.
-REORDERING_ALWAYS_FATAL = {"reorder"}
 # What CI's bounded run includes (loss 10 % is slow in the VM; the echo repeats what the stream shows).
 STREAM_BOUNDED = {"none", "loss1", "delay5ms"}
 ECHO_BOUNDED = {"loss1"}
@@ -207,8 +206,6 @@ def test_reordering_is_intact_or_fails_typed_and_bounded(
     finally:
         proc.kill()
         proc.wait()
-    if impairment in REORDERING_ALWAYS_FATAL:
-        assert failure is not None, f"{rounds} round trips of 64 KiB got through {REORDERING[impairment]}"
     outcome = f"ConnectionResetError ({failure})" if failure else "every echo intact"
     if failure is None:
         outcome += f", {rounds * 2 * 65536 / elapsed / 1e6:.3f} MB/s both ways"
