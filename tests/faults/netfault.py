@@ -9,6 +9,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 
+import rdmaio
 from rdmaio.testing.pair import routing_commands
 
 
@@ -123,6 +124,16 @@ def restore(pair: Pair) -> None:
                 if "ACTIVE" in f.read():
                     break
             time.sleep(0.1)
+
+
+async def connected(
+    pair: Pair, port: int, options: rdmaio.Options | None = None, greeting: bytes = b"hello"
+) -> rdmaio.Endpoint:
+    """Connect from node A to the echo server on node B (port ``port``) and echo ``greeting`` once."""
+    ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), options=options, timeout=30)
+    await ep.send(greeting)
+    assert await ep.recv() == greeting
+    return ep
 
 
 def peer(code: str, *args: str) -> subprocess.Popen[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import trio
-from netfault import ECHO_SERVER, Pair, partition, peer, wait_ready
+from netfault import ECHO_SERVER, Pair, connected, partition, peer, wait_ready
 
 import rdmaio
 from rdmaio.core.keepalive import detection_bound
@@ -35,13 +35,6 @@ def _bound(opts: rdmaio.Options) -> float:
     return detection_bound(opts.keepalive_interval, opts.ack_timeout, opts.retry_count)
 
 
-async def _connected(pair: Pair, port: int, opts: rdmaio.Options) -> rdmaio.Endpoint:
-    ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), options=opts, timeout=30)
-    await ep.send(b"hello")
-    assert await ep.recv() == b"hello"
-    return ep
-
-
 def _idle_detection(
     arun: Runner, pair: Pair, opts: rdmaio.Options, record_property: Callable[[str, object], None]
 ) -> float:
@@ -50,7 +43,7 @@ def _idle_detection(
         port = int(wait_ready(proc).split()[1])
 
         async def main() -> float:
-            ep = await _connected(pair, port, opts)
+            ep = await connected(pair, port, opts)
             pending = asyncio.create_task(ep.recv())
             await asyncio.sleep(0.5)
             assert not pending.done()
@@ -143,7 +136,7 @@ def test_without_keepalive_idle_recv_stays_pending(pair: Pair) -> None:
         port = int(wait_ready(proc).split()[1])
 
         async def main() -> None:
-            ep = await _connected(pair, port, opts)
+            ep = await connected(pair, port, opts)
             pending = asyncio.create_task(ep.recv())
             proc.send_signal(signal.SIGSTOP)
             partition(pair)
@@ -168,7 +161,7 @@ def test_busy_connection_sends_no_probes_and_idle_probes_are_harmless(arun: Runn
         port = int(wait_ready(proc).split()[1])
 
         async def main() -> None:
-            ep = await _connected(pair, port, opts)
+            ep = await connected(pair, port, opts)
             end = time.monotonic() + 5.0  # five intervals of steady echo traffic
             rounds = 0
             while time.monotonic() < end:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from netfault import ECHO_SERVER, Pair, peer, set_link, wait_ready
+from netfault import ECHO_SERVER, Pair, connected, peer, set_link, wait_ready
 
 import rdmaio
 from rdmaio.core.keepalive import ack_timeout_seconds, detection_bound
@@ -35,11 +35,7 @@ def test_port_down_fails_pending_calls_within_the_retry_budget(
         port = int(wait_ready(proc).split()[1])
 
         async def main() -> tuple[float, float]:
-            ep = await rdmaio.connect(
-                pair.b.addr, port, local_addr=(pair.a.addr, 0), options=opts, timeout=30
-            )
-            await ep.send(b"before")
-            assert await ep.recv() == b"before"
+            ep = await connected(pair, port, opts, b"before")
             pending = asyncio.create_task(ep.recv())  # idle: nothing in flight to time out
             await asyncio.sleep(0.2)
             set_link(pair.b.netdev, False)
@@ -83,11 +79,7 @@ def test_port_flap_reaches_the_endpoint_and_it_survives_or_fails_typed(
         port = int(wait_ready(proc).split()[1])
 
         async def main() -> tuple[str, float, dict[str, float]]:
-            ep = await rdmaio.connect(
-                pair.b.addr, port, local_addr=(pair.a.addr, 0), options=opts, timeout=30
-            )
-            await ep.send(b"before")
-            assert await ep.recv() == b"before"
+            ep = await connected(pair, port, opts, b"before")
             pending = asyncio.create_task(ep.recv())
             set_link(pair.b.netdev, False)
             await asyncio.sleep(1.0)
@@ -135,16 +127,12 @@ def test_new_connections_after_a_port_flap(pair: Pair) -> None:
         port = int(wait_ready(proc).split()[1])
 
         async def main() -> None:
-            old = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
-            await old.send(b"before")
-            assert await old.recv() == b"before"
+            old = await connected(pair, port, greeting=b"before")
             set_link(pair.b.netdev, False)
             await asyncio.sleep(1.0)
             set_link(pair.b.netdev, True)
             old.abort()
-            ep = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), timeout=30)
-            await ep.send(b"new connection")
-            assert await ep.recv() == b"new connection"
+            ep = await connected(pair, port, greeting=b"new connection")
             await ep.aclose()
 
         asyncio.run(main())
