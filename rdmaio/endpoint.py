@@ -22,7 +22,7 @@ the stream calls (``read*``) see the same data as one byte stream, so ``write()`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Self
 
 from rdmaio.core.connection import Connection
@@ -324,6 +324,35 @@ class Endpoint:
         value (the swap happened if it equals ``expected``). 8-byte aligned; the key needs ``"a"``."""
         self._conn.check_fork()
         return await self._conn.onesided.compare_swap(key, offset, expected, desired)
+
+    async def fetch_add_many(
+        self, key: RemoteKey, offsets: Iterable[int], add: int | Iterable[int] = 1
+    ) -> list[int]:
+        """Atomically add to many u64s of one key; return their old values, in the order of ``offsets``.
+
+        ``add`` is one value for every offset or one per offset (each modulo 2**64); offsets may repeat
+        (each addition is its own atomic, applied in order). Every offset is checked first, as by
+        :meth:`fetch_add`: one out of range or misaligned raises :class:`~rdmaio.RemoteAccessError` and
+        nothing is posted. The additions go out in waves of up to ``Options.max_rdma_ops`` requests, each
+        posted as one chain that completes once: the way to pipeline atomics (a call per atomic costs a
+        wake-up of its task each). If it raises after posting (a lost connection, a cancellation), some
+        additions may have been applied: their old values are lost with the call, as a single
+        :meth:`fetch_add`'s would be.
+        """
+        self._conn.check_fork()
+        return await self._conn.onesided.fetch_add_many(key, offsets, add)
+
+    async def rdma_read_many(self, key: RemoteKey, ranges: Iterable[tuple[int, int]]) -> list[bytes]:
+        """Read many ``(offset, length)`` ranges of one key; return their bytes, in order (RDMA READs).
+
+        Every range is checked first (:class:`~rdmaio.RemoteAccessError` before anything is posted); each
+        is at most 64 KiB (:class:`~rdmaio.MessageTooLargeError`: use :meth:`rdma_read` for larger ones).
+        The READs go out in waves of up to ``Options.max_rdma_ops`` requests and 64 KiB, each posted as one
+        chain that completes once. Like :meth:`rdma_read`, the NIC writes into rdmaio-owned memory: a
+        cancelled call is safe and leaves the endpoint usable.
+        """
+        self._conn.check_fork()
+        return await self._conn.onesided.read_many(key, ranges)
 
     def __repr__(self) -> str:
         conn = self._conn

@@ -217,6 +217,10 @@ struct rdmaio_rdma_op { uint64_t wr_id; uint64_t local_addr; uint32_t length; ui
 struct rdmaio_onesided_caps { int atomic_cap; int max_qp_rd_atom; int max_qp_init_rd_atom; int max_mw;
                               uint64_t device_cap_flags; };
 int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index);
+struct rdmaio_batch { uint64_t wr_id; uint64_t local_addr; uint32_t lkey; uint32_t opcode; uint32_t rkey;
+                      int count; const uint64_t *remote_addr; const uint32_t *length;
+                      const uint64_t *local_offset; const uint64_t *compare_add; const uint64_t *swap; };
+int rdmaio_post_batch(struct ibv_qp *qp, const struct rdmaio_batch *b, int *bad_index);
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);

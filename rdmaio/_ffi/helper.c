@@ -489,3 +489,36 @@ int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int co
 {
     return post_chains(qp, ops, count, bad_index, fill_rdma);
 }
+
+/* Request `index` of a batch: the same opcode, keys and wr_id for all; its own remote address, length,
+ * local offset and atomic operands; only the last is signalled (RC completes a send queue in order, so
+ * the last one's success means all succeeded; a failed one completes with an error of its own). */
+static void fill_batch(const void *requests, int index, struct ibv_send_wr *wr, struct ibv_sge *sge)
+{
+    const struct rdmaio_batch *b = (const struct rdmaio_batch *)requests;
+    uint32_t length = b->length ? b->length[index] : 8;
+    sge->addr = b->local_addr + (b->local_offset ? b->local_offset[index] : 8 * (uint64_t)index);
+    sge->length = length;
+    sge->lkey = b->lkey;
+    wr->wr_id = b->wr_id;
+    wr->opcode = b->opcode;
+    wr->send_flags = index == b->count - 1 ? IBV_SEND_SIGNALED : 0;
+    if (b->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD || b->opcode == IBV_WR_ATOMIC_CMP_AND_SWP) {
+        wr->wr.atomic.remote_addr = b->remote_addr[index];
+        wr->wr.atomic.rkey = b->rkey;
+        wr->wr.atomic.compare_add = b->compare_add ? b->compare_add[index] : 0;
+        wr->wr.atomic.swap = b->swap ? b->swap[index] : 0;
+    } else {
+        wr->wr.rdma.remote_addr = b->remote_addr[index];
+        wr->wr.rdma.rkey = b->rkey;
+    }
+}
+
+/* Post the `b->count` requests of one batch (see struct rdmaio_batch) in chains. Returns the number
+ * posted or -errno with *bad_index the first request not posted. */
+int rdmaio_post_batch(struct ibv_qp *qp, const struct rdmaio_batch *b, int *bad_index)
+{
+    if (b->count < 1 || !b->remote_addr)
+        return -EINVAL;
+    return post_chains(qp, b, b->count, bad_index, fill_batch);
+}

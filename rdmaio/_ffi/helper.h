@@ -116,7 +116,26 @@ struct rdmaio_onesided_caps {
     uint64_t device_cap_flags;  /* IBV_DEVICE_MEM_WINDOW, _TYPE_2A, _TYPE_2B */
 };
 
+/* A batch of one-sided requests of one kind on one remote key (fetch_add_many, rdma_read_many): request
+ * i reads or updates remote_addr[i]; its local memory is local_addr + local_offset[i] (8 * i when
+ * local_offset is NULL) for length[i] bytes (8 when length is NULL); compare_add/swap are the atomic
+ * operands (NULL: 0). All carry wr_id; only the last is signalled. */
+struct rdmaio_batch {
+    uint64_t wr_id;
+    uint64_t local_addr;
+    uint32_t lkey;
+    uint32_t opcode;
+    uint32_t rkey;
+    int count;
+    const uint64_t *remote_addr;
+    const uint32_t *length;
+    const uint64_t *local_offset;
+    const uint64_t *compare_add;
+    const uint64_t *swap;
+};
+
 int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index);
+int rdmaio_post_batch(struct ibv_qp *qp, const struct rdmaio_batch *b, int *bad_index);
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);

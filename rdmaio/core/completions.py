@@ -425,6 +425,38 @@ class CompletionDispatcher:
                 self._deliver_kept(key)
         self._poll(list(self._pool))
 
+    def poll_for(self, cq: Queue, qp_num: int, wr_id: int) -> bool:
+        """Poll ``cq`` once right after a request ``wr_id`` of QP ``qp_num`` was posted, for its completion.
+
+        True when that completion, successful, is all the poll found: the caller completes the request
+        itself and nothing is dispatched (a task's serial one-sided call, which the device may have
+        completed inside ``ibv_post_send``: rxe does). Otherwise whatever the poll found is dispatched as
+        :meth:`poll_now` would (the request's own completion with it, if it was there) and the result is
+        False. During a dispatch, or with kept completions to deliver first, it is :meth:`poll_now`."""
+        if self._closed or cq.closed:
+            return False
+        if self._dispatching or self._replay:
+            self.poll_now()
+            return False
+        batch = self._batch
+        n = cq.poll_grouped(batch)
+        self.polls += 1
+        if not n:
+            return False
+        self.completions += n
+        if n == 1:
+            record = batch.records[0]
+            if record.wr_id == wr_id and not record.status and record.qp_num == qp_num:
+                return True
+        self._dispatching = True
+        try:
+            self._dispatch(batch.records, batch.groups, batch.ngroups)
+        finally:
+            self._dispatching = False
+        if n >= batch.size or self._again:
+            self._poll([p for p in self._pool if p.cq is cq])  # more may be there, or a handler asked
+        return False
+
     def _poll(self, pooled: list[_PooledCQ]) -> None:
         if self._dispatching:
             self._again = True  # the records being dispatched must not be overwritten: poll later

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rdmaio import verbs
+from rdmaio._ffi import ffi
 from rdmaio.core.backend import Backend
 from rdmaio.core.onesided_base import (
     MAX_OP_BYTES,
@@ -52,8 +53,8 @@ from rdmaio.core.onesided_base import (
     Region,
     _fresh,
 )
+from rdmaio.core.onesided_batch import Batches
 from rdmaio.core.onesided_grants import CTL_FIRST_EXTERNAL, Exports
-from rdmaio.core.onesided_ops import Operations
 from rdmaio.core.remotekey import (
     ACCESS_ATOMIC,
     ACCESS_READ,
@@ -90,7 +91,7 @@ __all__ = [
 ]
 
 
-class OneSidedEngine(Exports, Operations):
+class OneSidedEngine(Exports, Batches):
     """The one-sided side of one connection: grants, pending operations, write notices, revocation.
 
     ``register_local(buffer)`` registers rdmaio-owned or caller memory for local access only (no remote
@@ -119,16 +120,18 @@ class OneSidedEngine(Exports, Operations):
         peer_onesided: bool = True,
         notice_limit: int = 64,
         repost: Callable[[int], None] | None = None,
-        poll_completions: Callable[[], None] | None = None,
+        poll_for: Callable[[int], bool] | None = None,
     ) -> None:
         self._io = io
-        # Polls the completion queue once right after a lone request is posted (see Operations._post).
-        self._poll_completions = poll_completions
+        # Polls the completion queue once right after a lone request is posted (see Operations._post):
+        # poll_for(wr_id) is True when the request's own successful completion was all it found.
+        self._poll_for = poll_for
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
         self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
         # The connection's tag routes our completions to us through the Domain's shared CQ.
         self._wr_base = verbs.make_wr_id(WR_KIND_ONESIDED, tag, 0)
         self._qp = qp
+        self._wr_entries = ffi.buffer(qp.rdma_array)  # filled with verbs.RDMA_OP.pack_into
         self._credits = credits
         self._register_local = register_local
         self._register_grant = register_grant
@@ -141,6 +144,7 @@ class OneSidedEngine(Exports, Operations):
         self._stats = stats if stats is not None else collections.Counter()
         self._index = itertools.count(1)
         self.ops = {}  # posted or waiting for a credit, by op index
+        self._in_flight = 0  # work requests of self.ops (a batch op stands for several)
         self._slot_waiters = collections.deque()
         self._credit_queue = collections.deque()
         self._staging = None  # registered rdmaio-owned memory: max_ops slots of _STAGING_SLOT bytes
@@ -219,7 +223,7 @@ class OneSidedEngine(Exports, Operations):
             peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
-            poll_completions=transport.poll_completions,
+            poll_for=transport.poll_for,
         )
 
     def close(self, error: BaseException | None) -> None:
@@ -257,8 +261,14 @@ class OneSidedEngine(Exports, Operations):
         self._large_pooled = 0
 
     def statistics(self) -> dict[str, int]:
-        """Pending ops, grants, queued notices and revoked keys."""
+        """Pending ops, grants, queued notices and revoked keys; requests posted, doorbells (post calls),
+        batch waves and serial calls completed at their post (always present, 0 until counted)."""
+        stats = self._stats
         return {
+            "rdma_ops_posted": stats["rdma_ops_posted"],
+            "rdma_doorbells": stats["rdma_doorbells"],
+            "rdma_batches": stats["rdma_batches"],
+            "rdma_completed_at_post": stats["rdma_completed_at_post"],
             "rdma_ops_pending": len(self.ops),
             "grants": len(self.grants),
             "write_notices_queued": len(self._notices),

@@ -53,6 +53,11 @@ class RdmaQueue(Protocol):
     def post_rdma(self, count: int) -> None:
         """Post the first ``count`` entries of :attr:`rdma_array`."""
 
+    def post_batch(
+        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
+    ) -> None:
+        """Post a batch of requests as one chain, only the last signalled (``QueuePair.post_batch``)."""
+
 
 class Credits(Protocol):
     """The credit side of :class:`rdmaio.protocol.Session` that one-sided requests use."""
@@ -89,6 +94,7 @@ class EngineCore:
     _stats: collections.Counter[str]
     _index: Iterator[int]
     ops: dict[int, _Op]
+    _in_flight: int
     _slot_waiters: collections.deque[Waiter]
     _credit_queue: collections.deque[_Op]
     _staging: Any
@@ -107,7 +113,8 @@ class EngineCore:
     notice_limit: int
     _held_slots: collections.deque[int]
     _repost: Callable[[int], None] | None
-    _poll_completions: Callable[[], None] | None
+    _poll_for: Callable[[int], bool] | None
+    _wr_entries: Any
     _at_post_streak: int
     _last_poster: int
     _error: BaseException | None

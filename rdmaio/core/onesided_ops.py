@@ -47,6 +47,9 @@ _WC_REM_ACCESS_ERR = int(verbs.WcStatus.REM_ACCESS_ERR)
 _WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
 _WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
 _U64 = (1 << 64) - 1
+_PACK_OP = verbs.RDMA_OP.pack_into
+_OP_SIZE = verbs.RDMA_OP.size
+_INLINE_OPCODES = frozenset((_WR_WRITE, _WR_WRITE_IMM, _WR_SEND))
 _DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
 # Calls completed at their post that may return in a row without yielding to the loop (see _wait).
 _AT_POST_BUDGET = 16
@@ -55,6 +58,7 @@ _AT_POST_BUDGET = 16
 class _Op:
     __slots__ = (
         "buffer",
+        "count",
         "done",
         "error",
         "index",
@@ -71,9 +75,11 @@ class _Op:
         "wr",
     )
 
-    def __init__(self, index: int, waiter: Waiter) -> None:
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.waiter = waiter
+        self.count = 1  # work requests (send queue entries) it stands for: a batch has several
+        # Made when a caller has to wait (most serial calls complete at their post and never need one).
+        self.waiter: Waiter | None = None
         self.done = False
         self.posted = False
         self.orphan = False  # nobody waits for it any more: its completion releases its memory
@@ -234,10 +240,13 @@ class Operations(EngineCore):
 
     # --- the op life cycle ---------------------------------------------------------------------------------
 
-    async def _start(self, key: RemoteKey, opcode: int, length: int, *, staging: bool = True) -> _Op:
-        """Wait for an op slot (at most ``max_ops`` in flight), then give the op its local memory."""
+    async def _start(
+        self, key: RemoteKey, opcode: int, length: int, *, staging: bool = True, count: int = 1
+    ) -> _Op:
+        """Wait for ``count`` op slots (at most ``max_ops`` work requests in flight: the send queue has
+        room for that many), then give the op its local memory."""
         self._raise_if_failed()
-        while len(self.ops) >= self.max_ops or self._slot_waiters:
+        while self._in_flight + count > self.max_ops or self._slot_waiters:
             waiter = self._io.waiter()
             self._slot_waiters.append(waiter)
             try:
@@ -249,19 +258,21 @@ class Operations(EngineCore):
                     self._wake_slot_waiter()  # we were woken but give up: pass the wake-up on
                 raise
             self._raise_if_failed()
-            if len(self.ops) < self.max_ops:
+            if self._in_flight + count <= self.max_ops:
                 break
         # Re-checked after the wait: a REVOKE may have arrived meanwhile.
         if key.key_id in self.revoked_ids:
             self._wake_slot_waiter()
             raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
-        op = _Op(next(self._index) & _INDEX_MASK, self._io.waiter())
+        op = _Op(next(self._index) & _INDEX_MASK)
         op.key_id = key.key_id
         op.length = length
         op.opcode = opcode
+        op.count = count
         if staging and length:
             self._give_memory(op, length)
         self.ops[op.index] = op
+        self._in_flight += count
         return op
 
     def _give_memory(self, op: _Op, length: int) -> None:
@@ -318,7 +329,7 @@ class Operations(EngineCore):
             poster = id(self._io.current_task())
             serial = poster == self._last_poster
             self._last_poster = poster
-            if serial and self._poll_completions is not None and op.posted:
+            if serial and self._poll_for is not None and op.posted:
                 # One task calling one request at a time: look once before sleeping, as asyncio's
                 # sock_recv tries the call before it waits for the fd. A device may have completed the
                 # request before ibv_post_send returned (rxe runs a whole loopback READ inside the call),
@@ -328,7 +339,10 @@ class Operations(EngineCore):
                 # Not when another task posted the previous request: several tasks calling concurrently
                 # are served better by waiting, so that their requests share doorbells (one system call
                 # for up to 16 on rxe) and one wake-up, than by completing one by one.
-                self._poll_completions()
+                # When the request's own completion is all there was, it is completed right here rather
+                # than through the dispatcher and the connection's completion processing.
+                if self._poll_for(self._wr_base | op.index):
+                    self._complete(op, None)
                 if op.done:
                     self._stats["rdma_completed_at_post"] += 1
                     self._at_post_streak += 1
@@ -383,23 +397,27 @@ class Operations(EngineCore):
         self._stats["rdma_doorbells"] += 1
 
     def _fill(self, index: int, op: _Op) -> None:
-        """Write ``op``'s work request into entry ``index`` of the QP's scratch array."""
+        """Write ``op``'s work request into entry ``index`` of the QP's scratch array (one ``pack_into``)."""
         addr, lkey, remote_addr, rkey, imm, compare_add, swap = op.wr
-        wr = self._qp.rdma_array[index]
-        wr.wr_id = self._wr_base | op.index
-        wr.local_addr = addr
-        wr.length = op.length
-        wr.lkey = lkey
-        wr.opcode = op.opcode
+        opcode = op.opcode
         flags = _SEND_SIGNALED
-        if op.opcode in (_WR_WRITE, _WR_WRITE_IMM, _WR_SEND) and 0 < op.length <= self._max_inline:
+        if opcode in _INLINE_OPCODES and 0 < op.length <= self._max_inline:
             flags |= _SEND_INLINE
-        wr.send_flags = flags
-        wr.imm_data = imm
-        wr.rkey = rkey
-        wr.remote_addr = remote_addr
-        wr.compare_add = compare_add
-        wr.swap = swap
+        _PACK_OP(
+            self._wr_entries,
+            index * _OP_SIZE,
+            self._wr_base | op.index,
+            addr,
+            op.length,
+            lkey,
+            opcode,
+            flags,
+            imm,
+            rkey,
+            remote_addr,
+            compare_add,
+            swap,
+        )
 
     def pump(self) -> None:
         """Post what waits for a credit: control messages first, then writes with immediate data.
@@ -409,9 +427,9 @@ class Operations(EngineCore):
         if self._error is not None or self.closed:
             return
         credits = self._credits
-        while self._pending_acks and len(self.ops) < self.max_ops and credits.can_take_slot():
+        while self._pending_acks and self._in_flight < self.max_ops and credits.can_take_slot():
             word = self._pending_acks.popleft()
-            op = _Op(next(self._index) & _INDEX_MASK, self._io.waiter())
+            op = _Op(next(self._index) & _INDEX_MASK)
             op.opcode = _WR_SEND
             op.orphan = True
             op.length = _CONTROL.size
@@ -421,6 +439,7 @@ class Operations(EngineCore):
             addr, lkey = self._local_of(op)
             op.wr = (addr, lkey, 0, 0, 0, 0, 0)
             self.ops[op.index] = op
+            self._in_flight += 1
             credits.take_slot()
             self._post_now(op)
             self._stats["control_sent"] += 1
@@ -450,14 +469,17 @@ class Operations(EngineCore):
             raise op.error
 
     async def _wait(self, op: _Op) -> None:
-        """Wait for the op's waiter. An op that completed at its post does not suspend on asyncio (an
-        awaited done future returns at once; trio's set Event still checkpoints), so a task calling in a
-        loop would never let the event loop run: after ``_AT_POST_BUDGET`` such calls in a row on this
-        engine, one yields to the loop first (a cooperative budget, as Tokio gives each task)."""
-        if op.done and self._at_post_streak >= _AT_POST_BUDGET:
-            self._at_post_streak = 0
-            await self._io.sleep(0)
-        await op.waiter.wait()
+        """Wait for the op's completion. An op that completed at its post returns at once, without a
+        waiter (on any loop), so a task calling in a loop would never let the event loop run: after
+        ``_AT_POST_BUDGET`` such calls in a row on this engine, one yields to the loop first (a
+        cooperative budget, as Tokio gives each task)."""
+        if op.done:
+            if self._at_post_streak >= _AT_POST_BUDGET:
+                self._at_post_streak = 0
+                await self._io.sleep(0)
+            return
+        waiter = op.waiter = self._io.waiter()
+        await waiter.wait()
 
     def on_completion(self, wr_id: int, status: int, vendor_err: int = 0) -> None:
         """A completion of one of our work requests (``wr_id >> 56 == 2``), successful or not."""
@@ -486,14 +508,16 @@ class Operations(EngineCore):
             return
         op.done = True
         op.error = error
-        self.ops.pop(op.index, None)
+        if self.ops.pop(op.index, None) is not None:
+            self._in_flight -= op.count
         if op.orphan:  # a cancelled call or a control message: nobody will release its memory
             self._release(op)
-        op.waiter.set()
+        if op.waiter is not None:
+            op.waiter.set()
         self._wake_slot_waiter()
 
     def _wake_slot_waiter(self) -> None:
-        if self._slot_waiters and len(self.ops) < self.max_ops:
+        if self._slot_waiters and self._in_flight < self.max_ops:
             self._slot_waiters.popleft().set()
         if self._pending_acks:
             self.pump()
@@ -519,6 +543,7 @@ class Operations(EngineCore):
         op.buffer = None
 
     def _abandon(self, op: _Op) -> None:
-        self.ops.pop(op.index, None)
+        if self.ops.pop(op.index, None) is not None:
+            self._in_flight -= op.count
         self._release(op)
         self._wake_slot_waiter()

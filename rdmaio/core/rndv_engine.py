@@ -416,7 +416,7 @@ class RendezvousEngine:
         op = await engine._start(key, _WR_READ, n, staging=False)
         engine._post(op, desc.addr + offset, desc.rkey, local=(addr, lkey))
         try:
-            await op.waiter.wait()
+            await engine._wait(op)
         except BaseException:
             op.orphan = True  # the run is ending: its completion (or the teardown) releases it
             raise

@@ -176,6 +176,12 @@ class Transport:
         """Poll the domain's CQs now and dispatch what is there (deferred when called from a handler)."""
         self.completions.poll_now()
 
+    def poll_for(self, wr_id: int) -> bool:
+        """Poll this connection's CQ once for the completion of ``wr_id``, just posted (see
+        :meth:`CompletionDispatcher.poll_for <rdmaio.core.completions.CompletionDispatcher.poll_for>`):
+        True when it was there, successful and alone, and so was not dispatched."""
+        return self.completions.poll_for(self.cq, self.qp.qp_num, wr_id)
+
     def close(self) -> None:
         """Tear down in dependency order: unregister from the dispatcher, QP, slot rings (MRs), CQ
         reservation. Idempotent.

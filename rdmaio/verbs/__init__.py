@@ -53,6 +53,7 @@ from rdmaio.verbs.qp import QueuePair
 from rdmaio.verbs.srq import SharedReceiveQueue
 from rdmaio.verbs.wr import (
     MAX_POLL,
+    RDMA_OP,
     WR_INDEX_MASK,
     WR_KIND_CONTROL,
     WR_KIND_ONESIDED,
@@ -82,6 +83,7 @@ __all__ = [
     "EVENT_SRQ_LIMIT_REACHED",
     "MAX_POLL",
     "MTU_BYTES",
+    "RDMA_OP",
     "SEND_INLINE",
     "SEND_SIGNALED",
     "WC_WITH_IMM",

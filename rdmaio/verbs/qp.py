@@ -106,6 +106,55 @@ class QueuePair(_Resource):
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"one-sided request {self._bad[0]} of {count}")
 
+    def post_batch(
+        self,
+        wr_id: int,
+        opcode: int,
+        local_addr: int,
+        lkey: int,
+        rkey: int,
+        remote_addr: Any,
+        *,
+        length: Any = None,
+        local_offset: Any = None,
+        compare_add: Any = None,
+        swap: Any = None,
+    ) -> None:
+        """Post a batch of one-sided requests of one ``opcode`` on one remote key as one chain in which only
+        the last request is signalled (``struct rdmaio_batch`` in helper.h). ``remote_addr``,
+        ``local_offset``, ``compare_add`` and ``swap`` are buffers of ``uint64`` (``array('Q')``),
+        ``length`` of ``uint32`` (``array('I')``), one entry per request; request ``i``'s local memory is
+        ``local_addr + local_offset[i]`` (``8 * i`` without offsets) for ``length[i]`` bytes (8 without)."""
+        self._check_usable()
+        batch = getattr(self, "_batch", None)
+        if batch is None:
+            batch = self._batch = ffi.new("struct rdmaio_batch *")
+        count = len(remote_addr)
+        keep = [ffi.from_buffer("uint64_t[]", remote_addr)]  # alive until the call returns
+        batch.wr_id = wr_id
+        batch.local_addr = local_addr
+        batch.lkey = lkey
+        batch.opcode = opcode
+        batch.rkey = rkey
+        batch.count = count
+        batch.remote_addr = keep[0]
+        for name, array, ctype in (
+            ("length", length, "uint32_t[]"),
+            ("local_offset", local_offset, "uint64_t[]"),
+            ("compare_add", compare_add, "uint64_t[]"),
+            ("swap", swap, "uint64_t[]"),
+        ):
+            if array is None:
+                setattr(batch, name, ffi.NULL)
+            else:
+                if len(array) != count:
+                    raise ValueError(f"{name} has {len(array)} entries for {count} requests")
+                keep.append(ffi.from_buffer(ctype, array))
+                setattr(batch, name, keep[-1])
+        rc = lib.rdmaio_post_batch(self._ptr, batch, self._bad)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_post_send", -rc, f"batch request {self._bad[0]} of {count}")
+
     def remote_access(self) -> tuple[int, int, int]:
         """``(qp_access_flags, max_rd_atomic, max_dest_rd_atomic)`` as the device reports them."""
         self._check_usable()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rdmaio._ffi import lib
+import struct
+
+from rdmaio._ffi import ffi, lib
 
 # --- wr_id layout ------------------------------------------------------------------------------------
 # Every work request rdmaio posts carries, in its 64-bit wr_id: bits 56..63 the operation kind, bits 32..55
@@ -55,3 +57,38 @@ def wr_index(wr_id: int) -> int:
 def dispatch_key(qp_num: int, tag: int) -> int:
     """The key completions are dispatched by: ``(qp_num << 24) | tag`` (what ``poll_grouped`` groups)."""
     return (qp_num << WR_TAG_BITS) | tag
+
+
+# --- one-sided request layout ---------------------------------------------------------------------------
+RDMA_OP = struct.Struct("=QQIIIIIIQQQ")
+"""``struct rdmaio_rdma_op`` (helper.h) as one ``pack_into``: ``wr_id, local_addr, length, lkey, opcode,
+send_flags, imm_data, rkey, remote_addr, compare_add, swap``. Writing an entry with one C call instead
+of eleven cffi attribute stores is most of the cost of filling it (the one-sided engine fills one per
+request)."""
+
+
+def _check_rdma_op_layout() -> None:
+    # The layout must match the compiled struct exactly, field by field (no padding in either).
+    fields = (
+        "wr_id",
+        "local_addr",
+        "length",
+        "lkey",
+        "opcode",
+        "send_flags",
+        "imm_data",
+        "rkey",
+        "remote_addr",
+        "compare_add",
+        "swap",
+    )
+    offsets = [ffi.offsetof("struct rdmaio_rdma_op", name) for name in fields]
+    expected, at = [], 0
+    for code in RDMA_OP.format[1:]:
+        expected.append(at)
+        at += struct.calcsize("=" + code)
+    if offsets != expected or ffi.sizeof("struct rdmaio_rdma_op") != RDMA_OP.size:
+        raise ImportError(f"struct rdmaio_rdma_op layout {offsets} does not match RDMA_OP {expected}")
+
+
+_check_rdma_op_layout()

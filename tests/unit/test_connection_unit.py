@@ -56,6 +56,7 @@ class FakeQP:
     def __init__(self, ring: SlotRing, qp_num: int) -> None:
         self.qp_num = qp_num
         self.send_array = [SimpleNamespace() for _ in range(DEPTH)]
+        self.rdma_array = ffi.new("struct rdmaio_rdma_op[]", 16)  # one-sided requests (none posted here)
         self._ring = ring
         self.wire: Callable[[list[tuple[int, bytes, int, int]]], None] | None = None
         self.chains = 0
@@ -99,6 +100,9 @@ class FakeTransport:
 
     def poll_completions(self) -> None:
         pass  # the fake wire delivers completions itself
+
+    def poll_for(self, wr_id: int) -> bool:
+        return False  # as above: nothing is ever waiting in a CQ
 
     def post_receives(self, slots: list[int]) -> None:
         self.posted.extend(slots)

@@ -78,6 +78,32 @@ class FakeQP:
             entry.update(remote_addr=int(wr.remote_addr), compare_add=int(wr.compare_add), swap=int(wr.swap))
             self.posted.append(entry)
 
+    def post_batch(
+        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
+    ) -> None:
+        """As the C helper fills a batch: request i at local_addr + local_offset[i] (8 * i), only the last
+        signalled; each request is one entry of ``posted``, the batch one entry of ``calls``."""
+        if self.fail_next:
+            raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
+        count = len(remote_addr)
+        self.calls.append(count)
+        lengths, offsets = arrays.get("length"), arrays.get("local_offset")
+        compare_add = arrays.get("compare_add")
+        for i in range(count):
+            self.posted.append(
+                {
+                    "wr_id": wr_id,
+                    "local_addr": local_addr + (offsets[i] if offsets is not None else 8 * i),
+                    "length": lengths[i] if lengths is not None else 8,
+                    "lkey": lkey,
+                    "opcode": opcode,
+                    "send_flags": int(lib.IBV_SEND_SIGNALED) if i == count - 1 else 0,
+                    "rkey": rkey,
+                    "remote_addr": remote_addr[i],
+                    "compare_add": compare_add[i] if compare_add is not None else 0,
+                }
+            )
+
 
 class FakeCredits:
     def __init__(self, credits: int = 8) -> None:
@@ -119,6 +145,8 @@ class Rig:
         self.grants: list[FakeRegion] = []
         self.cached: list[FakeRegistration] = []
         self.failures: list[BaseException] = []
+        self.poll = poll
+        self.polled_for: list[int] = []
         self.engine = OneSidedEngine(
             AsyncioBackend(asyncio.get_running_loop()),
             self.qp,
@@ -134,8 +162,15 @@ class Rig:
             peer_onesided=peer_onesided,
             notice_limit=notice_limit,
             repost=self.reposted.append,
-            poll_completions=poll,
+            poll_for=None if poll is None else self._poll_for,
         )
+
+    def _poll_for(self, wr_id: int) -> bool:
+        # The tests' poll completes what it finds through on_completion, as the dispatcher would.
+        assert self.poll is not None
+        self.polled_for.append(wr_id)
+        self.poll()
+        return False
 
     def _local(self, buffer: Any) -> FakeRegion:
         self.local.append(FakeRegion(buffer))
@@ -768,6 +803,32 @@ def test_a_lone_request_completed_at_post_returns_without_sleeping(arun: Run) ->
     arun(main())
 
 
+def test_a_completion_found_alone_at_post_is_completed_by_the_caller(arun: Run) -> None:
+    """poll_for() True: the request's own successful completion was all the poll found, so the dispatcher
+    did not deliver it and the engine completes the op itself (no on_completion call)."""
+
+    async def main() -> None:
+        rig = Rig(poll=lambda: None)
+        await first_call_completed_later(rig, rig.engine.read(key(), 0, 8))
+        asked: list[int] = []
+
+        def poll_for(wr_id: int) -> bool:
+            asked.append(wr_id)
+            wr = rig.qp.posted[-1]
+            ffi.memmove(ffi.cast("void *", wr["local_addr"]), b"w" * 64, 64)  # the NIC's READ
+            return True
+
+        rig.engine._poll_for = poll_for
+        assert await rig.engine.read(key(), 0, 64) == b"w" * 64
+        assert await rig.engine.fetch_add(key(), 8, 2) == int.from_bytes(b"w" * 8, sys.byteorder)
+        assert asked == [rig.qp.posted[1]["wr_id"], rig.qp.posted[2]["wr_id"]]
+        stats = rig.engine.statistics()
+        assert stats["rdma_ops_pending"] == 0 and rig.engine._stats["rdma_completed_at_post"] == 2
+        assert sorted(rig.engine._free_staging) == list(range(rig.engine.max_ops))  # memory given back
+
+    arun(main())
+
+
 def test_calls_completed_at_post_still_let_the_loop_run(arun: Run) -> None:
     """A task calling in a loop whose every request completes at its post yields to the loop at least
     once per _AT_POST_BUDGET calls: other tasks and callbacks are not starved."""
@@ -833,5 +894,166 @@ def test_concurrent_callers_share_doorbells_and_do_not_poll_at_post(arun: Run) -
                 rig.complete(3 * round_ + i, data=(7).to_bytes(8, sys.byteorder))
         assert await asyncio.gather(*tasks) == [[7, 7]] * 3
         assert polls == []
+
+    arun(main())
+
+
+# --- batches: fetch_add_many, rdma_read_many ------------------------------------------------------------
+
+
+def complete_wave(rig: Rig, datas: list[bytes], *, status: int = 0, first: int | None = None) -> None:
+    """The NIC finished a wave of ``len(datas)`` requests (the last posted, or those from ``first``): each
+    request's data lands at its local address, and only the last (signalled) one completes."""
+    start = len(rig.qp.posted) - len(datas) if first is None else first
+    wave = rig.qp.posted[start : start + len(datas)]
+    assert [wr["send_flags"] for wr in wave] == [0] * (len(datas) - 1) + [int(lib.IBV_SEND_SIGNALED)]
+    for wr, data in zip(wave, datas, strict=True):
+        ffi.memmove(ffi.cast("void *", wr["local_addr"]), data, len(data))
+    rig.engine.on_completion(wave[-1]["wr_id"], status)
+
+
+def u64(value: int) -> bytes:
+    return value.to_bytes(8, sys.byteorder)
+
+
+def test_fetch_add_many_posts_waves_of_max_ops_and_returns_old_values_in_order(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=4)
+        k = key()
+        offsets = [8 * i for i in range(10)]
+        call = asyncio.ensure_future(rig.engine.fetch_add_many(k, offsets, [i + 1 for i in range(10)]))
+        for wave in (range(0, 4), range(4, 8), range(8, 10)):
+            await settle()
+            assert rig.qp.calls[-1] == len(wave)  # one chain per wave
+            assert rig.engine._in_flight == len(wave)
+            complete_wave(rig, [u64(100 + i) for i in wave])
+        assert await call == [100 + i for i in range(10)]
+        posted = rig.qp.posted
+        assert [wr["remote_addr"] for wr in posted] == [k.addr + o for o in offsets]
+        assert [wr["compare_add"] for wr in posted] == [i + 1 for i in range(10)]
+        assert {wr["opcode"] for wr in posted} == {int(lib.IBV_WR_ATOMIC_FETCH_AND_ADD)}
+        assert rig.engine._in_flight == 0 and not rig.engine.ops
+        assert sorted(rig.engine._free_staging) == [0, 1, 2, 3]
+        # one add for every offset, negative adds wrap modulo 2**64
+        call = asyncio.ensure_future(rig.engine.fetch_add_many(k, [0, 0], -1))
+        await settle()
+        assert [wr["compare_add"] for wr in rig.qp.posted[-2:]] == [2**64 - 1] * 2
+        complete_wave(rig, [u64(5), u64(4)])
+        assert await call == [5, 4]
+
+    arun(main())
+
+
+def test_a_batch_is_checked_whole_before_anything_is_posted(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=4)
+        k = key(length=64)
+        with pytest.raises(rdmaio.RemoteAccessError, match="not 8-byte aligned"):
+            await rig.engine.fetch_add_many(k, [0, 8, 12])
+        with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+            await rig.engine.fetch_add_many(k, [0, 64])
+        with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+            await rig.engine.fetch_add_many(k, [-8, 0])
+        with pytest.raises(rdmaio.RemoteAccessError, match="does not grant"):
+            await rig.engine.fetch_add_many(key(access=ACCESS_READ), [0])
+        with pytest.raises(TypeError):
+            await rig.engine.fetch_add_many(k, [0, 8.0])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="2 values to add for 3 offsets"):
+            await rig.engine.fetch_add_many(k, [0, 8, 16], [1, 2])
+        with pytest.raises(ValueError):
+            await rig.engine.fetch_add_many(k, [0], 2**64)
+        with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+            await rig.engine.read_many(k, [(0, 8), (60, 8)])
+        with pytest.raises(rdmaio.RemoteAccessError, match="does not grant"):
+            await rig.engine.read_many(key(access=ACCESS_WRITE), [(0, 8)])
+        with pytest.raises(rdmaio.MessageTooLargeError):
+            await rig.engine.read_many(key(length=1 << 20), [(0, 8), (0, 65537)])
+        assert rig.qp.posted == [] and rig.engine._in_flight == 0
+        assert await rig.engine.fetch_add_many(k, []) == [] and await rig.engine.read_many(k, []) == []
+        rig.engine.revoked_ids.add(k.key_id)
+        with pytest.raises(rdmaio.RemoteKeyRevokedError):
+            await rig.engine.fetch_add_many(k, [0])
+        assert rig.qp.posted == []
+
+    arun(main())
+
+
+def test_read_many_fills_waves_up_to_a_staging_slot_and_skips_empty_ranges(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=8)
+        k = key(length=1 << 20)
+        size = 30 * 1024  # two and a small one fit one 64 KiB staging slot, three do not
+        ranges = [(0, size), (size, 0), (2 * size, size), (5, 3), (3 * size, size)]
+        call = asyncio.ensure_future(rig.engine.read_many(k, ranges))
+        await settle()
+        assert rig.qp.calls == [3]  # 30 KiB + 30 KiB + 3 B; the empty range posted nothing
+        wave = rig.qp.posted
+        assert [wr["length"] for wr in wave] == [size, size, 3]
+        assert wave[2]["local_addr"] - wave[0]["local_addr"] == 2 * size  # packed one after another
+        complete_wave(rig, [b"a" * size, b"b" * size, b"xyz"])
+        await settle()
+        assert rig.qp.calls == [3, 1]
+        complete_wave(rig, [b"c" * size])
+        assert await call == [b"a" * size, b"", b"b" * size, b"xyz", b"c" * size]
+        assert [wr["remote_addr"] - k.addr for wr in rig.qp.posted] == [0, 2 * size, 5, 3 * size]
+        assert rig.engine._in_flight == 0 and sorted(rig.engine._free_staging) == list(range(8))
+
+    arun(main())
+
+
+def test_a_batch_takes_as_many_op_slots_as_requests(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=4)
+        k = key()
+        batch = asyncio.ensure_future(rig.engine.fetch_add_many(k, [0, 8, 16]))
+        await settle()
+        assert rig.engine._in_flight == 3
+        first = asyncio.ensure_future(rig.engine.read(k, 0, 8))  # one slot left: it goes
+        await settle()
+        second = asyncio.ensure_future(rig.engine.fetch_add_many(k, [0, 8]))  # needs two: waits
+        await settle()
+        assert rig.qp.calls == [3, 1] and rig.engine._in_flight == 4
+        rig.complete(-1, data=b"r" * 8)  # the READ
+        assert await first == b"r" * 8
+        await settle()
+        assert rig.qp.calls == [3, 1]  # one slot free is not enough for two
+        complete_wave(rig, [u64(1), u64(2), u64(3)], first=0)
+        assert await batch == [1, 2, 3]
+        await settle()
+        assert rig.qp.calls == [3, 1, 2]
+        complete_wave(rig, [u64(7), u64(8)])
+        assert await second == [7, 8]
+        assert rig.engine._in_flight == 0
+
+    arun(main())
+
+
+def test_a_failed_wave_fails_the_call_and_frees_its_slots(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=4)
+        k = key()
+        call = asyncio.ensure_future(rig.engine.fetch_add_many(k, [0, 8, 16, 24, 32]))
+        await settle()
+        # the second request of the first wave failed: it completes (signalled or not) with its error
+        rig.engine.on_completion(rig.qp.posted[1]["wr_id"], STATUS_REM_ACCESS)
+        with pytest.raises(rdmaio.RemoteAccessError, match="refused"):
+            await call
+        assert rig.qp.calls == [4]  # the second wave was never posted
+        assert rig.engine._in_flight == 0 and sorted(rig.engine._free_staging) == [0, 1, 2, 3]
+
+    arun(main())
+
+
+def test_a_cancelled_batch_keeps_its_memory_until_the_wave_completes(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(max_ops=4)
+        call = asyncio.ensure_future(rig.engine.read_many(key(), [(0, 8), (8, 8)]))
+        await settle()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert rig.engine._in_flight == 2 and len(rig.engine._free_staging) == 3  # the NIC may still write
+        complete_wave(rig, [b"1" * 8, b"2" * 8])
+        assert rig.engine._in_flight == 0 and len(rig.engine._free_staging) == 4
 
     arun(main())

@@ -1,0 +1,135 @@
+"""Batches of one-sided requests: ``fetch_add_many`` and ``rdma_read_many`` (a part of the one-sided engine).
+
+A batch is checked as a whole before anything is posted, then goes out in waves: a wave is ONE op of the
+engine that stands for up to ``max_ops`` work requests (it takes that many op slots, so the send queue
+never overflows), has one piece of staging memory for all of its results, and is posted as one chain of
+which only the last request is signalled (``rdmaio_post_batch``). RC executes a send queue in order, so
+that one completion means the whole wave is done: one completion, one dispatch and one wake-up for the
+wave instead of one per request; a request that fails completes with its own error (the wave's wr_id),
+which fails the wave. The waves of one call follow each other; calls from several tasks overlap.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Iterable
+from itertools import accumulate
+from typing import Any
+
+from rdmaio.core.onesided_ops import _STAGING_SLOT, _U64, _WR_FADD, _WR_READ, Operations, _Op
+from rdmaio.core.remotekey import ACCESS_ATOMIC, ACCESS_READ, RemoteKey
+from rdmaio.errors import MessageTooLargeError, RemoteAccessError
+
+__all__ = ["Batches"]
+
+
+class Batches(Operations):
+    """The batch calls of a one-sided engine (on top of :class:`~rdmaio.core.onesided_ops.Operations`)."""
+
+    async def fetch_add_many(
+        self, key: RemoteKey, offsets: Iterable[int], add: int | Iterable[int] = 1
+    ) -> list[int]:
+        """Atomic fetch-and-add on many u64s of one key; see ``Endpoint.fetch_add_many``."""
+        where = _ints(offsets, "offsets")
+        if isinstance(add, int):
+            adds = [add] * len(where)
+        else:
+            adds = _ints(add, "add")
+            if len(adds) != len(where):
+                raise ValueError(f"{len(adds)} values to add for {len(where)} offsets")
+        if not where:
+            self._raise_if_failed()
+            return []
+        if min(adds) < -(1 << 63) or max(adds) > _U64:
+            raise ValueError("every add must be an int in -2**63..2**64-1")
+        self._check_key(key, min(where), 8, ACCESS_ATOMIC)
+        self._check_key(key, max(where), 8, ACCESS_ATOMIC)
+        base = key.addr
+        for offset in where:
+            if (base + offset) & 7:
+                raise RemoteAccessError(
+                    f"atomic at offset {offset} of {key!r} is not 8-byte aligned (remote address "
+                    f"{base + offset:#x})"
+                )
+        remote = array("Q", [base + offset for offset in where])
+        operands = array("Q", [value & _U64 for value in adds])
+        results: list[int] = []
+        step = self.max_ops
+        for i in range(0, len(where), step):
+            wave = remote[i : i + step]
+            op = await self._start(key, _WR_FADD, 8 * len(wave), count=len(wave))
+            self._post_wave(op, key, wave, compare_add=operands[i : i + step])
+            await self._finish(op)
+            assert op.buffer is not None
+            # The NIC stores each original value as a u64 in this host's byte order.
+            results.extend(struct.unpack_from(f"={op.count}Q", op.buffer))
+            self._release(op)
+        return results
+
+    async def read_many(self, key: RemoteKey, ranges: Iterable[tuple[int, int]]) -> list[bytes]:
+        """RDMA READs of many ranges of one key; see ``Endpoint.rdma_read_many``."""
+        wanted: list[tuple[int, int]] = []
+        for item in ranges:
+            offset, length = item
+            self._check_key(key, offset, length, ACCESS_READ)
+            if length > _STAGING_SLOT:
+                raise MessageTooLargeError(
+                    f"rdma_read_many() reads at most {_STAGING_SLOT} bytes per range; use rdma_read() for "
+                    f"the range of {length} bytes"
+                )
+            wanted.append((offset, length))
+        self._raise_if_failed()
+        results: list[bytes] = [b""] * len(wanted)
+        todo = [i for i, (_, length) in enumerate(wanted) if length]  # zero-length ranges post nothing
+        while todo:
+            wave = _next_wave(todo, wanted, self.max_ops)
+            todo = todo[len(wave) :]
+            lengths = array("I", [wanted[i][1] for i in wave])
+            starts = array("Q", [0, *accumulate(lengths)][:-1])
+            total = starts[-1] + lengths[-1]
+            op = await self._start(key, _WR_READ, total, count=len(wave))
+            remote = array("Q", [key.addr + wanted[i][0] for i in wave])
+            self._post_wave(op, key, remote, length=lengths, local_offset=starts)
+            await self._finish(op)
+            assert op.buffer is not None
+            view = op.buffer
+            for i, start, length in zip(wave, starts, lengths, strict=True):
+                results[i] = bytes(view[start : start + length])
+            self._release(op)
+        return results
+
+    def _post_wave(self, op: _Op, key: RemoteKey, remote: array[int], **arrays: Any) -> None:
+        """Post one wave (``op.count`` requests) as one chain, only the last signalled."""
+        addr, lkey = self._local_of(op)
+        try:
+            self._qp.post_batch(self._wr_base | op.index, op.opcode, addr, lkey, key.rkey, remote, **arrays)
+        except Exception as exc:
+            self._complete(op, exc)
+            self._fail_connection(exc)
+            return
+        op.posted = True
+        self._stats["rdma_ops_posted"] += op.count
+        self._stats["rdma_doorbells"] += 1
+        self._stats["rdma_batches"] += 1
+
+
+def _ints(values: Iterable[int], name: str) -> list[int]:
+    items = list(values)
+    for value in items:
+        if not isinstance(value, int):
+            raise TypeError(f"{name} must be ints, not {type(value).__name__}")
+    return items
+
+
+def _next_wave(todo: list[int], wanted: list[tuple[int, int]], max_ops: int) -> list[int]:
+    """The next requests of ``todo`` that fit one wave: at most ``max_ops`` requests and one staging slot."""
+    wave: list[int] = []
+    total = 0
+    for i in todo:
+        length = wanted[i][1]
+        if len(wave) == max_ops or (wave and total + length > _STAGING_SLOT):
+            break
+        wave.append(i)
+        total += length
+    return wave

@@ -1,0 +1,122 @@
+"""Batches of one-sided requests (``fetch_add_many``, ``rdma_read_many``) in the test host."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+import sys
+from typing import Any
+
+import pytest
+from loops import Runner, arun  # arun is a fixture used by name
+from test_onesided import pair, share
+
+import rdmaio
+from rdmaio.core.onesided import RemoteKey
+
+
+def test_eight_clients_fetch_add_many_exact_totals(arun: Runner[Any], rdma_addr: str) -> None:
+    """Eight clients, two tasks each, add to 8 counters in batches of 16 (every counter twice per batch,
+    waves of 8 with max_rdma_ops=8): each counter ends at the exact total and every old value was seen
+    exactly once (no lost or duplicated update); nothing outside the grant changed."""
+    clients, lanes, calls, counters = 8, 2, 40, 8
+    offsets = [8 * (i % counters) for i in range(2 * counters)]
+
+    async def main() -> None:
+        memory = bytearray(8 * counters + 16)
+        served = 0
+        all_served = asyncio.Event()
+
+        async def handler(ep: rdmaio.Endpoint) -> None:
+            nonlocal served
+            async with ep:
+                key = ep.export(memory, 8, 8 * counters, access="a")
+                await ep.send(bytes(key))
+                assert await ep.recv() == b"done"
+                served += 1
+                if served == clients:
+                    all_served.set()
+
+        server = await rdmaio.serve(handler, rdma_addr, 0)
+        async with server:
+            port = server.addresses[0][1]
+
+            async def client() -> list[list[int]]:
+                opts = {"max_rdma_ops": 8}
+                async with await rdmaio.connect(rdma_addr, port, timeout=60, options=opts) as ep:
+                    key = rdmaio.RemoteKey.from_bytes(await ep.recv())
+                    seen: list[list[int]] = [[] for _ in range(counters)]
+
+                    async def lane() -> None:
+                        for _ in range(calls):
+                            olds = await ep.fetch_add_many(key, offsets)
+                            assert len(olds) == len(offsets)
+                            for offset, old in zip(offsets, olds, strict=True):
+                                seen[offset // 8].append(old)
+
+                    await asyncio.gather(*(lane() for _ in range(lanes)))
+                    stats = ep.statistics()
+                    assert stats["rdma_batches"] == lanes * calls * 2  # two waves of 8 per call
+                    await ep.send(b"done")
+                    return seen
+
+            results = await asyncio.gather(*(client() for _ in range(clients)))
+            await asyncio.wait_for(all_served.wait(), 60)
+        total = clients * lanes * calls * 2
+        values = struct.unpack_from(f"={counters}Q", memory, 8)
+        assert values == (total,) * counters
+        for c in range(counters):
+            assert sorted(v for seen in results for v in seen[c]) == list(range(total))
+        assert memory[:8] == bytes(8) and memory[8 + 8 * counters :] == bytes(8)
+
+    arun(main())
+
+
+def test_read_many_against_a_model(arun: Runner[Any], rdma_addr: str) -> None:
+    """Random batches of ranges (empty ones, 1 B to 16 KiB, overlapping, more than one wave) read back
+    exactly what the exporter holds, also after the region changes."""
+
+    async def main() -> None:
+        async with pair(rdma_addr) as (exp, imp):
+            rng = random.Random(11)
+            region = bytearray(rng.randbytes(1 << 20))
+            key = await share(exp, imp, exp.export(region, access="r"))
+            for round_ in range(30):
+                ranges = []
+                for _ in range(rng.randrange(1, 40)):
+                    length = rng.choice((0, 1, 8, 100, 4096, rng.randrange(1, 16385)))
+                    offset = rng.randrange(0, len(region) - length + 1)
+                    ranges.append((offset, length))
+                got = await imp.rdma_read_many(key, ranges)
+                assert got == [bytes(region[o : o + n]) for o, n in ranges], f"round {round_}"
+                region[rng.randrange(len(region))] ^= 0xFF  # the exporter writes between rounds
+            assert imp.statistics()["rdma_batches"] >= 30
+
+    arun(main())
+
+
+def test_a_bad_batch_posts_nothing_and_a_forged_one_is_refused_by_the_nic(rdma_addr: str) -> None:
+    async def main() -> None:
+        async with pair(rdma_addr) as (exp, imp):
+            memory = bytearray(b"\xaa" * 256)
+            key = await share(exp, imp, exp.export(memory, 64, 64, access="ra"))
+            with pytest.raises(rdmaio.RemoteAccessError, match="aligned"):
+                await imp.fetch_add_many(key, [0, 8, 4])
+            with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+                await imp.fetch_add_many(key, [0, 64])
+            with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+                await imp.rdma_read_many(key, [(0, 8), (60, 8)])
+            assert imp.statistics()["rdma_batches"] == 0
+            # still usable
+            assert await imp.fetch_add_many(key, [0, 8], 1) == [0xAAAAAAAAAAAAAAAA] * 2
+            assert (
+                await imp.rdma_read_many(key, [(0, 8), (8, 8)])
+                == [(0xAAAAAAAAAAAAAAAB).to_bytes(8, sys.byteorder)] * 2
+            )
+            forged = RemoteKey(key.addr, key.rkey, 256, key.access_bits, key.key_id)
+            with pytest.raises(rdmaio.RemoteAccessError):
+                await imp.fetch_add_many(forged, [0, 64, 128])  # the second is past the grant
+            assert memory[:64] == b"\xaa" * 64 and memory[128:] == b"\xaa" * 128
+
+    asyncio.run(main())
