@@ -7,7 +7,10 @@ key; after that it only waits. Clients find a key's slot by hashing (linear prob
   entry with ``rdma_write``, make the version even again, release the lock; count the put with
   ``fetch_add`` on the table's counter;
 * ``get``: ``rdma_read`` the slot, then its version again (a seqlock): an odd or changed version means a
-  writer was busy, so read again.
+  writer was busy, so read again;
+* ``get_many``: the same for many keys at once, in batches: one ``rdma_read_many`` of their home slots,
+  one of their versions, then one ``fetch_add_many`` on the hit counters of the slots found (a cache's
+  popularity count); a key that is not in its home slot, or was being written, falls back to ``get``.
 
 Slot layout (little-endian): lock u64, version u64, key length u32, value length u32, key (32 bytes),
 value (72 bytes). Usage: ``python examples/onesided_kv.py [HOST] [--clients N] [--uvloop]``; it runs the
@@ -29,6 +32,7 @@ SLOT = 128
 HEADER = struct.Struct("<QQII")  # lock, version, key length, value length
 KEY_MAX, VALUE_MAX = 32, 72
 COUNTER = SLOTS * SLOT  # offset of the u64 count of puts
+HITS = COUNTER + 8  # SLOTS u64 hit counters, one per slot (bumped by get_many)
 
 
 class Client:
@@ -36,6 +40,7 @@ class Client:
 
     def __init__(self, ep: rdmaio.Endpoint, key: rdmaio.RemoteKey, me: int) -> None:
         self.ep, self.key, self.me = ep, key, me
+        self.hits = 0  # lookups get_many answered from one batch (and counted in the table)
 
     def _slots(self, name: bytes) -> list[int]:
         start = zlib.crc32(name) % SLOTS
@@ -82,13 +87,37 @@ class Client:
                 return raw[start : start + vlen]
         return None
 
+    async def get_many(self, names: list[bytes]) -> list[bytes | None]:
+        """The values stored under ``names`` (None where absent), read in batches."""
+        ep, key = self.ep, self.key
+        homes = [self._slots(name)[0] for name in names]
+        raws = await ep.rdma_read_many(key, [(slot, SLOT) for slot in homes])
+        versions = await ep.rdma_read_many(key, [(slot + 8, 8) for slot in homes])
+        values: list[bytes | None] = []
+        found: list[int] = []
+        for name, slot, raw, again in zip(names, homes, raws, versions, strict=True):
+            _, version, klen, vlen = HEADER.unpack_from(raw)
+            consistent = version % 2 == 0 and version == struct.unpack("<Q", again)[0]
+            if not consistent or (klen and raw[HEADER.size : HEADER.size + klen] != name):
+                values.append(await self.get(name))  # being written, or probed past its home slot
+            elif klen == 0:
+                values.append(None)
+            else:
+                start = HEADER.size + KEY_MAX
+                values.append(raw[start : start + vlen])
+                found.append(HITS + slot // SLOT * 8)
+        if found:
+            await ep.fetch_add_many(key, found)  # one chain of atomics for all the hits
+            self.hits += len(found)
+        return values
+
     async def puts(self) -> int:
         """The table's count of puts (an RDMA READ of the counter word)."""
         return int.from_bytes(await self.ep.rdma_read(self.key, COUNTER, 8), "little")
 
 
 async def main(host: str, clients: int) -> int:
-    table = bytearray(SLOTS * SLOT + 8)
+    table = bytearray(SLOTS * SLOT + 8 + 8 * SLOTS)
     served = 0
 
     async def handler(ep: rdmaio.Endpoint) -> None:
@@ -105,7 +134,7 @@ async def main(host: str, clients: int) -> int:
     async with server:
         port = server.addresses[0][1]
 
-        async def client(n: int) -> tuple[int, int]:
+        async def client(n: int) -> tuple[int, int, int]:
             async with await rdmaio.connect(host, port, timeout=60) as ep:
                 c = Client(ep, rdmaio.RemoteKey.from_bytes(await ep.recv()), n + 1)
                 for i in range(10):
@@ -123,16 +152,22 @@ async def main(host: str, clients: int) -> int:
                     bad += 1
                 if await c.get(b"missing") is not None:
                     bad += 1
+                names = [b"key-%d-%d" % (m, i) for m in range(clients) for i in range(10)]
+                expected = [b"value %d of client %d" % (i, m) for m in range(clients) for i in range(10)]
+                bad += sum(got != want for got, want in zip(await c.get_many(names), expected, strict=True))
                 count = await c.puts()
                 await ep.send(b"bye")
-                return bad, count
+                return bad, count, c.hits
 
         results = await asyncio.gather(*(client(n) for n in range(clients)))
     bad = sum(r[0] for r in results)
-    total = int.from_bytes(table[COUNTER:], "little")
+    total = int.from_bytes(table[COUNTER:HITS], "little")
     expected = clients * 15
+    hits = sum(struct.unpack_from(f"<{SLOTS}Q", table, HITS))
+    batched = sum(r[2] for r in results)
     print(f"{clients} clients, {total} puts (expected {expected}), {bad} bad reads, server served {served}")
-    ok = bad == 0 and total == expected and served == clients
+    print(f"get_many: {batched} lookups answered from batches, {hits} hits counted by fetch_add_many")
+    ok = bad == 0 and total == expected and served == clients and hits == batched > 0
     print("onesided kv: ok" if ok else "onesided kv: FAILED")
     return 0 if ok else 1
 

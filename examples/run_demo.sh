@@ -37,7 +37,7 @@ echo "== asyncio streams echo over RDMA =="
 "$PY" examples/streams_echo.py --transport rdma --host "$ADDR"
 echo "== anyio echo over RDMA on trio =="
 "$PY" examples/anyio_echo.py --transport rdma --host "$ADDR" --backend trio
-echo "== one-sided key-value store: compare_swap / fetch_add / rdma_write puts, rdma_read gets =="
+echo "== one-sided key-value store: compare_swap / fetch_add / rdma_write puts, rdma_read gets, batched gets (rdma_read_many + fetch_add_many) =="
 "$PY" examples/onesided_kv.py "$ADDR" --clients 4
 echo "== zero-copy: large messages by rendezvous (RDMA READ into the receiver's buffer), SHA-256 checked =="
 "$PY" examples/zerocopy_transfer.py "$ADDR" --sizes 64K,1M,16M

@@ -244,7 +244,7 @@ def _describe(run: Run, samples: dict[Workload, Sample]) -> str:
                 parts.append("of those opened: " + _describe_memory(sample.memory))
         elif workload in (Workload.STREAM, Workload.RDMA_WRITE, Workload.RDMA_READ):
             parts.append(f"{(sample.bytes_per_s or 0) / 2**20:.3g} MiB/s")
-        elif workload in (Workload.MESSAGE, Workload.FETCH_ADD):
+        elif workload in (Workload.MESSAGE, Workload.FETCH_ADD, Workload.FETCH_ADD_MANY):
             parts.append(f"{(sample.msgs_per_s or 0) / 1000:.3g} kmsg/s")
         elif workload is Workload.SETUP:
             parts.append(f"{sample.conns_per_s or 0:.3g} conn/s over {sample.ops} connections")

@@ -65,6 +65,8 @@ class Workload(StrEnum):
     """One-sided RDMA READ bandwidth, several in flight: bytes/s."""
     FETCH_ADD = "fetch_add"
     """Remote atomic fetch-and-add rate, several in flight: operations/s."""
+    FETCH_ADD_MANY = "fetch_add_many"
+    """The same rate with ``fetch_add_many`` (batches posted as one chain): operations/s."""
     READ_LAT = "read_lat"
     """One RDMA READ at a time: round-trip time, p50 and p99."""
 
@@ -73,6 +75,7 @@ ONESIDED_WORKLOADS: tuple[Workload, ...] = (
     Workload.RDMA_WRITE,
     Workload.RDMA_READ,
     Workload.FETCH_ADD,
+    Workload.FETCH_ADD_MANY,
     Workload.READ_LAT,
 )
 """The one-sided workloads (``--only onesided``)."""
@@ -95,6 +98,7 @@ WORKLOAD_TITLES: dict[Workload, str] = {
     Workload.RDMA_WRITE: "One-sided RDMA WRITE bandwidth (pipelined)",
     Workload.RDMA_READ: "One-sided RDMA READ bandwidth (pipelined)",
     Workload.FETCH_ADD: "Remote fetch-and-add rate (pipelined)",
+    Workload.FETCH_ADD_MANY: "Remote fetch-and-add rate (fetch_add_many batches)",
     Workload.READ_LAT: "RDMA READ round trip (one at a time)",
 }
 WORKLOAD_UNITS: dict[Workload, str] = {
@@ -106,6 +110,7 @@ WORKLOAD_UNITS: dict[Workload, str] = {
     Workload.RDMA_WRITE: "B/s",
     Workload.RDMA_READ: "B/s",
     Workload.FETCH_ADD: "op/s",
+    Workload.FETCH_ADD_MANY: "op/s",
     Workload.READ_LAT: "us",
 }
 HIGHER_IS_BETTER: dict[Workload, bool] = {
@@ -117,6 +122,7 @@ HIGHER_IS_BETTER: dict[Workload, bool] = {
     Workload.RDMA_WRITE: True,
     Workload.RDMA_READ: True,
     Workload.FETCH_ADD: True,
+    Workload.FETCH_ADD_MANY: True,
     Workload.READ_LAT: False,
 }
 
@@ -129,7 +135,7 @@ def sizes_of(workload: Workload, memory_counts: tuple[int, ...] = MEMORY_COUNTS)
         return (SETUP_SIZE,)
     if workload is Workload.MEMORY:
         return memory_counts
-    if workload is Workload.FETCH_ADD:
+    if workload in (Workload.FETCH_ADD, Workload.FETCH_ADD_MANY):
         return (8,)
     if workload is Workload.READ_LAT:
         return (64,)
@@ -212,7 +218,7 @@ CONTENDERS: dict[str, Contender] = {
             "ib_atomic_bw",
             "perftest",
             None,
-            (Workload.FETCH_ADD,),
+            (Workload.FETCH_ADD, Workload.FETCH_ADD_MANY),
             True,
             "perftest ib_atomic_bw -R (FETCH_AND_ADD)",
         ),
@@ -359,6 +365,8 @@ class Budget:
             return max(5, self.onesided_bytes // size)
         if workload is Workload.FETCH_ADD:
             return max(5, self.atomic_ops)
+        if workload is Workload.FETCH_ADD_MANY:  # batches go 5-10x faster: more for a stable figure
+            return max(5, self.atomic_ops * 8)
         if workload is Workload.READ_LAT:
             return max(5, self.read_lat_iters)
         if workload is Workload.ECHO:
@@ -453,7 +461,7 @@ class Sample:
             return max(present) if present else None
         if workload in (Workload.STREAM, Workload.RDMA_WRITE, Workload.RDMA_READ):
             return self.bytes_per_s
-        if workload in (Workload.MESSAGE, Workload.FETCH_ADD):
+        if workload in (Workload.MESSAGE, Workload.FETCH_ADD, Workload.FETCH_ADD_MANY):
             return self.msgs_per_s
         return self.p50_us if self.p50_us is not None else self.mean_us
 

@@ -11,6 +11,9 @@ workload       rdmaio client (several calls in flight, like tx-depth)  perftest 
 ``read_lat``   one 64 B ``rdma_read`` at a time, round trip p50/p99     ``ib_read_lat -s 64``
 ============== ===================================================== =========================
 
+and ``fetch_add_many``: :data:`ATOMIC_LANES` tasks, each ``await ep.fetch_add_many(key, [0] * ATOMIC_BATCH)``
+in a loop, operations/s, against the same ``ib_atomic_bw`` run.
+
 The server side (the bench server process, :func:`serve_onesided`) exports one region of the measured
 size with the access the workload needs, sends the client its key and then does nothing until the
 client's end of stream: it takes no part in the data path, as with perftest. It then checks what it can
@@ -54,6 +57,12 @@ __all__ = [
 DEPTH = int(os.environ.get("RDMAIO_BENCH_ONESIDED_DEPTH", "16"))
 """Calls in flight on the rdmaio side (16: the default ``Options.max_rdma_ops``; the connection's
 ``max_rdma_ops`` is set to it). ``RDMAIO_BENCH_ONESIDED_DEPTH`` changes it."""
+ATOMIC_BATCH = int(os.environ.get("RDMAIO_BENCH_ATOMIC_BATCH", "64"))
+"""Fetch-and-adds per ``fetch_add_many`` call in the ``fetch_add_many`` workload
+(``RDMAIO_BENCH_ATOMIC_BATCH``)."""
+ATOMIC_LANES = 2
+"""Tasks calling ``fetch_add_many`` at once: with the default batch, 128 atomics in flight (the connection's
+``max_rdma_ops`` is set to lanes x batch), as ``ib_atomic_bw``'s default ``tx-depth`` of 128."""
 ATOMIC_SIZE = 8
 READ_LAT_SIZE = 64
 CONNECT_TIMEOUT = 60.0
@@ -77,19 +86,24 @@ ONESIDED_TARGETS: tuple[tuple[str, str, Workload, int, str, str, float], ...] = 
      "ib_read_bw", ">=", 0.9),
     ("fetch_add_vs_ib_atomic_bw", "fetch_add ops/s (pipelined)", Workload.FETCH_ADD, ATOMIC_SIZE,
      "ib_atomic_bw", ">=", 0.5),
+    ("fetch_add_many_vs_ib_atomic_bw", "fetch_add_many ops/s (batches)", Workload.FETCH_ADD_MANY,
+     ATOMIC_SIZE, "ib_atomic_bw", ">=", 0.5),
     ("read_lat_64b_vs_ib_read_lat", "rdma_read 64 B p50 round trip", Workload.READ_LAT, READ_LAT_SIZE,
      "ib_read_lat", "<=", 3.0),
 )  # fmt: skip
 """(key, description, workload, size, perftest tool, op, target) of issue 11."""
 
 
+_ATOMIC = (Workload.FETCH_ADD, Workload.FETCH_ADD_MANY)
+
+
 def access_of(workload: Workload) -> str:
     """The access the server grants for ``workload``."""
-    return {Workload.RDMA_WRITE: "w", Workload.FETCH_ADD: "a"}.get(workload, "r")
+    return "a" if workload in _ATOMIC else "w" if workload is Workload.RDMA_WRITE else "r"
 
 
 def _region_size(workload: Workload, size: int) -> int:
-    return ATOMIC_SIZE if workload is Workload.FETCH_ADD else size
+    return ATOMIC_SIZE if workload in _ATOMIC else size
 
 
 # --- server side (in the bench server process) --------------------------------------------------------
@@ -110,7 +124,7 @@ async def serve_onesided(ep: rdmaio.Endpoint, spec: Mapping[str, Any]) -> dict[s
     result: dict[str, Any] = {}
     if workload is Workload.RDMA_WRITE:
         result["written_ok"] = region == bytes([_FILL]) * len(region)
-    elif workload is Workload.FETCH_ADD:
+    elif workload in _ATOMIC:
         result["counter"] = int.from_bytes(region, "little")
     await ep.revoke(key)
     return result
@@ -158,6 +172,34 @@ async def _pipelined(
     return sum(results), capped
 
 
+async def _batched(
+    ep: rdmaio.Endpoint, key: rdmaio.RemoteKey, count: int, deadline: float
+) -> tuple[int, bool]:
+    """About ``count`` fetch-and-adds in ``fetch_add_many`` calls of :data:`ATOMIC_BATCH` (the last call
+    is shorter), :data:`ATOMIC_LANES` tasks; stops starting new calls after ``deadline``. Returns
+    (fetch-and-adds completed, capped)."""
+    started = 0
+    capped = False
+
+    async def lane() -> int:
+        nonlocal started, capped
+        done = 0
+        while started < count:
+            if time.perf_counter() > deadline:
+                capped = True
+                break
+            batch = min(ATOMIC_BATCH, count - started)
+            started += batch
+            olds = await ep.fetch_add_many(key, [0] * batch)
+            if len(olds) != batch:
+                raise RuntimeError(f"fetch_add_many returned {len(olds)} values for {batch}")
+            done += batch
+        return done
+
+    results = await asyncio.gather(*(lane() for _ in range(ATOMIC_LANES)))
+    return sum(results), capped
+
+
 async def _read_latency(
     ep: rdmaio.Endpoint, key: rdmaio.RemoteKey, size: int, count: int, deadline_ns: int
 ) -> list[int]:
@@ -199,6 +241,8 @@ async def _measure(
 
     if workload not in ONESIDED_WORKLOADS:
         raise ValueError(f"{workload} is not a one-sided workload")
+    if workload is Workload.FETCH_ADD_MANY:
+        depth = ATOMIC_LANES * ATOMIC_BATCH
     ep = await rdmaio.connect(host, port, timeout=CONNECT_TIMEOUT, options={"max_rdma_ops": depth})
     rtts: list[int] = []
     try:
@@ -208,6 +252,8 @@ async def _measure(
         if workload is Workload.READ_LAT:
             rtts = await _read_latency(ep, key, size, count, time.perf_counter_ns() + int(cap * 1e9))
             done, capped = len(rtts), len(rtts) < count
+        elif workload is Workload.FETCH_ADD_MANY:
+            done, capped = await _batched(ep, key, count, start + cap)
         else:
             done, capped = await _pipelined(ep, key, workload, size, count, start + cap, depth)
         seconds = time.perf_counter() - start
@@ -224,7 +270,7 @@ async def _measure(
         sample = _latency_sample(rtts, seconds, capped)
         sample.note = "rdma_read of 64 B, one at a time, perf_counter_ns per call"
     else:
-        unit = size if workload is not Workload.FETCH_ADD else ATOMIC_SIZE
+        unit = size if workload not in _ATOMIC else ATOMIC_SIZE
         sample = Sample(
             ok=True,
             bytes_per_s=done * unit / seconds,
@@ -232,7 +278,11 @@ async def _measure(
             seconds=seconds,
             ops=done,
             capped=capped,
-            note=f"{depth} calls in flight ({depth} tasks)",
+            note=(
+                f"{ATOMIC_LANES} tasks x fetch_add_many of {ATOMIC_BATCH} ({depth} in flight)"
+                if workload is Workload.FETCH_ADD_MANY
+                else f"{depth} calls in flight ({depth} tasks)"
+            ),
         )
     sample.rdmaio = rdmaio_stats(client_stats, ack.get("stats", {}), done)
     return sample
@@ -243,7 +293,7 @@ def _check_ack(ack: Mapping[str, Any], workload: Workload, done: int) -> None:
         raise RuntimeError(f"server: {ack['error']}")
     if workload is Workload.RDMA_WRITE and ack.get("written_ok") is not True:
         raise RuntimeError("the server's region does not hold the written bytes")
-    if workload is Workload.FETCH_ADD and ack.get("counter") != done:
+    if workload in _ATOMIC and ack.get("counter") != done:
         raise RuntimeError(f"the server's counter is {ack.get('counter')}, the client added {done}")
 
 
@@ -275,7 +325,10 @@ def parse_onesided_tool(tool: str, size: int, out: str, raw: str) -> dict[Worklo
                 raw=raw,
             )
         }
-    return {workload: perftest_bw_sample(out, size, raw)}
+    sample = perftest_bw_sample(out, size, raw)
+    if workload is Workload.FETCH_ADD:  # one ib_atomic_bw run is the contender of both atomic workloads
+        return {Workload.FETCH_ADD: sample, Workload.FETCH_ADD_MANY: sample}
+    return {workload: sample}
 
 
 def checked_perftest_lat(out: str, size: int) -> PerftestLatency:

@@ -577,7 +577,7 @@ def _cell(figure: Figure | None, workload: Workload) -> str:
     if workload in (Workload.STREAM, Workload.RDMA_WRITE, Workload.RDMA_READ):
         bps = figure.median_of("bytes_per_s")
         return _fmt(None if bps is None else bps / MiB) + mark
-    if workload in (Workload.MESSAGE, Workload.FETCH_ADD):
+    if workload in (Workload.MESSAGE, Workload.FETCH_ADD, Workload.FETCH_ADD_MANY):
         rate = figure.median_of("msgs_per_s")
         return _fmt(None if rate is None else rate / 1000) + mark
     if workload is Workload.SETUP:
@@ -597,6 +597,7 @@ _UNITS_TEXT = {
     Workload.RDMA_WRITE: "MiB/s",
     Workload.RDMA_READ: "MiB/s",
     Workload.FETCH_ADD: "thousand op/s",
+    Workload.FETCH_ADD_MANY: "thousand op/s",
     Workload.READ_LAT: "round trip p50/p99 in us",
 }
 
@@ -610,6 +611,7 @@ _RATIO_PREFIXES: tuple[tuple[str, Workload], ...] = (
     ("memory_", Workload.MEMORY),
     ("rdma_write_", Workload.RDMA_WRITE),
     ("rdma_read_", Workload.RDMA_READ),
+    ("fetch_add_many_", Workload.FETCH_ADD_MANY),
     ("fetch_add_", Workload.FETCH_ADD),
     ("read_lat_", Workload.READ_LAT),
 )

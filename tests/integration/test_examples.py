@@ -54,11 +54,13 @@ def test_streams_echo_example_over_rdma(rdma_addr: str, loop_flag: list[str]) ->
 
 @pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
 def test_onesided_kv_example(rdma_addr: str, loop_flag: list[str]) -> None:
-    """One-sided KV store (issue 11): puts with compare_swap/fetch_add/rdma_write, gets with rdma_read."""
+    """One-sided KV store (issue 11): puts with compare_swap/fetch_add/rdma_write, gets with rdma_read, and
+    batched gets with rdma_read_many counting hits with fetch_add_many."""
     result = run_example(str(EXAMPLES / "onesided_kv.py"), rdma_addr, "--clients", "4", *loop_flag)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 clients, 60 puts (expected 60), 0 bad reads, server served 4" in result.stdout, result.stdout
     assert "onesided kv: ok" in result.stdout
+    assert "lookups answered from batches" in result.stdout
 
 
 @pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])

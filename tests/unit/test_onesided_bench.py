@@ -22,6 +22,7 @@ from rdmaio.bench.report import build_report, index_figures, key_ratios, render_
 
 KiB, MiB = 1024, 1024 * 1024
 W, R, A, L = Workload.RDMA_WRITE, Workload.RDMA_READ, Workload.FETCH_ADD, Workload.READ_LAT
+M = Workload.FETCH_ADD_MANY
 DASHES = "-" * 87 + "\n"
 BW_HEADER = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n"
 LAT_HEADER = (
@@ -46,8 +47,8 @@ READ_LAT_64 = (
 
 
 def test_onesided_group_expands_and_unknown_names_are_refused() -> None:
-    assert expand_workloads(["onesided"]) == [W, R, A, L]
-    assert expand_workloads(["stream", "onesided", "rdma_read"]) == [Workload.STREAM, W, R, A, L]
+    assert expand_workloads(["onesided"]) == [W, R, A, M, L]
+    assert expand_workloads(["stream", "onesided", "rdma_read"]) == [Workload.STREAM, W, R, A, M, L]
     with pytest.raises(ValueError, match="unknown workload 'bogus'"):
         expand_workloads(["bogus"])
     assert resolve_contenders(["onesided"]) == [
@@ -69,6 +70,8 @@ def test_plan_pairs_each_workload_with_its_perftest_tool() -> None:
             assert ("ib_read_bw", (R,), size, rep) in by
             assert ("rdmaio-uvloop", (W,), size, rep) in by
         assert ("ib_atomic_bw", (A,), 8, rep) in by
+        assert ("ib_atomic_bw", (M,), 8, rep) in by  # its own run: the same -n as the batches
+        assert ("rdmaio-uvloop", (M,), 8, rep) in by
         assert ("ib_read_lat", (L,), 64, rep) in by
         assert ("rdmaio-asyncio", (L,), 64, rep) in by
     # Nothing else: no TCP, no SEND tools, no 64 B / 4 KiB bandwidth sizes.
@@ -80,12 +83,13 @@ def test_plan_pairs_each_workload_with_its_perftest_tool() -> None:
         "ib_read_lat",
         "ib_atomic_bw",
     }
-    assert len(runs) == 3 * (6 + 2 * 6)  # per repetition: 6 perftest runs, 6 per loop
+    assert len(runs) == 3 * (7 + 2 * 7)  # per repetition: 7 perftest runs, 7 per loop
     amounts = {(r.contender, r.workloads[0], r.size): r.amount for r in runs}
     # The same byte budget for rdmaio and perftest (-n) at a size.
     assert amounts[("ib_write_bw", W, MiB)] == amounts[("rdmaio-asyncio", W, MiB)] == 32
     assert amounts[("ib_read_bw", R, 64 * KiB)] == 512
     assert amounts[("ib_atomic_bw", A, 8)] == FULL.atomic_ops
+    assert amounts[("ib_atomic_bw", M, 8)] == amounts[("rdmaio-asyncio", M, 8)] == 8 * FULL.atomic_ops
     assert QUICK.amount(L, 64) == QUICK.read_lat_iters
 
 
@@ -102,7 +106,9 @@ def test_parse_read_bw_atomic_and_read_lat() -> None:
     read = parse_onesided_tool("ib_read_bw", MiB, READ_BW_1M, "raw")[R]
     assert read.ok and read.bytes_per_s == pytest.approx(19.75 * MiB)
     assert read.value(R) == read.bytes_per_s
-    atomic = parse_onesided_tool("ib_atomic_bw", 8, ATOMIC_BW, "raw")[A]
+    samples = parse_onesided_tool("ib_atomic_bw", 8, ATOMIC_BW, "raw")
+    atomic = samples[A]
+    assert samples[M] is atomic  # one ib_atomic_bw run stands for both atomic workloads
     assert atomic.msgs_per_s == pytest.approx(22282.0)
     assert atomic.value(A) == atomic.msgs_per_s
     lat = parse_onesided_tool("ib_read_lat", 64, READ_LAT_64, "raw")[L]
@@ -136,7 +142,7 @@ def test_parse_refuses_bad_reports(tool: str, size: int, text: str, match: str) 
 
 
 def test_access_granted_per_workload() -> None:
-    assert [access_of(w) for w in (W, R, A, L)] == ["w", "r", "a", "r"]
+    assert [access_of(w) for w in (W, R, A, M, L)] == ["w", "r", "a", "a", "r"]
 
 
 def _figures(factor: float, lat_factor: float) -> list[Figure]:
@@ -148,8 +154,9 @@ def _figures(factor: float, lat_factor: float) -> list[Figure]:
             out.append(
                 Figure("rdmaio-asyncio", workload, size, [Sample(ok=True, bytes_per_s=20 * MiB * factor)])
             )
-    out.append(Figure("ib_atomic_bw", A, 8, [Sample(ok=True, msgs_per_s=20000.0)]))
-    out.append(Figure("rdmaio-asyncio", A, 8, [Sample(ok=True, msgs_per_s=20000.0 * factor)]))
+    for workload in (A, M):
+        out.append(Figure("ib_atomic_bw", workload, 8, [Sample(ok=True, msgs_per_s=20000.0)]))
+        out.append(Figure("rdmaio-asyncio", workload, 8, [Sample(ok=True, msgs_per_s=20000.0 * factor)]))
     out.append(Figure("ib_read_lat", L, 64, [Sample(ok=True, p50_us=100.0, p99_us=900.0)]))
     out.append(Figure("rdmaio-asyncio", L, 64, [Sample(ok=True, p50_us=100.0 * lat_factor, p99_us=2000.0)]))
     return out
@@ -184,5 +191,7 @@ def test_table_and_json_of_a_onesided_run() -> None:
     assert {t[0] for t in ONESIDED_TARGETS} <= keys
     row = next(r for r in doc["rdmaio_ratios"] if r["workload"] == "fetch_add")
     assert row["best_rdma"] == "ib_atomic_bw" and row["vs_best_rdma"] == pytest.approx(0.95)
-    assert {f["workload"] for f in doc["figures"]} == {"rdma_write", "rdma_read", "fetch_add", "read_lat"}
+    assert {f["workload"] for f in doc["figures"]} == {
+        "rdma_write", "rdma_read", "fetch_add", "fetch_add_many", "read_lat"
+    }  # fmt: skip
     assert Figure.from_json(doc["figures"][0]).value == figures[0].value
