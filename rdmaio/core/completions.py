@@ -438,8 +438,20 @@ class CompletionDispatcher:
         if self._dispatching or self._replay:
             self.poll_now()
             return False
+        return self.polled(cq, qp_num, wr_id, cq.poll_grouped(self._batch))
+
+    def inline_batch(self) -> Batch | None:
+        """The poll buffer, for a caller that polls a CQ itself right now (a post-and-poll in one C call)
+        and hands the result to :meth:`polled`; None while records may not be polled in place (during a
+        dispatch, with kept completions to deliver first, or once closed): then use :meth:`poll_for`."""
+        if self._closed or self._dispatching or self._replay:
+            return None
+        return self._batch
+
+    def polled(self, cq: Queue, qp_num: int, wr_id: int, n: int) -> bool:
+        """``n`` records of ``cq`` were just polled into :meth:`inline_batch`'s buffer right after the
+        request ``wr_id`` of QP ``qp_num`` was posted: :meth:`poll_for`'s answer for them."""
         batch = self._batch
-        n = cq.poll_grouped(batch)
         self.polls += 1
         if not n:
             return False

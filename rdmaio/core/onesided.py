@@ -120,12 +120,13 @@ class OneSidedEngine(Exports, Batches):
         peer_onesided: bool = True,
         notice_limit: int = 64,
         repost: Callable[[int], None] | None = None,
-        poll_for: Callable[[int], bool] | None = None,
+        post_polled: Callable[[int, int], bool] | None = None,
     ) -> None:
         self._io = io
-        # Polls the completion queue once right after a lone request is posted (see Operations._post):
-        # poll_for(wr_id) is True when the request's own successful completion was all it found.
-        self._poll_for = poll_for
+        # Posts a lone request of a task calling serially and polls the completion queue once right after
+        # (see Operations._post): post_polled(count, wr_id) is True when the request's own successful
+        # completion was all the poll found.
+        self._post_polled = post_polled
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
         self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -223,7 +224,7 @@ class OneSidedEngine(Exports, Batches):
             peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
-            poll_for=transport.poll_for,
+            post_polled=transport.post_rdma_polled,
         )
 
     def close(self, error: BaseException | None) -> None:

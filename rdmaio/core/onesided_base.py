@@ -113,7 +113,7 @@ class EngineCore:
     notice_limit: int
     _held_slots: collections.deque[int]
     _repost: Callable[[int], None] | None
-    _poll_for: Callable[[int], bool] | None
+    _post_polled: Callable[[int, int], bool] | None
     _wr_entries: Any
     _at_post_streak: int
     _last_poster: int

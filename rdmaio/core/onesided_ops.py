@@ -131,9 +131,10 @@ class Operations(EngineCore):
         if length == 0:
             self._raise_if_failed()
             return b""
-        op = await self._start(key, _WR_READ, length)
+        op = self._start_now(key, _WR_READ, length) or await self._start(key, _WR_READ, length)
         self._post(op, key.addr + offset, key.rkey)
-        await self._finish(op)
+        if not op.done or op.error is not None or self._at_post_streak >= _AT_POST_BUDGET:
+            await self._finish(op)  # (a call completed at its post, within the budget, skips it)
         assert op.buffer is not None
         data = bytes(op.buffer[:length])
         self._release(op)
@@ -195,12 +196,14 @@ class Operations(EngineCore):
         if length == 0 and imm is None:
             self._raise_if_failed()
             return
-        op = await self._start(key, _WR_WRITE if imm is None else _WR_WRITE_IMM, length)
+        opcode = _WR_WRITE if imm is None else _WR_WRITE_IMM
+        op = self._start_now(key, opcode, length) or await self._start(key, opcode, length)
         if length:
             assert op.buffer is not None
             op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
         self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
-        await self._finish(op)
+        if not op.done or op.error is not None or self._at_post_streak >= _AT_POST_BUDGET:
+            await self._finish(op)
         self._release(op)
 
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
@@ -208,7 +211,7 @@ class Operations(EngineCore):
         self._check_atomic(key, offset)
         if not isinstance(add, int) or not -(1 << 63) <= add <= _U64:
             raise ValueError(f"add must be an int in -2**63..2**64-1, not {add!r}")
-        op = await self._start(key, _WR_FADD, 8)
+        op = self._start_now(key, _WR_FADD, 8) or await self._start(key, _WR_FADD, 8)
         self._post(op, key.addr + offset, key.rkey, compare_add=add & _U64)
         return await self._atomic_result(op)
 
@@ -218,7 +221,7 @@ class Operations(EngineCore):
         for name, value in (("expected", expected), ("desired", desired)):
             if not isinstance(value, int) or not 0 <= value <= _U64:
                 raise ValueError(f"{name} must be an int in 0..2**64-1, not {value!r}")
-        op = await self._start(key, _WR_CSWAP, 8)
+        op = self._start_now(key, _WR_CSWAP, 8) or await self._start(key, _WR_CSWAP, 8)
         self._post(op, key.addr + offset, key.rkey, compare_add=expected, swap=desired)
         return await self._atomic_result(op)
 
@@ -231,7 +234,8 @@ class Operations(EngineCore):
             )
 
     async def _atomic_result(self, op: _Op) -> int:
-        await self._finish(op)
+        if not op.done or op.error is not None or self._at_post_streak >= _AT_POST_BUDGET:
+            await self._finish(op)
         assert op.buffer is not None
         # The NIC stores the original value as a u64 in this host's byte order.
         old = int.from_bytes(op.buffer[:8], sys.byteorder)
@@ -264,6 +268,17 @@ class Operations(EngineCore):
         if key.key_id in self.revoked_ids:
             self._wake_slot_waiter()
             raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
+        return self._new_op(key, opcode, length, staging, count)
+
+    def _start_now(self, key: RemoteKey, opcode: int, length: int) -> _Op | None:
+        """The op of a single request at once when a slot is free and nobody waits for one (the common
+        case, without the cost of awaiting :meth:`_start`); None when the caller must await ``_start``."""
+        if self._in_flight >= self.max_ops or self._slot_waiters:
+            return None
+        self._raise_if_failed()
+        return self._new_op(key, opcode, length, True, 1)
+
+    def _new_op(self, key: RemoteKey, opcode: int, length: int, staging: bool, count: int) -> _Op:
         op = _Op(next(self._index) & _INDEX_MASK)
         op.key_id = key.key_id
         op.length = length
@@ -325,11 +340,13 @@ class Operations(EngineCore):
             self._credit_queue.append(op)  # consumes a peer receive: needs a credit
             self.pump()
         elif len(self.ops) == 1 and not self._doorbell:
-            self._post_now(op)  # alone in flight: post at once (nothing to share a doorbell with)
+            # Alone in flight: post at once (nothing to share a doorbell with).
             poster = id(self._io.current_task())
             serial = poster == self._last_poster
             self._last_poster = poster
-            if serial and self._poll_for is not None and op.posted:
+            if not serial or self._post_polled is None:
+                self._post_now(op)
+            else:
                 # One task calling one request at a time: look once before sleeping, as asyncio's
                 # sock_recv tries the call before it waits for the fd. A device may have completed the
                 # request before ibv_post_send returned (rxe runs a whole loopback READ inside the call),
@@ -339,15 +356,10 @@ class Operations(EngineCore):
                 # Not when another task posted the previous request: several tasks calling concurrently
                 # are served better by waiting, so that their requests share doorbells (one system call
                 # for up to 16 on rxe) and one wake-up, than by completing one by one.
-                # When the request's own completion is all there was, it is completed right here rather
-                # than through the dispatcher and the connection's completion processing.
-                if self._poll_for(self._wr_base | op.index):
-                    self._complete(op, None)
-                if op.done:
-                    self._stats["rdma_completed_at_post"] += 1
-                    self._at_post_streak += 1
-                else:
-                    self._at_post_streak = 0
+                # The post and the look are one C call; when the request's own completion is all there
+                # was, it is completed right here rather than through the dispatcher and the
+                # connection's completion processing.
+                self._post_now_polled(op)
         else:
             # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
             # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
@@ -383,6 +395,26 @@ class Operations(EngineCore):
             op.posted = True
         self._stats["rdma_ops_posted"] += len(ops)
         self._stats["rdma_doorbells"] += 1
+
+    def _post_now_polled(self, op: _Op) -> None:
+        assert self._post_polled is not None
+        self._fill(0, op)
+        try:
+            own = self._post_polled(1, self._wr_base | op.index)
+        except Exception as exc:
+            self._complete(op, exc)
+            self._fail_connection(exc)
+            return
+        op.posted = True
+        self._stats["rdma_ops_posted"] += 1
+        self._stats["rdma_doorbells"] += 1
+        if own:
+            self._complete(op, None)
+        if op.done:
+            self._stats["rdma_completed_at_post"] += 1
+            self._at_post_streak += 1
+        else:
+            self._at_post_streak = 0
 
     def _post_now(self, op: _Op) -> None:
         self._fill(0, op)

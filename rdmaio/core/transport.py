@@ -12,6 +12,8 @@ destroyed. It knows nothing about framing or credits.
 
 from __future__ import annotations
 
+from typing import cast
+
 from rdmaio.core.completions import CompletionHandler, CQReservation
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.rings import SlotRing
@@ -20,6 +22,7 @@ from rdmaio.options import Options
 from rdmaio.verbs import (
     WR_KIND_RECV,
     CMId,
+    CompletionBatch,
     CompletionQueue,
     DeviceContext,
     MemoryRegion,
@@ -176,11 +179,19 @@ class Transport:
         """Poll the domain's CQs now and dispatch what is there (deferred when called from a handler)."""
         self.completions.poll_now()
 
-    def poll_for(self, wr_id: int) -> bool:
-        """Poll this connection's CQ once for the completion of ``wr_id``, just posted (see
-        :meth:`CompletionDispatcher.poll_for <rdmaio.core.completions.CompletionDispatcher.poll_for>`):
-        True when it was there, successful and alone, and so was not dispatched."""
-        return self.completions.poll_for(self.cq, self.qp.qp_num, wr_id)
+    def post_rdma_polled(self, count: int, wr_id: int) -> bool:
+        """Post the first ``count`` one-sided requests of the QP's scratch array, then poll this connection's
+        CQ once for the completion of ``wr_id`` (one C call when the dispatcher can take the records now;
+        see :meth:`CompletionDispatcher.poll_for <rdmaio.core.completions.CompletionDispatcher.poll_for>`).
+        True when that completion was there, successful and alone, and so was not dispatched. Raises
+        :class:`~rdmaio.errors.VerbsError` when the post failed."""
+        completions, cq, qp = self.completions, self.cq, self.qp
+        batch = completions.inline_batch()
+        if batch is None or cq.closed:
+            qp.post_rdma(count)
+            return completions.poll_for(cq, qp.qp_num, wr_id)
+        n = qp.post_rdma_and_poll(count, cq, cast(CompletionBatch, batch))
+        return completions.polled(cq, qp.qp_num, wr_id, n)
 
     def close(self) -> None:
         """Tear down in dependency order: unregister from the dispatcher, QP, slot rings (MRs), CQ

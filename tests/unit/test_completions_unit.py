@@ -373,6 +373,35 @@ def test_poll_for_drains_a_full_batch_and_delivers_kept_completions_first() -> N
     assert [i for _, idx in seen[2:] for i in idx] == [1, 2, 3] and not cq.pending
 
 
+def test_a_post_and_poll_in_one_call_uses_the_inline_batch_only_when_records_may_be_polled_in_place() -> None:
+    """inline_batch() + polled(): the caller polled the CQ into the dispatcher's buffer itself (rdmaio posts
+    and polls in one C call); not while a dispatch runs or kept completions wait to be delivered."""
+    h = Harness(batch=16)
+    cq = h.d.reserve(10).cq
+    seen: list[tuple[str, list[int]]] = []
+    tag = h.d.register(7)
+    mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, tag, 4)
+    h.complete(cq, 7, tag, 0)  # arrives before the handler is set: kept
+    h.wake()
+    h.d.set_handler(7, tag, recorder(seen, "a"))
+    assert h.d.inline_batch() is None  # the kept records go first
+    h.d.poll_now()
+    batch = h.d.inline_batch()
+    assert batch is not None
+    cq.pending.append(Rec(mine, 7))
+    assert h.d.polled(cq, 7, mine, cq.poll_grouped(batch))  # alone and successful: the caller's
+    cq.pending += [Rec(mine, 7), Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tag, 2), 7)]
+    assert not h.d.polled(cq, 7, mine, cq.poll_grouped(batch))  # not alone: dispatched
+    assert seen == [("a", [0]), ("a", [4, 2])]
+    inside: list[object] = []
+    h.d.set_handler(7, tag, lambda records, start, count: inside.append(h.d.inline_batch()))
+    h.complete(cq, 7, tag, 5)
+    h.wake()
+    assert inside == [None]  # during a dispatch
+    h.d.close()
+    assert h.d.inline_batch() is None
+
+
 def test_poll_for_from_a_handler_is_deferred_like_poll_now() -> None:
     h = Harness(batch=16)
     cq = h.d.reserve(10).cq

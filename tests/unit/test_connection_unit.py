@@ -101,8 +101,8 @@ class FakeTransport:
     def poll_completions(self) -> None:
         pass  # the fake wire delivers completions itself
 
-    def poll_for(self, wr_id: int) -> bool:
-        return False  # as above: nothing is ever waiting in a CQ
+    def post_rdma_polled(self, count: int, wr_id: int) -> bool:
+        raise AssertionError("these tests post no one-sided requests")
 
     def post_receives(self, slots: list[int]) -> None:
         self.posted.extend(slots)

@@ -162,12 +162,14 @@ class Rig:
             peer_onesided=peer_onesided,
             notice_limit=notice_limit,
             repost=self.reposted.append,
-            poll_for=None if poll is None else self._poll_for,
+            post_polled=None if poll is None else self._post_polled,
         )
 
-    def _poll_for(self, wr_id: int) -> bool:
-        # The tests' poll completes what it finds through on_completion, as the dispatcher would.
+    def _post_polled(self, count: int, wr_id: int) -> bool:
+        # Post, then the tests' poll completes what it finds through on_completion, as the dispatcher
+        # would.
         assert self.poll is not None
+        self.qp.post_rdma(count)
         self.polled_for.append(wr_id)
         self.poll()
         return False
@@ -804,7 +806,7 @@ def test_a_lone_request_completed_at_post_returns_without_sleeping(arun: Run) ->
 
 
 def test_a_completion_found_alone_at_post_is_completed_by_the_caller(arun: Run) -> None:
-    """poll_for() True: the request's own successful completion was all the poll found, so the dispatcher
+    """post_polled() True: the request's own successful completion was all the poll found, so the dispatcher
     did not deliver it and the engine completes the op itself (no on_completion call)."""
 
     async def main() -> None:
@@ -812,13 +814,14 @@ def test_a_completion_found_alone_at_post_is_completed_by_the_caller(arun: Run) 
         await first_call_completed_later(rig, rig.engine.read(key(), 0, 8))
         asked: list[int] = []
 
-        def poll_for(wr_id: int) -> bool:
+        def post_polled(count: int, wr_id: int) -> bool:
+            rig.qp.post_rdma(count)
             asked.append(wr_id)
             wr = rig.qp.posted[-1]
             ffi.memmove(ffi.cast("void *", wr["local_addr"]), b"w" * 64, 64)  # the NIC's READ
             return True
 
-        rig.engine._poll_for = poll_for
+        rig.engine._post_polled = post_polled
         assert await rig.engine.read(key(), 0, 64) == b"w" * 64
         assert await rig.engine.fetch_add(key(), 8, 2) == int.from_bytes(b"w" * 8, sys.byteorder)
         assert asked == [rig.qp.posted[1]["wr_id"], rig.qp.posted[2]["wr_id"]]
