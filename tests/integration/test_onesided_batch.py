@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import struct
 import sys
+import time
 from typing import Any
 
 import pytest
 from loops import Runner, arun  # arun is a fixture used by name
+from peer_process import peer_process, wait_ready
 from test_onesided import pair, share
 
 import rdmaio
@@ -118,5 +121,68 @@ def test_a_bad_batch_posts_nothing_and_a_forged_one_is_refused_by_the_nic(rdma_a
             with pytest.raises(rdmaio.RemoteAccessError):
                 await imp.fetch_add_many(forged, [0, 64, 128])  # the second is past the grant
             assert memory[:64] == b"\xaa" * 64 and memory[128:] == b"\xaa" * 128
+
+    asyncio.run(main())
+
+
+def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr: str) -> None:
+    """Batches in flight when the exporter dies fail with a typed error within the bound that holds for
+    single calls (5 s), and leave no op, slot or staging memory behind."""
+    exporter_code = """
+        import asyncio, sys, rdmaio
+        async def handler(ep):
+            buf = bytearray(1 << 20)
+            handler.buf = buf
+            await ep.send(bytes(ep.export(buf, access="ra")))
+            await asyncio.Event().wait()
+        async def main():
+            server = await rdmaio.serve(handler, sys.argv[1], 0)
+            print("READY", server.addresses[0][1], flush=True)
+            await server.serve_forever()
+        asyncio.run(main())
+    """
+
+    async def main() -> None:
+        proc = peer_process(exporter_code, rdma_addr)
+        try:
+            port = int((await asyncio.to_thread(wait_ready, proc)).split()[1])
+            ep = await rdmaio.connect(rdma_addr, port, timeout=30, options={"max_rdma_ops": 64})
+            key = rdmaio.RemoteKey.from_bytes(await ep.recv())
+            errors: list[BaseException] = []
+
+            async def adder() -> None:
+                try:
+                    while True:
+                        await ep.fetch_add_many(key, [8 * i for i in range(16)])
+                except Exception as exc:
+                    errors.append(exc)
+
+            async def reader() -> None:
+                try:
+                    while True:
+                        await ep.rdma_read_many(key, [(4096 * i, 4096) for i in range(16)])
+                except Exception as exc:
+                    errors.append(exc)
+
+            tasks = [asyncio.create_task(f()) for f in (adder, adder, reader, reader)]
+            await asyncio.sleep(1.0)
+            assert not errors
+            assert ep.statistics()["rdma_batches"] > 0
+            proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            elapsed = time.monotonic() - killed
+            assert len(errors) == 4
+            assert all(isinstance(e, ConnectionError) and isinstance(e, rdmaio.RdmaError) for e in errors), (
+                errors
+            )
+            assert elapsed < 5.0, elapsed
+            engine = ep._conn.onesided
+            assert engine.ops == {} and engine._in_flight == 0
+            assert sorted(engine._free_staging) == list(range(64))
+            ep.abort()
+        finally:
+            proc.kill()
+            proc.wait()
 
     asyncio.run(main())
