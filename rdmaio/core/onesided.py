@@ -124,7 +124,7 @@ class OneSidedEngine(Exports, Batches):
     ) -> None:
         self._io = io
         # Posts a lone request of a task calling serially and polls the completion queue once right after
-        # (see Operations._post): post_polled(count, wr_id) is True when the request's own successful
+        # (see OpLifecycle._post): post_polled(count, wr_id) is True when the request's own successful
         # completion was all the poll found.
         self._post_polled = post_polled
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop

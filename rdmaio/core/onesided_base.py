@@ -1,8 +1,10 @@
 """What the parts of the one-sided engine share: the interfaces it is given, its common state, its errors.
 
 :class:`~rdmaio.core.onesided.OneSidedEngine` is assembled from :class:`~rdmaio.core.onesided_grants.Exports`
-(the exporter side, write notices and control messages) and :class:`~rdmaio.core.onesided_ops.Operations`
-(posting requests and their completions) on top of :class:`EngineCore`.
+(the exporter side, write notices and control messages) and :class:`~rdmaio.core.onesided_batch.Batches`
+(batch calls) on :class:`~rdmaio.core.onesided_ops.Operations` (the calls) on
+:class:`~rdmaio.core.onesided_life.OpLifecycle` (slots, memory, posting, completions), on top of
+:class:`EngineCore`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ __all__ = ["MAX_OP_BYTES", "WR_KIND_ONESIDED", "Credits", "EngineCore", "RdmaQue
 
 if TYPE_CHECKING:
     from rdmaio.core.onesided_grants import _Grant
-    from rdmaio.core.onesided_ops import _Large, _Op
+    from rdmaio.core.onesided_life import _Large, _Op
     from rdmaio.core.remotekey import WriteNotice
 
 MAX_OP_BYTES = 1 << 30
@@ -122,7 +124,7 @@ class EngineCore:
     control_handler: Callable[[int, int], None] | None
 
     def pump(self) -> None:
-        """Post what waits for a credit: :meth:`rdmaio.core.onesided_ops.Operations.pump`."""
+        """Post what waits for a credit: :meth:`rdmaio.core.onesided_life.OpLifecycle.pump`."""
         raise NotImplementedError
 
     def _check_open(self) -> None:

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from itertools import accumulate
 from typing import Any
 
-from rdmaio.core.onesided_ops import _STAGING_SLOT, _U64, _WR_FADD, _WR_READ, Operations, _Op
+from rdmaio.core.onesided_life import _STAGING_SLOT, _U64, _WR_FADD, _WR_READ, _Op
+from rdmaio.core.onesided_ops import Operations
 from rdmaio.core.remotekey import ACCESS_ATOMIC, ACCESS_READ, RemoteKey
 from rdmaio.errors import MessageTooLargeError, RemoteAccessError
 

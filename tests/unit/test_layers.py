@@ -91,7 +91,12 @@ NARROW: dict[str, set[str]] = {
     "rdmaio.core.writer": {"rdmaio.core.connection", "rdmaio.errors"},
     "rdmaio.core.remotekey": {"rdmaio._ffi", "rdmaio.verbs", "rdmaio.errors"},
     # batches are built on the op life cycle alone (and the checks of the keys)
-    "rdmaio.core.onesided_batch": {"rdmaio.core.onesided_ops", "rdmaio.core.remotekey", "rdmaio.errors"},
+    "rdmaio.core.onesided_batch": {
+        "rdmaio.core.onesided_life",
+        "rdmaio.core.onesided_ops",
+        "rdmaio.core.remotekey",
+        "rdmaio.errors",
+    },
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import rdmaio
 from rdmaio._ffi import ffi, lib
-from rdmaio.core import onesided_ops
+from rdmaio.core import onesided_life
 from rdmaio.core.backend import AsyncioBackend
 from rdmaio.core.onesided import (
     ACCESS_ATOMIC,
@@ -432,7 +432,7 @@ def test_write_copies_data_and_large_ops_get_pooled_registrations(arun: Run) -> 
 
 
 def test_the_large_buffer_pool_is_bounded(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rdmaio.core.onesided_ops, "_LARGE_POOL_BYTES", 2 << 20)
+    monkeypatch.setattr(onesided_life, "_LARGE_POOL_BYTES", 2 << 20)
 
     async def main() -> None:
         rig = Rig(max_ops=4)
@@ -853,7 +853,7 @@ def test_calls_completed_at_post_still_let_the_loop_run(arun: Run) -> None:
             calls += 1
         assert len(ticks) == 5
         gaps = [b - a for a, b in zip([0, *ticks], ticks, strict=False)]
-        assert max(gaps) <= onesided_ops._AT_POST_BUDGET + 1, gaps
+        assert max(gaps) <= onesided_life._AT_POST_BUDGET + 1, gaps
         assert rig.engine._stats["rdma_completed_at_post"] == 100
 
     arun(main())
