@@ -458,13 +458,15 @@ def test_revoke_keeps_the_connection_usable(rdma_addr: str) -> None:
     asyncio.run(main())
 
 
-def test_peer_sigkill_during_reads_fails_pending_ops(rdma_addr: str) -> None:
-    exporter_code = """
+def exporter_peer_code(size: int, access: str) -> str:
+    """A peer process (``peer_process``) that exports ``size`` bytes with ``access`` to each client, sends
+    the key and then waits for ever (to be killed)."""
+    return f"""
         import asyncio, sys, rdmaio
         async def handler(ep):
-            buf = bytearray(1 << 22)
+            buf = bytearray({size})
             handler.buf = buf
-            await ep.send(bytes(ep.export(buf, access="r")))
+            await ep.send(bytes(ep.export(buf, access="{access}")))
             await asyncio.Event().wait()
         async def main():
             server = await rdmaio.serve(handler, sys.argv[1], 0)
@@ -473,8 +475,10 @@ def test_peer_sigkill_during_reads_fails_pending_ops(rdma_addr: str) -> None:
         asyncio.run(main())
     """
 
+
+def test_peer_sigkill_during_reads_fails_pending_ops(rdma_addr: str) -> None:
     async def main() -> None:
-        proc = peer_process(exporter_code, rdma_addr)
+        proc = peer_process(exporter_peer_code(1 << 22, "r"), rdma_addr)
         try:
             port = int((await asyncio.to_thread(wait_ready, proc)).split()[1])
             ep = await rdmaio.connect(rdma_addr, port, timeout=30)

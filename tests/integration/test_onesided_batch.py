@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from loops import Runner, arun  # arun is a fixture used by name
 from peer_process import peer_process, wait_ready
-from test_onesided import pair, share
+from test_onesided import exporter_peer_code, pair, share
 
 import rdmaio
 from rdmaio.core.onesided import RemoteKey
@@ -128,22 +128,9 @@ def test_a_bad_batch_posts_nothing_and_a_forged_one_is_refused_by_the_nic(rdma_a
 def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr: str) -> None:
     """Batches in flight when the exporter dies fail with a typed error within the bound that holds for
     single calls (5 s), and leave no op, slot or staging memory behind."""
-    exporter_code = """
-        import asyncio, sys, rdmaio
-        async def handler(ep):
-            buf = bytearray(1 << 20)
-            handler.buf = buf
-            await ep.send(bytes(ep.export(buf, access="ra")))
-            await asyncio.Event().wait()
-        async def main():
-            server = await rdmaio.serve(handler, sys.argv[1], 0)
-            print("READY", server.addresses[0][1], flush=True)
-            await server.serve_forever()
-        asyncio.run(main())
-    """
 
     async def main() -> None:
-        proc = peer_process(exporter_code, rdma_addr)
+        proc = peer_process(exporter_peer_code(1 << 20, "ra"), rdma_addr)
         try:
             port = int((await asyncio.to_thread(wait_ready, proc)).split()[1])
             ep = await rdmaio.connect(rdma_addr, port, timeout=30, options={"max_rdma_ops": 64})

@@ -133,6 +133,17 @@ def recorder(seen: list[tuple[str, list[int]]], name: str) -> Any:
     return handler
 
 
+def two_connections() -> tuple[Harness, Any, list[tuple[str, list[int]]], int, int]:
+    """A dispatcher with connections on QPs 7 ("a") and 8 ("b") on one CQ, their handlers recording."""
+    h = Harness(batch=16)
+    cq = h.d.reserve(10).cq
+    seen: list[tuple[str, list[int]]] = []
+    ta, tb = h.d.register(7), h.d.register(8)
+    h.d.set_handler(7, ta, recorder(seen, "a"))
+    h.d.set_handler(8, tb, recorder(seen, "b"))
+    return h, cq, seen, ta, tb
+
+
 # --- reservations ------------------------------------------------------------------------------------
 
 
@@ -197,12 +208,7 @@ def test_tags_are_unique_among_live_connections_and_wrap_around() -> None:
 
 
 def test_completions_are_dispatched_by_key_once_per_group_in_cq_order() -> None:
-    h = Harness(batch=16)
-    cq = h.d.reserve(10).cq
-    seen: list[tuple[str, list[int]]] = []
-    ta, tb = h.d.register(7), h.d.register(8)
-    h.d.set_handler(7, ta, recorder(seen, "a"))
-    h.d.set_handler(8, tb, recorder(seen, "b"))
+    h, cq, seen, ta, tb = two_connections()
     for i in range(3):  # interleaved in the CQ
         h.complete(cq, 7, ta, i)
         h.complete(cq, 8, tb, 10 + i)
@@ -335,12 +341,7 @@ def test_poll_for_returns_a_lone_successful_own_completion_without_dispatching_i
 
 
 def test_poll_for_dispatches_anything_else_it_finds() -> None:
-    h = Harness(batch=16)
-    cq = h.d.reserve(10).cq
-    seen: list[tuple[str, list[int]]] = []
-    ta, tb = h.d.register(7), h.d.register(8)
-    h.d.set_handler(7, ta, recorder(seen, "a"))
-    h.d.set_handler(8, tb, recorder(seen, "b"))
+    h, cq, seen, ta, tb = two_connections()
     mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, ta, 5)
     # another connection's completion came first: both are dispatched as a wake-up would
     cq.pending += [Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tb, 1), 8), Rec(mine, 7)]
