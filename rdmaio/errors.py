@@ -162,6 +162,17 @@ class RemoteKeyRevokedError(RemoteAccessError):
     """The exporter revoked this :class:`~rdmaio.RemoteKey`; nothing was posted."""
 
 
+class RemoteAccessRefusedError(RemoteAccessError, builtins.ConnectionResetError):
+    """The peer's NIC refused a one-sided request that passed the local checks (``IBV_WC_REM_ACCESS_ERR``).
+
+    Either the key is stale or forged (its memory was deregistered without a revocation, or it claims more
+    than was granted), or the peer is dying: a process that dies has its memory deregistered by its kernel
+    before its connection goes, so requests in flight then are refused. Either way the error moved the queue
+    pair to the error state and the connection is lost, so this is also a ``ConnectionResetError``: code
+    that handles a dead peer with ``except ConnectionError`` handles it too.
+    """
+
+
 class FeatureNotSupportedError(RdmaError, NotImplementedError):
     """The peer did not announce, in its handshake, a protocol feature this call needs (an older rdmaio).
 

@@ -11,6 +11,7 @@ A cancelled call leaves its op orphaned: the completion frees it.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from rdmaio import verbs
@@ -19,7 +20,7 @@ from rdmaio.core.backend import Waiter
 from rdmaio.core.onesided_base import EngineCore, Region
 from rdmaio.core.onesided_grants import _CONTROL
 from rdmaio.core.remotekey import KEY_VERSION, RemoteKey
-from rdmaio.errors import EndpointClosedError, RemoteAccessError, RemoteKeyRevokedError
+from rdmaio.errors import EndpointClosedError, RemoteAccessRefusedError, RemoteKeyRevokedError
 
 __all__ = ["OpLifecycle"]
 
@@ -383,8 +384,10 @@ class OpLifecycle(EngineCore):
             self._complete(op, None)
             return
         if status == _WC_REM_ACCESS_ERR:
-            error: BaseException = RemoteAccessError(
-                "the peer's NIC refused the request (remote access error); the connection is lost",
+            error: BaseException = RemoteAccessRefusedError(
+                "the peer's NIC refused the request (remote access error: a stale or forged key, or a "
+                "peer that is dying); the connection is lost",
+                errno=errno.ECONNRESET,
                 call="ibv_poll_cq",
             )
         elif status == _WC_FLUSH:

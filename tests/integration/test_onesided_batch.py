@@ -173,3 +173,53 @@ def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr
             proc.wait()
 
     asyncio.run(main())
+
+
+def test_revoke_with_batches_in_flight(rdma_addr: str) -> None:
+    """Batches in flight when the exporter revokes: every call completes or raises RemoteKeyRevokedError
+    (nothing else), later ones raise it without posting, and the memory is not modified through the key
+    once revoke() returned."""
+
+    async def main() -> None:
+        async with pair(rdma_addr) as (exp, imp):
+            memory = bytearray(1 << 16)
+            key = await share(exp, imp, exp.export(memory, access="ra"))
+            outcomes: list[str] = []
+
+            async def adder(n: int) -> None:
+                offsets = [n * 1024 + 8 * i for i in range(32)]
+                while True:
+                    try:
+                        await imp.fetch_add_many(key, offsets)
+                    except rdmaio.RemoteKeyRevokedError:
+                        outcomes.append("revoked")
+                        return
+
+            async def reader(n: int) -> None:
+                while True:
+                    try:
+                        await imp.rdma_read_many(key, [(n * 4096 + 64 * i, 64) for i in range(32)])
+                    except rdmaio.RemoteKeyRevokedError:
+                        outcomes.append("revoked")
+                        return
+
+            tasks = [asyncio.create_task(adder(n)) for n in range(4)]
+            tasks += [asyncio.create_task(reader(n)) for n in range(4)]
+            await asyncio.sleep(0.5)
+            assert imp.statistics()["rdma_batches"] > 0
+            await exp.revoke(key)
+            snapshot = bytes(memory)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert outcomes == ["revoked"] * 8
+            posted = imp.statistics()["rdma_ops_posted"]
+            with pytest.raises(rdmaio.RemoteKeyRevokedError):
+                await imp.fetch_add_many(key, [0])
+            assert imp.statistics()["rdma_ops_posted"] == posted
+            await asyncio.sleep(0.2)
+            assert bytes(memory) == snapshot
+            assert (
+                await imp.rdma_read(await share(exp, imp, exp.export(memory, access="r")), 0, 8)
+                == snapshot[:8]
+            )
+
+    asyncio.run(main())

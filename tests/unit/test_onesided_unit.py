@@ -497,8 +497,11 @@ def test_remote_access_error_completion_raises_remote_access_error(arun: Run) ->
         t = asyncio.ensure_future(rig.engine.write(key(), 0, b"x"))
         await settle()
         rig.complete(status=STATUS_REM_ACCESS)
-        with pytest.raises(rdmaio.RemoteAccessError):
+        with pytest.raises(rdmaio.RemoteAccessRefusedError) as refused:
             await t
+        # the connection is lost with it: a dead peer's refusal is caught by "except ConnectionError" too
+        assert isinstance(refused.value, rdmaio.RemoteAccessError)
+        assert isinstance(refused.value, ConnectionResetError) and refused.value.errno == 104
 
     arun(main())
 
