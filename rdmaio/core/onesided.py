@@ -63,6 +63,7 @@ from rdmaio.core.remotekey import (
     OneSidedCaps,
     RemoteKey,
     WriteNotice,
+    cached_caps,
     parse_access,
     query_caps,
     rd_atomic_depth,
@@ -193,7 +194,7 @@ class OneSidedEngine(Exports, Batches):
                 method(exc)
 
         try:
-            atomics = query_caps(transport.device).atomic_cap != "NONE"
+            atomics = cached_caps(transport.device).atomic_cap != "NONE"
         except VerbsError:
             atomics = False
         conn_ref = weakref.ref(conn)

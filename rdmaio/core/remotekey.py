@@ -27,6 +27,7 @@ __all__ = [
     "RemoteKey",
     "WriteNotice",
     "access_str",
+    "cached_caps",
     "parse_access",
     "query_caps",
     "rd_atomic_depth",
@@ -160,22 +161,28 @@ def query_caps(device: verbs.DeviceContext) -> OneSidedCaps:
     )
 
 
-_DEPTH_LIMITS: dict[tuple[int, str], int] = {}
-"""Per device (context handle, name): the READ/atomic depth limit, queried once per process (device
-attributes do not change, and ``ibv_query_device`` is a system call in every connection's setup path)."""
+_CAPS: dict[tuple[int, str], OneSidedCaps] = {}
+"""Per device (context handle, name): its capabilities, queried once per process (device attributes do not
+change, and ``ibv_query_device`` is a system call in every connection's setup path, on both sides)."""
+
+
+def cached_caps(device: verbs.DeviceContext) -> OneSidedCaps:
+    """:func:`query_caps` of ``device``, queried once per process."""
+    key = (device.handle, device.name)
+    caps = _CAPS.get(key)
+    if caps is None:
+        caps = _CAPS[key] = query_caps(device)
+    return caps
 
 
 def rd_atomic_depth(device: verbs.DeviceContext, wanted: int) -> int:
     """The READ/atomic depth to negotiate (``responder_resources``/``initiator_depth``): ``wanted``, capped
     by the device's limits. rdma_cm grants the QP remote READ/atomic access only when it is above 0."""
-    key = (device.handle, device.name)
-    limit = _DEPTH_LIMITS.get(key)
-    if limit is None:
-        try:
-            caps = query_caps(device)
-        except VerbsError:
-            return 1
-        limit = _DEPTH_LIMITS[key] = min(caps.max_qp_rd_atom, caps.max_qp_init_rd_atom, 255)
+    try:
+        caps = cached_caps(device)
+    except VerbsError:
+        return 1
+    limit = min(caps.max_qp_rd_atom, caps.max_qp_init_rd_atom, 255)
     return max(1, min(wanted, limit))
 
 

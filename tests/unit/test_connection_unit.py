@@ -186,7 +186,7 @@ def _wc(wr_id: int, opcode: int, byte_len: int, imm: int, flags: int) -> Any:
 
 def pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Endpoint, Endpoint]:
     """Two endpoints connected back to back through fake verbs objects (call inside a running loop)."""
-    monkeypatch.setattr(rdmaio.core.onesided, "query_caps", _no_device)
+    monkeypatch.setattr(rdmaio.core.onesided, "cached_caps", _no_device)
     hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH | FEATURE_ONESIDED)
     transports = [FakeTransport(10, 1), FakeTransport(11, 2)]
     for a, b in ((0, 1), (1, 0)):
@@ -326,7 +326,7 @@ def test_the_receive_window_grows_for_full_frames_arriving_one_per_wake_up(
     windows now grow it; small messages do not."""
 
     async def main() -> None:
-        monkeypatch.setattr(rdmaio.core.onesided, "query_caps", _no_device)
+        monkeypatch.setattr(rdmaio.core.onesided, "cached_caps", _no_device)
         hs = Handshake(
             DEPTH,
             SLOT,
@@ -361,7 +361,7 @@ def test_request_reply_sends_no_credit_frame_per_message(arun: Run, monkeypatch:
     Credits owed for CREDIT-frame slots no longer count towards the threshold: the replies carry them."""
 
     async def main() -> None:
-        monkeypatch.setattr(rdmaio.core.onesided, "query_caps", _no_device)
+        monkeypatch.setattr(rdmaio.core.onesided, "cached_caps", _no_device)
         initial = GrowingTransport.INITIAL
         hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH | FEATURE_GROW, initial_depth=initial)
         transports = [GrowingTransport(10, 1), GrowingTransport(11, 2)]
