@@ -558,6 +558,13 @@ def test_one_sided_on_trio(rdma_addr: str) -> None:
                 for _ in range(10):
                     nursery.start_soon(ep.fetch_add, key, 0, 3)
             assert int.from_bytes(buf[:8], sys.byteorder) == 30
+            # batches (issue 11) on trio: several tasks, waves of max_rdma_ops
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(ep.fetch_add_many, key, [0] * 40, 1)
+            assert int.from_bytes(buf[:8], sys.byteorder) == 30 + 160
+            parts = await ep.rdma_read_many(key, [(16, 5), (0, 8), (16, 0)])
+            assert parts == [b"trio!", (190).to_bytes(8, sys.byteorder), b""]
             with trio.move_on_after(0.001):  # a cancelled rdma_read leaves the endpoint usable
                 await ep.rdma_read(key, 0, 60000)
             await ep.rdma_write(key, 100, b"imm!!", imm=99)
