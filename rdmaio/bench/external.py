@@ -463,7 +463,13 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
             raw=raw,
         )
     elif contender in ONESIDED_TOOLS:  # issue 11: ib_read_bw, ib_atomic_bw, ib_read_lat
-        samples = parse_onesided_tool(contender, size, out, raw)
+        parsed = parse_onesided_tool(contender, size, out, raw)
+        missing = [str(w) for w in workloads if w not in parsed]
+        if missing:
+            raise ParseError(f"{contender} does not measure {', '.join(missing)}")
+        # Only the run's own workloads: one ib_atomic_bw report stands for both atomic workloads, but each
+        # of its runs (with that workload's -n) counts for the workload it was run for.
+        samples = {w: parsed[w] for w in workloads}
     else:
         raise ParseError(f"no parser for {contender}")
     return samples

@@ -325,10 +325,10 @@ def parse_onesided_tool(tool: str, size: int, out: str, raw: str) -> dict[Worklo
                 raw=raw,
             )
         }
-    sample = perftest_bw_sample(out, size, raw)
-    if workload is Workload.FETCH_ADD:  # one ib_atomic_bw run is the contender of both atomic workloads
-        return {Workload.FETCH_ADD: sample, Workload.FETCH_ADD_MANY: sample}
-    return {workload: sample}
+    if workload is Workload.FETCH_ADD:  # ib_atomic_bw is the contender of both atomic workloads
+        # one Sample object each: later steps annotate them per workload
+        return {w: perftest_bw_sample(out, size, raw) for w in (Workload.FETCH_ADD, Workload.FETCH_ADD_MANY)}
+    return {workload: perftest_bw_sample(out, size, raw)}
 
 
 def checked_perftest_lat(out: str, size: int) -> PerftestLatency:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rdmaio.bench.driver import plan_runs
-from rdmaio.bench.external import perftest_command
+from rdmaio.bench.external import _parse, perftest_command
 from rdmaio.bench.model import (
     FULL,
     QUICK,
@@ -108,8 +108,12 @@ def test_parse_read_bw_atomic_and_read_lat() -> None:
     assert read.value(R) == read.bytes_per_s
     samples = parse_onesided_tool("ib_atomic_bw", 8, ATOMIC_BW, "raw")
     atomic = samples[A]
-    assert samples[M] is atomic  # one ib_atomic_bw run stands for both atomic workloads
+    # one ib_atomic_bw report stands for both atomic workloads (a Sample object each)
+    assert samples[M] is not atomic and samples[M].msgs_per_s == atomic.msgs_per_s
     assert atomic.msgs_per_s == pytest.approx(22282.0)
+    # ... but a run counts only for the workload it was run for (its own -n): not a sample of the other
+    assert set(_parse("ib_atomic_bw", (M,), 8, ATOMIC_BW)) == {M}
+    assert set(_parse("ib_atomic_bw", (A,), 8, ATOMIC_BW)) == {A}
     assert atomic.value(A) == atomic.msgs_per_s
     lat = parse_onesided_tool("ib_read_lat", 64, READ_LAT_64, "raw")[L]
     # A READ's latency is its round trip: not doubled, unlike ib_send_lat's one-way figures.
