@@ -51,3 +51,6 @@ sleep 3
 kill -INT "$ping_server"; wait "$ping_server" || true
 echo "== benchmark (quick) =="
 "$PY" -m rdmaio bench --quick --sizes 64,64K,1M --json reports/bench-demo.json
+echo "== one-sided benchmark (quick): fetch_add per call and in fetch_add_many batches against ib_atomic_bw, the READ round trip against ib_read_lat =="
+"$PY" -m rdmaio bench --quick --only fetch_add,fetch_add_many,read_lat \
+    --contenders rdmaio-asyncio,ib_atomic_bw,ib_read_lat --json reports/bench-demo-onesided.json
