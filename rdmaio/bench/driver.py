@@ -471,8 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         default="stream,message,echo",
         help=(
-            "workloads to run: stream,message,echo,setup,memory,rdma_write,rdma_read,fetch_add,read_lat "
-            "or onesided (those four) (default stream,message,echo; setup: connections/s against a native "
+            "workloads to run: stream,message,echo,setup,memory,rdma_write,rdma_read,fetch_add,"
+            "fetch_add_many,read_lat or onesided (those five) (default stream,message,echo; setup: "
+            "connections/s against a native "
             "rdma_cm loop; memory: bytes per idle connection; onesided: against ib_write_bw, ib_read_bw, "
             "ib_atomic_bw, ib_read_lat), or dask alone: Dask transfers and a shuffle on tcp:// and rdma:// "
             "(rdmaio.bench.dask; --sizes in MiB, --reps, --quick)"
