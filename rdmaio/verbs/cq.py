@@ -128,11 +128,17 @@ class CompletionQueue(_Resource):
         n = lib.rdmaio_poll_grouped(
             self._ptr, batch._scratch, batch.records, batch.size, batch.groups, batch._ngroups
         )
+        return self.took(batch, int(n))
+
+    def took(self, batch: CompletionBatch, n: int) -> int:
+        """Account for ``n`` records (or ``-errno``) that a C call polled from this CQ into ``batch`` as
+        :meth:`poll_grouped` does (``QueuePair.post_rdma_and_poll`` polls in the same call as it posts).
+        Returns ``n``; raises :class:`VerbsError` for a failed poll."""
         if n < 0:
             raise VerbsError.from_errno("ibv_poll_cq", -n)
         batch.ngroups = int(batch._ngroups[0])
         self.completions_total += n
-        return int(n)
+        return n
 
     def iter_drain(self) -> Iterator[Any]:
         """Yield every completion record available now (re-draining while batches come back full)."""

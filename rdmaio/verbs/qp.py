@@ -129,12 +129,7 @@ class QueuePair(_Resource):
         )
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"one-sided request {self._bad[0]} of {count}")
-        n = int(polled[0])
-        if n < 0:
-            raise VerbsError.from_errno("ibv_poll_cq", -n)
-        batch.ngroups = int(batch._ngroups[0])
-        cq.completions_total += n
-        return n
+        return cq.took(batch, int(polled[0]))
 
     def post_batch(
         self,
