@@ -425,32 +425,22 @@ class CompletionDispatcher:
                 self._deliver_kept(key)
         self._poll(list(self._pool))
 
-    def poll_for(self, cq: Queue, qp_num: int, wr_id: int) -> bool:
-        """Poll ``cq`` once right after a request ``wr_id`` of QP ``qp_num`` was posted, for its completion.
-
-        True when that completion, successful, is all the poll found: the caller completes the request
-        itself and nothing is dispatched (a task's serial one-sided call, which the device may have
-        completed inside ``ibv_post_send``: rxe does). Otherwise whatever the poll found is dispatched as
-        :meth:`poll_now` would (the request's own completion with it, if it was there) and the result is
-        False. During a dispatch, or with kept completions to deliver first, it is :meth:`poll_now`."""
-        if self._closed or cq.closed:
-            return False
-        if self._dispatching or self._replay:
-            self.poll_now()
-            return False
-        return self.polled(cq, qp_num, wr_id, cq.poll_grouped(self._batch))
-
     def inline_batch(self) -> Batch | None:
-        """The poll buffer, for a caller that polls a CQ itself right now (a post-and-poll in one C call)
-        and hands the result to :meth:`polled`; None while records may not be polled in place (during a
-        dispatch, with kept completions to deliver first, or once closed): then use :meth:`poll_for`."""
+        """The poll buffer, for a caller that polls a CQ itself right now (a post-and-poll in one C call:
+        a task's serial one-sided call, which the device may have completed inside ``ibv_post_send``, as
+        rxe does) and hands the result to :meth:`polled`; None while records may not be polled in place
+        (during a dispatch, with kept completions to deliver first, or once closed): then the caller posts
+        and calls :meth:`poll_now`."""
         if self._closed or self._dispatching or self._replay:
             return None
         return self._batch
 
     def polled(self, cq: Queue, qp_num: int, wr_id: int, n: int) -> bool:
         """``n`` records of ``cq`` were just polled into :meth:`inline_batch`'s buffer right after the
-        request ``wr_id`` of QP ``qp_num`` was posted: :meth:`poll_for`'s answer for them."""
+        request ``wr_id`` of QP ``qp_num`` was posted. True when that request's own completion,
+        successful, is all there is: the caller completes the request itself and nothing is dispatched.
+        Otherwise the records are dispatched as :meth:`poll_now` would (the request's own with them, if it
+        was there) and the result is False."""
         batch = self._batch
         self.polls += 1
         if not n:

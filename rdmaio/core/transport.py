@@ -182,14 +182,15 @@ class Transport:
     def post_rdma_polled(self, count: int, wr_id: int) -> bool:
         """Post the first ``count`` one-sided requests of the QP's scratch array, then poll this connection's
         CQ once for the completion of ``wr_id`` (one C call when the dispatcher can take the records now;
-        see :meth:`CompletionDispatcher.poll_for <rdmaio.core.completions.CompletionDispatcher.poll_for>`).
-        True when that completion was there, successful and alone, and so was not dispatched. Raises
-        :class:`~rdmaio.errors.VerbsError` when the post failed."""
+        see :meth:`CompletionDispatcher.polled <rdmaio.core.completions.CompletionDispatcher.polled>`,
+        else a post and :meth:`poll_completions`). True when that completion was there, successful and
+        alone, and so was not dispatched. Raises :class:`~rdmaio.errors.VerbsError` when the post failed."""
         completions, cq, qp = self.completions, self.cq, self.qp
         batch = completions.inline_batch()
         if batch is None or cq.closed:
             qp.post_rdma(count)
-            return completions.poll_for(cq, qp.qp_num, wr_id)
+            completions.poll_now()
+            return False
         n = qp.post_rdma_and_poll(count, cq, cast(CompletionBatch, batch))
         return completions.polled(cq, qp.qp_num, wr_id, n)
 

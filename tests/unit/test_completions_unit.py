@@ -322,42 +322,50 @@ def test_poll_now_from_a_handler_is_deferred_until_the_dispatch_is_done() -> Non
     assert seen == [("a", [0]), ("b", [10]), ("b", [20])]
 
 
-# --- poll_for: the look at the CQ right after a serial one-sided post -----------------------------------
+# --- inline_batch/polled: the look at the CQ right after a serial one-sided post -------------------------
 
 
-def test_poll_for_returns_a_lone_successful_own_completion_without_dispatching_it() -> None:
+def look(h: Harness, cq: Any, qp_num: int, wr_id: int) -> bool:
+    """Poll ``cq`` into the dispatcher's buffer and hand the records to ``polled()``, as a post-and-poll
+    in one C call does (``Transport.post_rdma_polled``)."""
+    batch = h.d.inline_batch()
+    assert batch is not None
+    return h.d.polled(cq, qp_num, wr_id, cq.poll_grouped(batch))
+
+
+def test_a_lone_successful_own_completion_is_not_dispatched() -> None:
     h = Harness(batch=16)
     cq = h.d.reserve(10).cq
     seen: list[tuple[str, list[int]]] = []
     tag = h.d.register(7)
     h.d.set_handler(7, tag, recorder(seen, "a"))
     wr_id = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, tag, 5)
-    assert not h.d.poll_for(cq, 7, wr_id)  # nothing there yet
+    assert not look(h, cq, 7, wr_id)  # nothing there yet
     cq.pending.append(Rec(wr_id, 7))
-    assert h.d.poll_for(cq, 7, wr_id)
+    assert look(h, cq, 7, wr_id)
     assert seen == [] and not cq.pending  # the caller completes it: no handler call
     stats = h.d.statistics()
     assert stats["completions"] == 1 and stats["dispatched"] == 0
 
 
-def test_poll_for_dispatches_anything_else_it_finds() -> None:
+def test_anything_else_the_look_finds_is_dispatched() -> None:
     h, cq, seen, ta, tb = two_connections()
     mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, ta, 5)
     # another connection's completion came first: both are dispatched as a wake-up would
     cq.pending += [Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tb, 1), 8), Rec(mine, 7)]
-    assert not h.d.poll_for(cq, 7, mine)
+    assert not look(h, cq, 7, mine)
     assert seen == [("b", [1]), ("a", [5])]
     # a failed completion of the request itself goes to the connection's handler (which fails it)
     cq.pending.append(Rec(mine, 7, status=int(verbs.WcStatus.REM_ACCESS_ERR)))
-    assert not h.d.poll_for(cq, 7, mine)
+    assert not look(h, cq, 7, mine)
     assert seen[-1] == ("a", [5])
     # the same wr_id on another QP number is not ours
     cq.pending.append(Rec(mine, 9))
-    assert not h.d.poll_for(cq, 7, mine)
+    assert not look(h, cq, 7, mine)
     assert h.d.statistics()["dropped"] == 1
 
 
-def test_poll_for_drains_a_full_batch_and_delivers_kept_completions_first() -> None:
+def test_the_look_drains_a_full_batch_and_kept_completions_go_first() -> None:
     h = Harness(batch=2)
     cq = h.d.reserve(10).cq
     seen: list[tuple[str, list[int]]] = []
@@ -367,10 +375,11 @@ def test_poll_for_drains_a_full_batch_and_delivers_kept_completions_first() -> N
     h.d.set_handler(7, tag, recorder(seen, "a"))
     mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, tag, 9)
     cq.pending.append(Rec(mine, 7))
-    assert not h.d.poll_for(cq, 7, mine)  # kept ones first, then the CQ as poll_now polls it
+    assert h.d.inline_batch() is None  # kept ones first: the caller polls with poll_now instead
+    h.d.poll_now()
     assert seen == [("a", [0]), ("a", [9])]
     cq.pending += [Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tag, i), 7) for i in (1, 2, 3)]
-    assert not h.d.poll_for(cq, 7, mine)  # a full batch: the rest is polled too
+    assert not look(h, cq, 7, mine)  # a full batch: the rest is polled too
     assert [i for _, idx in seen[2:] for i in idx] == [1, 2, 3] and not cq.pending
 
 
@@ -403,7 +412,7 @@ def test_a_post_and_poll_in_one_call_uses_the_inline_batch_only_when_records_may
     assert h.d.inline_batch() is None
 
 
-def test_poll_for_from_a_handler_is_deferred_like_poll_now() -> None:
+def test_a_look_from_a_handler_is_deferred_like_poll_now() -> None:
     h = Harness(batch=16)
     cq = h.d.reserve(10).cq
     seen: list[tuple[str, list[int]]] = []
@@ -414,8 +423,9 @@ def test_poll_for_from_a_handler_is_deferred_like_poll_now() -> None:
         seen.append(("a", [verbs.wr_index(records[i].wr_id) for i in range(start, start + count)]))
         if len(seen) == 1:
             cq.pending.append(Rec(mine, 7))
-            assert not h.d.poll_for(cq, 7, mine)  # re-entrant: nothing polled inside the dispatch
-            assert len(seen) == 1
+            assert h.d.inline_batch() is None  # re-entrant: the caller falls back to poll_now
+            h.d.poll_now()
+            assert len(seen) == 1  # nothing polled inside the dispatch
 
     h.d.set_handler(7, tag, a)
     h.complete(cq, 7, tag, 0)
