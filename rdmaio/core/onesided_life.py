@@ -129,7 +129,7 @@ class OpLifecycle(EngineCore):
         if key.key_id in self.revoked_ids:
             self._wake_slot_waiter()
             raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
-        return self._new_op(key, opcode, length, staging, count)
+        return self._new_op(key.key_id, opcode, length, staging, count)
 
     def _start_now(self, key: RemoteKey, opcode: int, length: int) -> _Op | None:
         """The op of a single request at once when a slot is free and nobody waits for one (the common
@@ -137,11 +137,12 @@ class OpLifecycle(EngineCore):
         if self._in_flight >= self.max_ops or self._slot_waiters:
             return None
         self._raise_if_failed()
-        return self._new_op(key, opcode, length, True, 1)
+        return self._new_op(key.key_id, opcode, length, True, 1)
 
-    def _new_op(self, key: RemoteKey, opcode: int, length: int, staging: bool, count: int) -> _Op:
+    def _new_op(self, key_id: int | None, opcode: int, length: int, staging: bool, count: int) -> _Op:
+        """A new op in :attr:`ops`, taking ``count`` slots (:meth:`_forget` gives them back)."""
         op = _Op(next(self._index) & _INDEX_MASK)
-        op.key_id = key.key_id
+        op.key_id = key_id
         op.length = length
         op.opcode = opcode
         op.count = count
@@ -318,17 +319,12 @@ class OpLifecycle(EngineCore):
         credits = self._credits
         while self._pending_acks and self._in_flight < self.max_ops and credits.can_take_slot():
             word = self._pending_acks.popleft()
-            op = _Op(next(self._index) & _INDEX_MASK)
-            op.opcode = _WR_SEND
+            op = self._new_op(None, _WR_SEND, _CONTROL.size, True, 1)
             op.orphan = True
-            op.length = _CONTROL.size
-            self._give_memory(op, _CONTROL.size)
             assert op.buffer is not None
             op.buffer[:] = _CONTROL.pack(KEY_VERSION, word >> 64, word & _U64)
             addr, lkey = self._local_of(op)
             op.wr = (addr, lkey, 0, 0, 0, 0, 0)
-            self.ops[op.index] = op
-            self._in_flight += 1
             credits.take_slot()
             self._post_now(op)
             self._stats["control_sent"] += 1
@@ -404,8 +400,7 @@ class OpLifecycle(EngineCore):
             return
         op.done = True
         op.error = error
-        if self.ops.pop(op.index, None) is not None:
-            self._in_flight -= op.count
+        self._forget(op)
         if op.orphan:  # a cancelled call or a control message: nobody will release its memory
             self._release(op)
         if op.waiter is not None:
@@ -438,8 +433,12 @@ class OpLifecycle(EngineCore):
                 mr.close()
         op.buffer = None
 
-    def _abandon(self, op: _Op) -> None:
+    def _forget(self, op: _Op) -> None:
+        """Take ``op`` out of :attr:`ops` and give back its slots (once: a second call does nothing)."""
         if self.ops.pop(op.index, None) is not None:
             self._in_flight -= op.count
+
+    def _abandon(self, op: _Op) -> None:
+        self._forget(op)
         self._release(op)
         self._wake_slot_waiter()
