@@ -128,12 +128,18 @@ class _FutureWaiter:
 
 
 class _LaterHandle:
-    """A cancellable callback for ``loop.call_later`` that holds no reference to the loop."""
+    """A cancellable callback for ``loop.call_later`` that holds no reference to the loop.
 
-    __slots__ = ("_callback",)
+    The loop's own timer handle (which refers to the loop) is held weakly: cancelling cancels it too, so
+    a cancelled timer leaves the loop's timer heap (asyncio) or stops (uvloop) instead of lingering until
+    its expiry - every graceful close arms and cancels one.
+    """
+
+    __slots__ = ("_callback", "_timer")
 
     def __init__(self, callback: Callable[[], None]) -> None:
         self._callback: Callable[[], None] | None = callback
+        self._timer: weakref.ref[asyncio.TimerHandle] | None = None
 
     def run(self) -> None:
         callback, self._callback = self._callback, None
@@ -142,6 +148,9 @@ class _LaterHandle:
 
     def cancel(self) -> None:
         self._callback = None
+        timer = self._timer() if self._timer is not None else None
+        if timer is not None:
+            timer.cancel()
 
 
 class AsyncioBackend:
@@ -180,7 +189,7 @@ class AsyncioBackend:
         (a Domain's ring pool, held by the per-loop registry) must not keep the loop alive, or the loop
         would never be collected and its reactor never closed."""
         handle = _LaterHandle(callback)
-        self.loop.call_later(delay, handle.run)
+        handle._timer = weakref.ref(self.loop.call_later(delay, handle.run))
         return handle
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:

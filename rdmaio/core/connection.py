@@ -129,6 +129,7 @@ class Connection:
         self.rndv = RendezvousEngine.for_connection(self, transport, options)  # issue 12 (None: not used)
         self.flush_handle: Handle | None = None  # the end-of-iteration flush of coalesced writes
         self._post_handle: Handle | None = None
+        self._close_timer: Handle | None = None  # bounds a graceful close (Options.close_timeout)
         self._in_callback = False  # in pump_and_post(): it posts right after pump, so pump must not
         self.tx_waiters: dict[Waiter, None] = {}  # an ordered set: a cancelled wait removes its own
         # lifetime
@@ -147,7 +148,7 @@ class Connection:
         # The tag routes the probe's completion back here through the shared CQ.
         keepalive_wr_id = make_wr_id(KEEPALIVE_WR_KIND, transport.tag or 0, 0)
         self._keepalive = Keepalive(
-            self.io,
+            reactor.keepalive_timers,
             self.options.keepalive_interval,
             lambda: stats["completions"] + stats["frames_posted"],
             lambda: qp.post_empty_write(keepalive_wr_id),
@@ -348,18 +349,25 @@ class Connection:
             log.exception("rdmaio: flushing on close failed; aborting the connection")
             self.fail(exc)
             return
-        self.io.spawn(self._graceful_close(), name=f"rdmaio close qp {self.qp.qp_num}")
+        # No task waits for the close to finish: completion processing calls finish_close() after every
+        # batch while closing (the EOF's completion is the usual last step), and a timer bounds it.
+        timeout = self.options.close_timeout
+        if timeout is not None:
+            self._close_timer = self.io.call_later(timeout, self._close_timed_out)
+        self.io.call_soon(self.finish_close)  # nothing left to wait for (EOF done before): next iteration
 
-    async def _graceful_close(self) -> None:
-        try:
-            async with self.io.timeout(self.options.close_timeout):
-                while not self.torn_down and (
-                    self.tx.txq or not self.tx.eof_done or (self.rndv is not None and self.rndv.sending)
-                ):
-                    await self.wait_writable()
-        except TimeoutError:
+    def finish_close(self) -> None:
+        """Tear down a graceful close once the queued data, the EOF and any zero-copy send are done."""
+        if self.torn_down or not self.closing:
+            return
+        tx = self.tx
+        if tx.txq or not tx.eof_done or (self.rndv is not None and self.rndv.sending):
+            return
+        self.teardown()
+
+    def _close_timed_out(self) -> None:
+        if not self.torn_down:
             log.debug("rdmaio: close timed out with %d bytes unsent; aborting", self.tx.buffered)
-        finally:
             self.teardown()
 
     def abort(self) -> None:
@@ -395,10 +403,10 @@ class Connection:
         self.torn_down = True
         self.closing = True
         self._keepalive.stop()
-        for handle in (self.flush_handle, self._post_handle):
+        for handle in (self.flush_handle, self._post_handle, self._close_timer):
             if handle is not None:
                 handle.cancel()
-        self.flush_handle = self._post_handle = None
+        self.flush_handle = self._post_handle = self._close_timer = None
         if self.generation == verbs.fork_generation():  # not forked
             self._release_verbs()
         self.session.mark_closed()

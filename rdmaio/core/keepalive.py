@@ -19,6 +19,11 @@ Detection bound on an idle connection: the idleness is sampled once per ``interv
 between one and two intervals after the last activity; then the retry budget runs. See
 :func:`detection_bound`.
 
+The sampling is driven by :class:`KeepaliveTimers`, one per event loop: one timer per distinct interval
+ticks every keepalive with that interval, so a thousand idle connections cost one timer, not a thousand
+sleeping tasks, and starting or stopping a keepalive is a set insertion or removal (no task to create or
+to wake at close: both sit on every connection's setup and teardown).
+
 The probe's work request id carries operation kind :data:`KEEPALIVE_WR_KIND` in its top 8 bits
 (``wr_id >> 56``), so the endpoint routes its completion here instead of to the send engine.
 """
@@ -28,10 +33,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from rdmaio.core.backend import Backend, Event
+from rdmaio.core.backend import Backend
 from rdmaio.verbs import WR_KIND_CONTROL
 
-__all__ = ["KEEPALIVE_WR_ID", "KEEPALIVE_WR_KIND", "Keepalive", "ack_timeout_seconds", "detection_bound"]
+__all__ = [
+    "KEEPALIVE_WR_ID",
+    "KEEPALIVE_WR_KIND",
+    "Keepalive",
+    "KeepaliveTimers",
+    "ack_timeout_seconds",
+    "detection_bound",
+]
 
 log = logging.getLogger("rdmaio")
 
@@ -62,13 +74,13 @@ class Keepalive:
     ``progress()`` returns a counter that grows with the connection's activity (it may include this
     keepalive's own completions: they are subtracted). ``probe()`` posts one probe whose completion must
     be reported with :meth:`on_completion`; an exception from it is passed to ``on_error`` and stops the
-    keepalive. ``interval`` None makes a keepalive that never probes. Driven by a background task of the
-    backend (asyncio, uvloop or trio) that sleeps on a timeout scope; :meth:`stop` ends it at once.
+    keepalive. ``interval`` None makes a keepalive that never probes. Ticked by the loop's
+    :class:`KeepaliveTimers` between :meth:`start` and :meth:`stop`.
     """
 
     def __init__(
         self,
-        backend: Backend,
+        timers: KeepaliveTimers,
         interval: float | None,
         progress: Callable[[], int],
         probe: Callable[[], None],
@@ -78,13 +90,13 @@ class Keepalive:
     ) -> None:
         if interval is not None and not interval > 0:
             raise ValueError("keepalive interval must be positive (or None to turn keepalive off)")
-        self._io = backend
+        self._timers = timers
         self._interval = interval
         self._progress = progress
         self._probe = probe
         self._on_error = on_error
         self._name = name
-        self._stop: Event | None = None
+        self._started = False
         self._stopped = False
         self._last = -1  # never equal to a first sample: the first tick after start never probes
         self.outstanding = False
@@ -102,20 +114,23 @@ class Keepalive:
     @property
     def running(self) -> bool:
         """True between :meth:`start` and :meth:`stop` (always False when the interval is None)."""
-        return self._stop is not None and not self._stopped
+        return self._started and not self._stopped
 
     def start(self) -> None:
-        """Start the timer task (no effect when the interval is None, or when started or stopped)."""
-        if self._interval is None or self._stop is not None or self._stopped:
+        """Join the loop's timers (no effect when the interval is None, or when started or stopped)."""
+        if self._interval is None or self._started or self._stopped:
             return
-        self._stop = self._io.event()
-        self._io.spawn(self._run(self._stop, self._interval), name=self._name)
+        self._started = True
+        self._timers.add(self, self._interval)
 
     def stop(self) -> None:
-        """Stop probing; the timer task ends at once. Idempotent; a probe in flight is left to its QP."""
+        """Stop probing: no tick reaches this keepalive any more. Idempotent; a probe in flight is left to
+        its QP."""
+        if self._stopped:
+            return
         self._stopped = True
-        if self._stop is not None:
-            self._stop.set()
+        if self._started and self._interval is not None:
+            self._timers.discard(self, self._interval)
 
     def on_completion(self) -> None:
         """The peer acknowledged the probe in flight (a successful completion of :data:`KEEPALIVE_WR_ID`)."""
@@ -154,18 +169,55 @@ class Keepalive:
             self.stop()
             self._on_error(exc)
 
-    async def _run(self, stop: Event, interval: float) -> None:
-        while not self._stopped:
-            try:
-                async with self._io.timeout(interval):
-                    await stop.wait()
-            except TimeoutError:
-                try:
-                    self.tick()
-                except Exception:  # a bug in a callback: log it, never kill the loop's task silently
-                    log.exception("rdmaio: keepalive tick failed")
-                    return
-
     def __repr__(self) -> str:
         state = "off" if self._interval is None else "running" if self.running else "stopped"
-        return f"<rdmaio.Keepalive {state} interval={self._interval} sent={self.probes_sent}>"
+        return f"<{self._name} {state} interval={self._interval} sent={self.probes_sent}>"
+
+
+class KeepaliveTimers:
+    """The timers of every :class:`Keepalive` of one event loop: one per distinct interval.
+
+    Each timer ticks every keepalive of its interval once per interval, then re-arms while any is left;
+    a keepalive added between two ticks is first ticked at the next one (which only samples it), so each
+    is still ticked once per interval and probes between one and two intervals after its last activity.
+    Works on any backend (``call_later``: a loop timer on asyncio/uvloop, a system task on trio).
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._io = backend
+        # interval -> the keepalives of that interval, as an ordered set (ticked in start order)
+        self._groups: dict[float, dict[Keepalive, None]] = {}
+
+    def add(self, keepalive: Keepalive, interval: float) -> None:
+        """Tick ``keepalive`` every ``interval`` seconds from the next tick of that interval on."""
+        group = self._groups.get(interval)
+        if group is None:
+            group = self._groups[interval] = {}
+            self._arm(interval)
+        group[keepalive] = None
+
+    def discard(self, keepalive: Keepalive, interval: float) -> None:
+        """Tick ``keepalive`` no more (the timer of an interval left empty stops at its next expiry)."""
+        group = self._groups.get(interval)
+        if group is not None:
+            group.pop(keepalive, None)
+
+    def __len__(self) -> int:
+        """Keepalives ticked now."""
+        return sum(len(group) for group in self._groups.values())
+
+    def _arm(self, interval: float) -> None:
+        self._io.call_later(interval, lambda: self._expired(interval))
+
+    def _expired(self, interval: float) -> None:
+        group = self._groups.get(interval)
+        if not group:
+            self._groups.pop(interval, None)  # nobody left: the timer stops; the next add re-arms it
+            return
+        for keepalive in list(group):  # a tick may stop keepalives (a failed probe fails a connection)
+            try:
+                keepalive.tick()
+            except Exception:  # a bug in a callback: log it, stop that one, keep ticking the others
+                log.exception("rdmaio: keepalive tick failed")
+                group.pop(keepalive, None)
+        self._arm(interval)

@@ -179,10 +179,13 @@ class CompletionProcessor:
         ):
             self._grow_receives()
         self._conn.pump_and_post()
+        conn = self._conn
         if got_data:
-            self._conn.wake_reader()
-        if self._conn.tx_waiters:
-            self._conn.wake_writers()
+            conn.wake_reader()
+        if conn.tx_waiters:
+            conn.wake_writers()
+        if conn.closing:
+            conn.finish_close()  # a graceful close ends when its last send completes
 
     def _grow_receives(self) -> None:
         """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer is

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from rdmaio import verbs
 from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend, current_backend, trio_run_key
 from rdmaio.core.domain import Domain
+from rdmaio.core.keepalive import KeepaliveTimers
 from rdmaio.errors import DeviceError
 from rdmaio.verbs import CMEvent, CMEventType, CMId, DeviceContext, EventChannel
 
@@ -79,6 +80,8 @@ class Reactor:
         self._ids: weakref.WeakValueDictionary[int, CMId] = weakref.WeakValueDictionary()
         self._removed: dict[int, DeviceContext] = {}
         self._removal_check_running = False
+        self.keepalive_timers = KeepaliveTimers(backend)
+        """The loop's keepalive timers (one per distinct interval, for every connection)."""
         self.cm_events = 0
         self.async_events = 0
         self.devices_removed = 0

@@ -215,6 +215,8 @@ class RendezvousEngine:
                 raise
         finally:
             self._release_send(out)
+            if ep.closing:
+                ep.finish_close()  # a graceful close may have been waiting for this send only
         if out.state is not SendState.DONE:
             raise self._failure()
         stats = self._stats

@@ -24,6 +24,7 @@ from rdmaio import verbs
 from rdmaio._ffi import ffi
 from rdmaio.core.backend import AsyncioBackend
 from rdmaio.core.connection import Connection
+from rdmaio.core.keepalive import KeepaliveTimers
 from rdmaio.core.rings import SlotRing
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import VerbsError
@@ -117,6 +118,7 @@ class FakeTransport:
 class FakeReactor:
     def __init__(self) -> None:
         self.backend = AsyncioBackend(asyncio.get_running_loop())
+        self.keepalive_timers = KeepaliveTimers(self.backend)
         self.cm_handlers: dict[Any, Callable[[Any], None]] = {}
         self.released: list[Any] = []
         self.watched: set[Any] = set()
@@ -261,6 +263,38 @@ def test_write_eof_is_read_as_eof_and_close_tears_both_sides_down(
         await asyncio.wait_for(b.wait_closed(), 5)  # the peer saw DISCONNECTED and tore down too
         with pytest.raises(rdmaio.EndpointClosedError):
             await a.send(b"x")
+
+    arun(main())
+
+
+def test_close_needs_no_task_and_a_close_the_peer_never_acknowledges_ends_at_close_timeout(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 10 (cheap connections): a graceful close is driven by completion processing (its EOF's send
+    completion tears it down) and bounded by a timer, with no task per closing connection."""
+
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        await a.send(b"ping")
+        assert await b.recv() == b"ping"
+        tasks = len(asyncio.all_tasks())
+        a.close()
+        assert len(asyncio.all_tasks()) == tasks  # no close task
+        await asyncio.wait_for(a.wait_closed(), 5)
+        await asyncio.wait_for(b.wait_closed(), 5)
+        assert a._conn.torn_down and a._conn.tx.eof_done
+
+        c, d = pair(monkeypatch)
+        c._conn.options = dataclasses.replace(c._conn.options, close_timeout=0.2)
+        c._conn.transport.qp.wire = lambda chain: None  # type: ignore[attr-defined]  # the EOF is never acknowledged
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        c.close()
+        await asyncio.wait_for(c.wait_closed(), 5)
+        assert 0.15 <= loop.time() - start < 4  # the close timer, not the test's bound, ended it
+        assert c._conn.torn_down and not c._conn.tx.eof_done
+        assert c._conn.transport.closed  # type: ignore[attr-defined]
+        d.abort()
 
     arun(main())
 

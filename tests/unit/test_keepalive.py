@@ -1,4 +1,4 @@
-"""rdmaio.core.keepalive with fake connections: tick logic, the timer task on asyncio, uvloop, trio."""
+"""rdmaio.core.keepalive with fake connections: tick logic, the shared timers on asyncio, uvloop, trio."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rdmaio.core.keepalive import (
     KEEPALIVE_WR_ID,
     KEEPALIVE_WR_KIND,
     Keepalive,
+    KeepaliveTimers,
     ack_timeout_seconds,
     detection_bound,
 )
@@ -73,10 +74,28 @@ class FakeConnection:
             assert self.keepalive is not None
             self.keepalive.on_completion()
 
-    def make(self, io: Backend | None, interval: float | None) -> Keepalive:
-        backend: Any = io
-        self.keepalive = Keepalive(backend, interval, self.progress, self.probe, self.errors.append)
+    def make(self, io: Backend | KeepaliveTimers | None, interval: float | None) -> Keepalive:
+        timers: Any = KeepaliveTimers(io) if io is not None and not isinstance(io, KeepaliveTimers) else io
+        self.keepalive = Keepalive(timers, interval, self.progress, self.probe, self.errors.append)
         return self.keepalive
+
+
+class ManualTimers:
+    """A backend whose ``call_later`` timers fire only when the test says so."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[float, Callable[[], None]]] = []
+        self.armed = 0
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> None:
+        self.armed += 1
+        self.pending.append((delay, callback))
+
+    def fire(self, delay: float) -> None:
+        due = [cb for d, cb in self.pending if d == delay]
+        self.pending = [(d, cb) for d, cb in self.pending if d != delay]
+        for callback in due:
+            callback()
 
 
 def test_wr_id_kind_is_in_the_top_byte() -> None:
@@ -180,7 +199,7 @@ def test_bad_interval_is_refused() -> None:
 
 
 @pytest.mark.parametrize("backend", sorted(RUNNERS))
-def test_timer_task_probes_an_idle_connection_and_stop_ends_it(backend: str) -> None:
+def test_timers_probe_an_idle_connection_and_stop_ends_it(backend: str) -> None:
     async def test(io: Backend) -> None:
         conn = FakeConnection()
         ka = conn.make(io, 0.02)
@@ -199,7 +218,7 @@ def test_timer_task_probes_an_idle_connection_and_stop_ends_it(backend: str) -> 
 
 
 @pytest.mark.parametrize("backend", sorted(RUNNERS))
-def test_timer_task_stays_quiet_while_busy(backend: str) -> None:
+def test_timers_stay_quiet_while_busy(backend: str) -> None:
     async def test(io: Backend) -> None:
         conn = FakeConnection()
         ka = conn.make(io, 0.05)
@@ -216,7 +235,7 @@ def test_timer_task_stays_quiet_while_busy(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", sorted(RUNNERS))
-def test_off_keepalive_starts_no_task(backend: str) -> None:
+def test_off_keepalive_joins_no_timer(backend: str) -> None:
     async def test(io: Backend) -> None:
         conn = FakeConnection()
         ka = conn.make(io, None)
@@ -243,3 +262,56 @@ def test_probe_now_probes_once_even_with_the_interval_off() -> None:
     ka.on_completion()
     ka.probe_now()
     assert conn.posted == 2
+
+
+def test_keepalives_of_one_interval_share_one_timer() -> None:
+    """Issue 10 (many cheap connections): a thousand idle connections cost one timer per interval, not a
+    task each, and stopping a keepalive (every connection's close) wakes nothing."""
+    clock = ManualTimers()
+    backend: Any = clock
+    timers = KeepaliveTimers(backend)
+    conns = [FakeConnection() for _ in range(50)]
+    for conn in conns:
+        conn.make(timers, 1.0).start()
+    assert len(timers) == 50
+    assert clock.armed == 1 and len(clock.pending) == 1  # one timer for all of them
+    clock.fire(1.0)  # the first tick only samples
+    assert [c.posted for c in conns] == [0] * 50
+    assert len(clock.pending) == 1  # re-armed
+    clock.fire(1.0)  # a whole idle interval: every one probes once
+    assert [c.posted for c in conns] == [1] * 50
+    for conn in conns[1:]:
+        assert conn.keepalive is not None
+        conn.keepalive.stop()
+    assert len(timers) == 1
+    clock.fire(1.0)
+    assert conns[0].posted == 2
+    assert [c.posted for c in conns[1:]] == [1] * 49  # stopped ones are ticked no more
+    other = FakeConnection()
+    other.make(timers, 2.5).start()  # another interval: its own timer
+    assert len(clock.pending) == 2
+    assert conns[0].keepalive is not None
+    conns[0].keepalive.stop()
+    clock.fire(1.0)  # nobody left at 1.0: that timer is not re-armed
+    assert [d for d, _ in clock.pending] == [2.5]
+    conns[0].make(timers, 1.0).start()  # a new keepalive re-arms it
+    assert sorted(d for d, _ in clock.pending) == [1.0, 2.5]
+
+
+def test_a_failing_tick_is_logged_and_drops_only_that_keepalive(caplog: pytest.LogCaptureFixture) -> None:
+    clock = ManualTimers()
+    backend: Any = clock
+    timers = KeepaliveTimers(backend)
+    bad, good = FakeConnection(), FakeConnection()
+
+    def broken() -> int:
+        raise RuntimeError("progress() has a bug")
+
+    bad.progress = broken  # type: ignore[method-assign]
+    bad.make(timers, 1.0).start()
+    good.make(timers, 1.0).start()
+    clock.fire(1.0)
+    clock.fire(1.0)
+    assert good.posted == 1
+    assert len(timers) == 1
+    assert "keepalive tick failed" in caplog.text
