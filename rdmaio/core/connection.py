@@ -216,6 +216,8 @@ class Connection:
     def pump_and_post(self) -> None:
         """Stage what credits and send slots allow and post it now, in one doorbell with anything staged
         earlier in this iteration, instead of at the end of the iteration."""
+        if not self.tx.has_work():
+            return  # the common case after a completion batch or a flush: nothing queued, nothing due
         self._in_callback = True  # pump must not schedule the post: it happens right here
         try:
             self.pump()
@@ -248,6 +250,7 @@ class Connection:
         """End of a loop iteration's writes (a loop callback): queue what was coalesced, stage it and
         post it at once. A failure fails the connection: nothing escapes into the loop's error log."""
         self.flush_handle = None
+        self.tx.coalesce_next = False
         try:
             self.tx.flush_buffers()
             self.pump_and_post()

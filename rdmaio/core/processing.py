@@ -167,6 +167,7 @@ class CompletionProcessor:
     def _after_completions(self, repost: list[int], got_data: bool, data_frames: int) -> None:
         """End of a batch: re-post receives, maybe grow the window, post what credits allow, wake."""
         session = self._session
+        self._tx.coalesce_next = False  # something came back: the next small message may go at once
         if repost:
             self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))

@@ -151,6 +151,9 @@ class SendEngine:
         self.wbuf = bytearray()  # stream writes being coalesced
         self.mbuf = bytearray()  # small messages being batched ([u32 length][bytes] records)
         self.mbuf_count = 0
+        # A small message was just posted at once (the writer's rule for an idle connection): batch the next
+        # ones until the connection's next completion batch or end-of-iteration flush clears this.
+        self.coalesce_next = False
         self.free_slots = list(range(ring.slots))
         self._inflight: collections.deque[int] = collections.deque()  # slot, or _SLOTLESS | sequence
         self._unsignaled = 0
@@ -302,6 +305,16 @@ class SendEngine:
         on every post, and every send would be signalled: one more loop wake-up per message for a
         request/reply connection."""
         return min(self._signal_interval, max(1, self._slot_ring.slots // 2))
+
+    def has_work(self) -> bool:
+        """False when :meth:`stage` and :meth:`post` would find nothing to do: no queued frame, nothing
+        staged, no EOF or CREDIT frame due and no shared-receive control frame possible. Checked before the
+        pump after every completion batch and flush, where most calls of a request/reply connection find
+        nothing."""
+        if self.txq or self.staged or self._reclaim is not None:
+            return True
+        session = self.session
+        return session.eof_pending() or session.credit_frame_due()
 
     def stage(self) -> bool:
         """Copy queued frames (and a due EOF or CREDIT frame) into send slots and fill their work requests

@@ -76,16 +76,18 @@ class Writer:
         """Append one small message to the batch of this loop iteration; True if the caller must then
         drain (above high water).
 
-        The first message of an iteration on an idle connection is posted at once instead (as a request
-        or a reply usually is): waiting for the end of the iteration would cost a round trip one more
-        loop iteration on each side, and there is nothing yet to batch it with.
+        The first message on an idle connection is posted at once instead (as a request or a reply usually
+        is): waiting for the end of the iteration would cost a round trip one more loop iteration on each
+        side, and there is nothing yet to batch it with. The ones after it are batched until the
+        connection's next completion batch or flush (``SendEngine.coalesce_next``).
         """
         conn = self._conn
         tx = self._tx
         if tx.wbuf:
             tx.flush_wbuf()
         if (
-            conn.flush_handle is None
+            not tx.coalesce_next
+            and conn.flush_handle is None
             and not tx.mbuf_count
             and not tx.txq
             and tx.room_for(size)
@@ -95,8 +97,11 @@ class Writer:
             conn.pump_and_post()
             if tx.txq:
                 tx.own_queued(1)
-            # Later sends of this iteration are batched, and flushed at its end.
-            conn.schedule_flush()
+            # Later sends are batched (and flushed at the end of their iteration) until this connection's
+            # next completion batch or flush. No end-of-iteration callback is scheduled for this one: a
+            # request/reply connection posts every message here and would pay one per message that finds
+            # nothing to flush.
+            tx.coalesce_next = True
             return False
         tx.queue_small(view, size)
         conn.schedule_flush()

@@ -299,6 +299,38 @@ def test_close_needs_no_task_and_a_close_the_peer_never_acknowledges_ends_at_clo
     arun(main())
 
 
+def test_a_message_posted_at_once_schedules_no_flush_and_the_next_ones_are_batched(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first small message on an idle connection is posted at once; the ones after it are batched
+    until something comes back, without an end-of-iteration callback for the first one (a request/reply
+    connection would pay one per message that finds nothing to flush)."""
+
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        conn, qp = a._conn, a._conn.transport.qp  # type: ignore[attr-defined]
+        await a.send(b"hello")  # the send ring starts empty: the first message grows it (batched)
+        assert await b.recv() == b"hello"
+        assert qp.chains == 1 and conn.tx.room_for(7)
+        await a.send(b"request")
+        assert qp.chains == 2 and conn.flush_handle is None and conn.tx.coalesce_next
+        for i in range(5):
+            await a.send(b"more %d" % i)  # same iteration: batched into one frame, flushed at its end
+        assert qp.chains == 2 and conn.tx.mbuf_count == 5 and conn.flush_handle is not None
+        for expected in [b"request"] + [b"more %d" % i for i in range(5)]:
+            assert await b.recv() == expected
+        assert qp.chains == 3  # the request, then one chain for the batch
+        assert not conn.tx.coalesce_next
+        await b.send(b"reply")
+        assert await a.recv() == b"reply"  # a completion batch came back
+        assert not conn.tx.coalesce_next
+        await a.send(b"next request")
+        assert qp.chains == 4 and conn.flush_handle is None  # at once again
+        assert await b.recv() == b"next request"
+
+    arun(main())
+
+
 def test_a_failed_completion_fails_pending_reads_with_a_reset(
     arun: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
