@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import builtins
 import collections
+import functools
 import ipaddress
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from rdmaio.core.backend import Backend, Waiter
@@ -44,10 +43,9 @@ async def resolve_host(host: str, port: int, *, passive: bool = False) -> str:
     """Return a numeric IPv4/IPv6 address for ``host`` (numeric addresses are returned as they are)."""
     if not host:
         return "0.0.0.0" if passive else "127.0.0.1"
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        pass
+    numeric = _numeric(host)
+    if numeric is not None:
+        return numeric
     try:
         infos = await Reactor.current().backend.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE if passive else 0
@@ -60,6 +58,16 @@ async def resolve_host(host: str, port: int, *, passive: bool = False) -> str:
         if family in (socket.AF_INET, socket.AF_INET6):
             return str(sockaddr[0])
     raise AddressError(f"{host!r} has no IPv4/IPv6 address", call="getaddrinfo")
+
+
+@functools.lru_cache(maxsize=256)
+def _numeric(host: str) -> str | None:
+    """``host`` as a normalised numeric address, None if it is a name (cached: a client connecting again
+    and again to one address parses it once)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
 
 
 def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
@@ -103,17 +111,6 @@ class CMEventQueue:
             finally:
                 self._waiter = None
         return self._events.popleft()
-
-
-@asynccontextmanager
-async def _deadline(timeout: float | None, what: str) -> AsyncIterator[None]:  # noqa: ASYNC109
-    try:
-        async with Reactor.current().backend.timeout(timeout):
-            yield
-    except builtins.TimeoutError as exc:
-        if isinstance(exc, TimeoutError):
-            raise
-        raise TimeoutError(f"{what} timed out after {timeout} s", call="connect") from exc
 
 
 def _connect_error(event: CMEvent, where: str) -> Exception:
@@ -166,8 +163,13 @@ async def connect(
     if timeout is None:
         timeout = opts.connect_timeout
     where = f"{host} port {port}"
-    async with _deadline(timeout, f"connect to {where}"):
-        return await _connect(host, port, local_addr, opts, where)
+    try:
+        async with Reactor.current().backend.timeout(timeout):
+            return await _connect(host, port, local_addr, opts, where)
+    except builtins.TimeoutError as exc:
+        if isinstance(exc, TimeoutError):
+            raise
+        raise TimeoutError(f"connect to {where} timed out after {timeout} s", call="connect") from exc
 
 
 async def _connect(

@@ -141,7 +141,12 @@ class Options:
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:
         """Accept an Options, a dict of field overrides, or None (defaults)."""
         if options is None:
-            return cls()
+            return _DEFAULTS if cls is Options else cls()
         if isinstance(options, Options):
             return options
         return replace(cls(), **options)
+
+
+_DEFAULTS = Options()
+"""The default Options, made (and validated) once: every connect() without options asks for them, and an
+Options is frozen, so one instance serves every connection."""
