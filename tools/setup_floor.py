@@ -13,14 +13,20 @@ Run it where an RDMA device exists (the test host)::
 
     python -m rdmaio.testing.host --cpus 2 -- .venv/bin/python tools/setup_floor.py --rounds 3
 
-Each round runs ``cm_setup``'s server and client, then this loop's (each server in its own process, as
-in the bench), for ``--seconds`` each; it prints every rate and the median ratio.
+Each round runs ``cm_setup``'s server and client, then this loop's, then rdmaio's own connect + 16 B
+echo + close loop against an rdmaio echo server (each server in its own process, as in the bench), for
+``--seconds`` each. It prints each loop's rate and **CPU time per connection** of its client and server
+(user + system, from the children's resource usage), and the medians. CPU time is far less noisy than
+the rate in a shared VM, and it tells where the time goes: the C loop, the Python calls that are the
+floor of any Python caller, and what rdmaio adds on each side.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import resource
 import select
 import statistics
 import subprocess
@@ -28,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import rdmaio
 from rdmaio import verbs
 from rdmaio.bench.external import build_cm_setup, cm_setup_commands
 from rdmaio.bench.parsers import parse_cm_setup
@@ -122,7 +129,7 @@ def serve(host: str, port: int) -> None:
         conn += 1
 
 
-def run_client(host: str, port: int, seconds: float) -> float:
+def run_client(host: str, port: int, seconds: float) -> tuple[float, float, int]:
     """``cm_setup client ... echo``: connections per second after one uncounted warm-up connection."""
     channel = verbs.EventChannel()
     shared: Shared | None = None
@@ -151,24 +158,86 @@ def run_client(host: str, port: int, seconds: float) -> float:
         done += 1
         now = time.perf_counter()
         if done == 0:
-            start = now
+            start, cpu = now, time.process_time()
         elif now - start >= seconds:
-            return done / (now - start)
+            return done / (now - start), time.process_time() - cpu, done
 
 
-def _start_server(cmd: list[str]) -> subprocess.Popen[str]:
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+async def _rdmaio_serve(host: str, port: int) -> None:
+    async def echo(ep: rdmaio.Endpoint) -> None:
+        async with ep:
+            while (msg := await ep.recv()) is not None:
+                await ep.send(msg)
+
+    server = await rdmaio.serve(echo, host, port)
+    print(READY, flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+async def _rdmaio_client(host: str, port: int, seconds: float) -> tuple[float, float, int]:
+    """rdmaio's setup loop (as the bench's): connect, echo 16 bytes, close; the first is a warm-up."""
+    payload = b"x" * MSG
+    done, start = -1, 0.0
+    while True:
+        ep = await rdmaio.connect(host, port)
+        try:
+            await ep.send(payload)
+            if await ep.recv() != payload:
+                sys.exit("setup_floor: the rdmaio echo returned other bytes")
+        finally:
+            await ep.aclose()
+        done += 1
+        now = time.perf_counter()
+        if done == 0:
+            start, cpu = now, time.process_time()
+        elif now - start >= seconds:
+            return done / (now - start), time.process_time() - cpu, done
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Run:
+    """One loop's measurement: connections/s and CPU milliseconds per connection of client and server."""
+
+    def __init__(self, rate: float, connections: int, client_cpu: float, server_cpu: float) -> None:
+        self.rate = rate
+        self.client_ms = 1000 * client_cpu / connections
+        self.server_ms = 1000 * server_cpu / connections
+
+
+def _measure(server_cmd: list[str], client_cmd: list[str], native: bool) -> Run:
+    """Start the server, run the client to its end, stop the server. The server's CPU is counted from its
+    ready line to the client's end (not its start-up); a Python client reports its own over the timed
+    connections, the native client's comes from the children's usage (its start-up is a few ms)."""
+    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert server.stdout is not None
     line = server.stdout.readline()
     if "listening" not in line:
         server.kill()
         sys.exit(f"setup_floor: server did not start: {line!r}")
-    return server
-
-
-def _stop(server: subprocess.Popen[str]) -> None:
-    server.kill()
-    server.wait()
+    try:
+        server_start = _process_cpu(server.pid)
+        before = _children_cpu()
+        out = subprocess.run(client_cmd, capture_output=True, text=True, check=True, timeout=300).stdout
+        server_cpu = _process_cpu(server.pid) - server_start
+    finally:
+        server.kill()
+        server.wait()
+    if native:
+        result = parse_cm_setup(out)
+        return Run(result.rate, result.connections, _children_cpu() - before, server_cpu)
+    _, rate, cpu, conns = out.split()
+    return Run(float(rate), int(conns), float(cpu), server_cpu)
 
 
 def main() -> None:
@@ -177,41 +246,51 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=19900)
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of connecting per run")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--role", choices=("server", "client"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role", choices=("server", "client", "rdmaio-server", "rdmaio-client"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.role == "server":
         serve(args.host, args.port)
         return
     if args.role == "client":
-        print(f"rate {run_client(args.host, args.port, args.seconds):.3f}")
+        rate, cpu, conns = run_client(args.host, args.port, args.seconds)
+        print(f"rate {rate:.3f} {cpu:.6f} {conns}")
+        return
+    if args.role == "rdmaio-server":
+        asyncio.run(_rdmaio_serve(args.host, args.port))
+        return
+    if args.role == "rdmaio-client":
+        rate, cpu, conns = asyncio.run(_rdmaio_client(args.host, args.port, args.seconds))
+        print(f"rate {rate:.3f} {cpu:.6f} {conns}")
         return
     binary = build_cm_setup()
-    ratios = []
+    me = [sys.executable, str(Path(__file__).resolve()), "--host", args.host, "--seconds", str(args.seconds)]
+    runs: dict[str, list[Run]] = {"cm_setup": [], "Python verbs loop": [], "rdmaio (asyncio)": []}
     port = args.port
     for round_ in range(1, args.rounds + 1):
-        port += 2
+        port += 3
         server_cmd, client_cmd = cm_setup_commands(binary, args.host, port, 1_000_000, args.seconds)
-        server = _start_server(server_cmd)
-        try:
-            out = subprocess.run(client_cmd, capture_output=True, text=True, check=True, timeout=300).stdout
-        finally:
-            _stop(server)
-        native = parse_cm_setup(out).rate
-        me = [sys.executable, str(Path(__file__).resolve()), "--host", args.host]
-        server = _start_server([*me, "--port", str(port + 1), "--role", "server"])
-        try:
-            client = [*me, "--port", str(port + 1), "--seconds", str(args.seconds), "--role", "client"]
-            out = subprocess.run(client, capture_output=True, text=True, check=True, timeout=300).stdout
-        finally:
-            _stop(server)
-        floor = float(out.split()[-1])
-        ratios.append(floor / native)
-        print(
-            f"round {round_}: cm_setup {native:.1f} conn/s, Python verbs loop {floor:.1f} conn/s, "
-            f"ratio {floor / native:.3f}",
-            flush=True,
+        runs["cm_setup"].append(_measure(server_cmd, client_cmd, native=True))
+        for name, role, p in (("Python verbs loop", "", port + 1), ("rdmaio (asyncio)", "rdmaio-", port + 2)):
+            mine = [*me, "--port", str(p)]
+            runs[name].append(
+                _measure([*mine, "--role", f"{role}server"], [*mine, "--role", f"{role}client"], False)
+            )
+        line = ", ".join(
+            f"{name} {r[-1].rate:.1f} conn/s (CPU ms/conn {r[-1].client_ms:.2f} + {r[-1].server_ms:.2f})"
+            for name, r in runs.items()
         )
-    print(f"median ratio of the Python verbs loop to cm_setup: {statistics.median(ratios):.3f}")
+        print(f"round {round_}: {line}", flush=True)
+    native = runs["cm_setup"]
+    print("medians over the rounds (ratio: rate over cm_setup's in the same round)")
+    for name, r in runs.items():
+        ratio = statistics.median(x.rate / n.rate for x, n in zip(r, native, strict=True))
+        client = statistics.median(x.client_ms for x in r)
+        server = statistics.median(x.server_ms for x in r)
+        print(
+            f"  {name:18} ratio {ratio:.3f}  CPU ms per connection: client {client:.2f}, server {server:.2f}"
+        )
 
 
 if __name__ == "__main__":
