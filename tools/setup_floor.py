@@ -38,6 +38,7 @@ import rdmaio
 from rdmaio import verbs
 from rdmaio.bench.external import build_cm_setup, cm_setup_commands
 from rdmaio.bench.parsers import parse_cm_setup
+from rdmaio.bench.peers import _rdmaio_setup_once  # the bench setup workload's connection
 from rdmaio.verbs import CMEventType
 
 MSG = 16
@@ -129,11 +130,32 @@ def serve(host: str, port: int) -> None:
         conn += 1
 
 
+class LoopClock:
+    """Times a setup loop as ``cm_setup`` does: the first connection warms up (device opened, PD/CQ/MR
+    created) and is not counted; rate and CPU seconds cover the connections after it."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._done = -1
+        self._start = self._cpu = 0.0
+
+    def connected(self) -> tuple[float, float, int] | None:
+        """One more connection done: ``(rate, cpu seconds, connections)`` once ``seconds`` have passed."""
+        self._done += 1
+        now = time.perf_counter()
+        if self._done == 0:
+            self._start, self._cpu = now, time.process_time()
+        elif now - self._start >= self._seconds:
+            return self._done / (now - self._start), time.process_time() - self._cpu, self._done
+        return None
+
+
 def run_client(host: str, port: int, seconds: float) -> tuple[float, float, int]:
     """``cm_setup client ... echo``: connections per second after one uncounted warm-up connection."""
     channel = verbs.EventChannel()
     shared: Shared | None = None
-    done, start = -1, 0.0
+    clock = LoopClock(seconds)
+    n = 0
     while True:
         cm_id = verbs.CMId(channel)
         cm_id.resolve_addr(host, port, timeout_ms=2000)
@@ -146,7 +168,6 @@ def run_client(host: str, port: int, seconds: float) -> tuple[float, float, int]
             shared = Shared(device)
             shared.buf[MSG:] = b"x" * MSG
         qp = cm_id.create_qp(shared.pd, shared.cq, shared.cq, max_send_wr=2, max_recv_wr=2)
-        n = done + 1
         post_recv(shared, qp, n << 1)
         cm_id.connect(retry_count=5, rnr_retry_count=1)
         expect(channel, CMEventType.ESTABLISHED)
@@ -155,12 +176,9 @@ def run_client(host: str, port: int, seconds: float) -> tuple[float, float, int]
         cm_id.disconnect()
         qp.close()
         cm_id.close()
-        done += 1
-        now = time.perf_counter()
-        if done == 0:
-            start, cpu = now, time.process_time()
-        elif now - start >= seconds:
-            return done / (now - start), time.process_time() - cpu, done
+        n += 1
+        if (result := clock.connected()) is not None:
+            return result
 
 
 async def _rdmaio_serve(host: str, port: int) -> None:
@@ -176,23 +194,13 @@ async def _rdmaio_serve(host: str, port: int) -> None:
 
 
 async def _rdmaio_client(host: str, port: int, seconds: float) -> tuple[float, float, int]:
-    """rdmaio's setup loop (as the bench's): connect, echo 16 bytes, close; the first is a warm-up."""
+    """rdmaio's setup loop, the bench's own connection (connect, echo 16 bytes, check, close)."""
     payload = b"x" * MSG
-    done, start = -1, 0.0
+    clock = LoopClock(seconds)
     while True:
-        ep = await rdmaio.connect(host, port)
-        try:
-            await ep.send(payload)
-            if await ep.recv() != payload:
-                sys.exit("setup_floor: the rdmaio echo returned other bytes")
-        finally:
-            await ep.aclose()
-        done += 1
-        now = time.perf_counter()
-        if done == 0:
-            start, cpu = now, time.process_time()
-        elif now - start >= seconds:
-            return done / (now - start), time.process_time() - cpu, done
+        await _rdmaio_setup_once(host, port, payload)
+        if (result := clock.connected()) is not None:
+            return result
 
 
 def _children_cpu() -> float:
