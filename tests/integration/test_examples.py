@@ -64,6 +64,18 @@ def test_onesided_kv_example(rdma_addr: str, loop_flag: list[str]) -> None:
 
 
 @pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
+def test_key_scope_example(rdma_addr: str, loop_flag: list[str]) -> None:
+    """A key exported to client A is refused by the NIC when client B uses it on its own connection; A's
+    memory stays intact and A keeps access."""
+    result = run_example(str(EXAMPLES / "key_scope.py"), rdma_addr, *loop_flag)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "B with A's key: refused by the NIC (RemoteAccessRefusedError" in out, out
+    assert "A reads its buffer again: b'only-for-client-A'" in out, out
+    assert "server: client-A's buffer after everything: b'only-for-client-A'" in out, out
+
+
+@pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
 def test_zerocopy_transfer_example(rdma_addr: str, loop_flag: list[str]) -> None:
     """Zero-copy (issue 12): large messages go by rendezvous into the receiver's buffer, digests match."""
     result = run_example(
