@@ -439,10 +439,10 @@ class RDMAConnector(Connector):
             raise CommClosedError(f"cannot connect to {PREFIX}{address}: {exc}") from exc
         try:
             local = _address(endpoint.get_extra_info("sockname"))
-        except BaseException:
+            return RDMAComm(endpoint, local, PREFIX + address, deserialize)
+        except BaseException:  # including a bad distributed.comm.rdma.* setting: no connection is left open
             endpoint.abort()
             raise
-        return RDMAComm(endpoint, local, PREFIX + address, deserialize)
 
 
 class RDMAListener(BaseListener):
@@ -499,7 +499,11 @@ class RDMAListener(BaseListener):
         except CommClosedError:
             endpoint.abort()
             return
-        comm = RDMAComm(endpoint, local, peer, self.deserialize)
+        try:
+            comm = RDMAComm(endpoint, local, peer, self.deserialize)
+        except BaseException:  # a bad distributed.comm.rdma.* setting: no connection is left open
+            endpoint.abort()
+            raise
         comm.allow_offload = self.allow_offload
         try:
             await self.on_connection(comm)

@@ -449,6 +449,11 @@ def test_config_defaults_are_registered_and_user_settings_win() -> None:
         pytest.raises(ValueError, match="max-message-size must be positive"),
     ):
         frame_limits()
+    with (
+        dask.config.set({"distributed.comm.rdma.write-queue-limit": "lots"}),
+        pytest.raises(ValueError, match="write-queue-limit must be a byte size"),
+    ):
+        asyncio.run(_comm_pair())
 
 
 async def _hostile_pair(**config: Any) -> tuple[RDMAComm, FakeEndpoint, FakeEndpoint]:
