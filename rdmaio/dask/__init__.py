@@ -11,6 +11,10 @@ See docs/dask.md for configuration (``distributed.comm.rdma.*``) and limits.
 
 from __future__ import annotations
 
-from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAConnector, RDMAListener
+from rdmaio.dask.config import load_defaults
+
+load_defaults()  # before the comm module reads any distributed.comm.rdma.* key
+
+from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAConnector, RDMAListener  # noqa: E402
 
 __all__ = ["RDMABackend", "RDMAComm", "RDMAConnector", "RDMAListener"]

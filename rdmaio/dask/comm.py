@@ -3,11 +3,19 @@
 One Dask comm is one rdmaio connection (one reliable-connected queue pair). Messages are serialised with
 ``distributed.comm.utils.to_frames``/``from_frames`` (which honour ``distributed.comm.offload``; frames are
 split at ``distributed.comm.shard``) and moved with :mod:`rdmaio.dask.framing`.
+
+``write()`` hands its message to the comm's :class:`SendQueue` and returns, as distributed's TCP comm
+appends its frames to tornado's write buffer and returns: a large frame goes by rendezvous, whose
+``send()`` returns only once the peer has pulled it, so a write that waited for it would need the peer
+to be inside ``read()`` at the same moment (two peers that both write before they read would wait for
+each other). The queue sends in order in a background task; a failure aborts the comm and is raised
+by the next ``write()`` (or ``close()``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import weakref
@@ -25,16 +33,26 @@ from distributed.utils import ensure_ip, get_ip
 
 import rdmaio
 from rdmaio.dask.addressing import is_loopback, is_wildcard, rdma_host
-from rdmaio.dask.framing import DEFAULT_CHUNK_SIZE, FramingError, read_frames, write_frames
+from rdmaio.dask.config import PREFIX as CONFIG_PREFIX
+from rdmaio.dask.config import byte_size
+from rdmaio.dask.framing import (
+    DEFAULT_CHUNK_SIZE,
+    FrameLimits,
+    FramingError,
+    OutgoingMessage,
+    encode_message,
+    read_frames,
+)
 
-__all__ = ["RDMABackend", "RDMAComm", "RDMAConnector", "RDMAListener"]
+__all__ = ["RDMABackend", "RDMAComm", "RDMAConnector", "RDMAListener", "SendQueue", "frame_limits"]
 
 log = logging.getLogger("rdmaio.dask")
 
 PREFIX = "rdma://"
 _EXTRA_KEYS = ("device", "port", "qp_num", "mtu", "max_inline", "peer_max_message_size")
-# Errors of the data path that mean "this comm is gone" (rdmaio's errors are OSErrors or RdmaErrors).
-_COMM_ERRORS = (rdmaio.RdmaError, OSError, FramingError, EOFError)
+# Errors of the data path that mean "this comm is gone" (rdmaio's errors are OSErrors or RdmaErrors);
+# a MemoryError is a frame we could not allocate: the stream position is lost with it.
+_COMM_ERRORS = (rdmaio.RdmaError, OSError, FramingError, EOFError, MemoryError)
 
 
 def comm_options() -> rdmaio.Options:
@@ -46,11 +64,136 @@ def comm_options() -> rdmaio.Options:
 def chunk_size(peer_max_message_size: int | None = None) -> int:
     """Largest rdmaio message a frame is cut into: ``distributed.comm.rdma.chunk-size``, and never more
     than the peer accepts (its ``max_message_size``, from ``Endpoint.get_extra_info``)."""
-    value = dask.config.get("distributed.comm.rdma.chunk-size", None)
-    size = int(parse_bytes(value)) if value else DEFAULT_CHUNK_SIZE
-    if size < 1:
-        raise ValueError(f"distributed.comm.rdma.chunk-size must be positive, not {value!r}")
+    size = (
+        byte_size("chunk-size") if dask.config.get(CONFIG_PREFIX + "chunk-size", None) else DEFAULT_CHUNK_SIZE
+    )
     return min(size, peer_max_message_size) if peer_max_message_size else size
+
+
+def frame_limits() -> FrameLimits:
+    """What a peer may declare in one message: ``distributed.comm.rdma.max-frame-size`` and
+    ``max-message-size``, checked before the comm allocates anything for it."""
+    return FrameLimits(
+        max_frame_size=byte_size("max-frame-size"),
+        max_message_size=byte_size("max-message-size"),
+        frame_size_name=CONFIG_PREFIX + "max-frame-size",
+        message_size_name=CONFIG_PREFIX + "max-message-size",
+    )
+
+
+class SendQueue:
+    """The messages a comm's ``write()`` accepted, sent in order to the endpoint by one background task.
+
+    A message is referenced, not copied (its frames are the caller's objects, as in tornado's write
+    buffer), until its last piece was handed to rdmaio (for a rendezvous piece: pulled by the peer).
+    ``put()`` waits while more than ``limit`` bytes are queued, unless the queue is empty, so one
+    message of any size is accepted and a writer that outpaces its peer is held back. The first failure
+    aborts the endpoint (part of a message may have gone), drops the queue and is kept in ``error``.
+    The task exists only while something is queued.
+    """
+
+    def __init__(self, endpoint: rdmaio.Endpoint, chunk_size: int, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"the write queue limit must be positive, not {limit}")
+        self._endpoint = endpoint
+        self._chunk_size = chunk_size
+        self.limit = limit
+        self._messages: collections.deque[OutgoingMessage] = collections.deque()
+        self.queued_bytes = 0
+        """Bytes of the messages accepted and not completely sent (the one being sent included)."""
+        self.pieces_sent = 0
+        """rdmaio messages (headers and frame chunks) sent so far: the queue's progress."""
+        self.error: BaseException | None = None
+        """Why sending stopped (the queue accepts nothing once it is set)."""
+        self.dropped = 0
+        """Messages accepted and never completely sent (dropped by a failure or by ``abort()``)."""
+        self._task: asyncio.Task[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._room = asyncio.Lock()  # writers waiting for room are served in arrival order
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _changed(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    async def put(self, message: OutgoingMessage) -> None:
+        """Queue ``message`` for sending, waiting for room first (see the class docstring).
+
+        Raises ``error`` once sending failed. A cancelled call queues nothing.
+        """
+        async with self._room:
+            while (
+                self.error is None and self.queued_bytes and self.queued_bytes + message.nbytes > self.limit
+            ):
+                await self._changed()
+            if self.error is not None:
+                raise self.error
+            self._messages.append(message)
+            self.queued_bytes += message.nbytes
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while self._messages:
+                message = self._messages[0]
+                for piece in message.pieces(self._chunk_size):
+                    await self._endpoint.send(piece)
+                    self.pieces_sent += 1
+                    self._wake()
+                self._messages.popleft()
+                self.queued_bytes -= message.nbytes
+                self._wake()
+        except BaseException as exc:  # cancelled by abort(), or the connection failed
+            self._fail(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._task = None
+            self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.dropped += len(self._messages)
+        self._messages.clear()
+        self.queued_bytes = 0
+        self._endpoint.abort()
+        self._wake()
+
+    async def flush(self, stall_timeout: float) -> None:
+        """Wait until everything queued is sent or sending failed.
+
+        Raises ``TimeoutError`` when no piece was sent for ``stall_timeout`` seconds (a peer that does
+        not read): a large queue may take long, but only while it moves.
+        """
+        while self._task is not None and self.error is None:
+            before = self.pieces_sent
+            try:
+                await asyncio.wait_for(self._changed(), stall_timeout)
+            except TimeoutError:
+                if self.pieces_sent == before:
+                    raise
+
+    def abort(self, exc: BaseException) -> None:
+        """Drop the queue and stop the task; ``exc`` becomes ``error`` unless sending failed before."""
+        task = self._task
+        self._fail(exc)
+        if task is not None:
+            task.cancel()
 
 
 def _listen_host(host: str) -> str:
@@ -77,8 +220,15 @@ class RDMAComm(Comm):
     """An established ``rdma://`` comm: one rdmaio :class:`~rdmaio.Endpoint`.
 
     ``read()`` and ``write()`` raise ``CommClosedError`` once the connection is closed, reset or aborted
-    (its ``__cause__`` is rdmaio's error). A ``read()`` or ``write()`` interrupted by cancellation aborts
-    the comm, since part of a message may have been exchanged.
+    (its ``__cause__`` is rdmaio's error), and ``read()`` raises it, closing the comm, when the peer
+    declares more than ``distributed.comm.rdma.max-frame-size``/``max-message-size`` (checked before
+    anything is allocated), sends a malformed header, or a frame cannot be allocated. A ``read()``
+    interrupted by cancellation aborts the comm, since part of a message may have been consumed.
+
+    ``write()`` returns once its message is queued (see :class:`SendQueue`): the message's frames are
+    referenced until sent, so they must not be modified after ``write()`` (as with distributed's TCP
+    comm). A failure of the background send aborts the comm and is raised by the next ``write()`` or by
+    ``close()``. ``close()`` sends what is queued first.
     """
 
     def __init__(
@@ -89,9 +239,14 @@ class RDMAComm(Comm):
         self._endpoint: rdmaio.Endpoint | None = endpoint
         self._local_addr = local_addr  # distributed.comm.core.connect() reads these two
         self._peer_addr = peer_addr
-        self._chunk_size = chunk_size(endpoint.get_extra_info("peer_max_message_size"))
+        self._limits = frame_limits()
         self._shard_size = int(parse_bytes(dask.config.get("distributed.comm.shard")))
-        self._write_lock = asyncio.Lock()
+        self._send_queue = SendQueue(
+            endpoint,
+            chunk_size(endpoint.get_extra_info("peer_max_message_size")),
+            byte_size("write-queue-limit"),
+        )
+        self._send_error_reported = False
         self._extra = {key: endpoint.get_extra_info(key) for key in _EXTRA_KEYS}
         self._finalizer = weakref.finalize(
             self, _abort_dangling, endpoint, asyncio.get_running_loop(), f"{local_addr} -> {peer_addr}"
@@ -119,10 +274,36 @@ class RDMAComm(Comm):
         """The rdmaio endpoint (``None`` once closed), e.g. for ``statistics()``."""
         return self._endpoint
 
+    @property
+    def limits(self) -> FrameLimits:
+        """What the peer may declare in one message (read from the config when the comm was made)."""
+        return self._limits
+
+    def write_queue_statistics(self) -> dict[str, int]:
+        """The write queue: ``messages`` and ``bytes`` accepted by ``write()`` and not yet sent, its
+        ``limit`` (``distributed.comm.rdma.write-queue-limit``) and ``pieces_sent`` (rdmaio messages)."""
+        queue = self._send_queue
+        return {
+            "messages": len(queue),
+            "bytes": queue.queued_bytes,
+            "limit": queue.limit,
+            "pieces_sent": queue.pieces_sent,
+        }
+
     def _gone(self, exc: BaseException) -> CommClosedError:
         """The connection failed or ended: release it and describe it as Dask expects."""
         self.abort()
         return CommClosedError(f"in {self}: {type(exc).__name__}: {exc}")
+
+    def _send_failure(self) -> CommClosedError | None:
+        """The background send's failure, as ``CommClosedError``, the first time it is asked for."""
+        error = self._send_queue.error
+        if error is None or self._send_error_reported or not self._send_queue.dropped:
+            return None
+        self._send_error_reported = True
+        closed = CommClosedError(f"in {self}: a queued message was not sent: {type(error).__name__}: {error}")
+        closed.__cause__ = error
+        return closed
 
     async def read(self, deserializers: Any = None) -> Any:
         """Receive and deserialise one message."""
@@ -130,7 +311,7 @@ class RDMAComm(Comm):
         if endpoint is None:
             raise CommClosedError(f"in {self}: the comm is closed")
         try:
-            frames = await read_frames(endpoint, host_array)
+            frames = await read_frames(endpoint, host_array, self._limits)
         except _COMM_ERRORS as exc:
             raise self._gone(exc) from exc
         except BaseException:
@@ -150,9 +331,13 @@ class RDMAComm(Comm):
             raise self._gone(exc) from exc
 
     async def write(self, msg: Any, serializers: Any = None, on_error: str | None = "message") -> int:
-        """Serialise and send one message; return the bytes sent."""
+        """Serialise one message and queue it for sending; return its bytes on the wire.
+
+        Returns once the message is queued (waiting only while more than ``write-queue-limit`` bytes
+        are), not once the peer has it. A cancelled call queues nothing and leaves the comm usable.
+        """
         if self._endpoint is None:
-            raise CommClosedError(f"in {self}: the comm is closed")
+            raise self._send_failure() or CommClosedError(f"in {self}: the comm is closed")
         frames = await to_frames(  # type: ignore[no-untyped-call]
             msg,
             allow_offload=self.allow_offload,
@@ -161,33 +346,56 @@ class RDMAComm(Comm):
             context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
             frame_split_size=self._shard_size,
         )
-        # Frames of one message are several rdmaio messages: two writers must not interleave them.
-        async with self._write_lock:
-            endpoint = self._endpoint
-            if endpoint is None:
-                raise CommClosedError(f"in {self}: the comm is closed")
-            try:
-                return await write_frames(endpoint, frames, self._chunk_size)
-            except _COMM_ERRORS as exc:
-                raise self._gone(exc) from exc
-            except BaseException:
-                self.abort()
-                raise
+        message = encode_message(frames)
+        if self._endpoint is None:
+            raise self._send_failure() or CommClosedError(f"in {self}: the comm is closed")
+        try:
+            await self._send_queue.put(message)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            failure = self._send_failure()
+            self.abort()
+            raise (failure or CommClosedError(f"in {self}: {type(exc).__name__}: {exc}")) from exc
+        return message.nbytes
 
     async def close(self) -> None:
-        """Close gracefully: queued data is sent, then the peer reads end of stream."""
+        """Close gracefully: the queued messages are sent, then the peer reads end of stream.
+
+        Waits for the queue while it makes progress; when nothing is sent for the endpoint's
+        ``close_timeout`` (a peer that does not read), the comm is aborted instead. Raises
+        ``CommClosedError`` if a message accepted by ``write()`` was not sent and no ``write()`` said so.
+        """
         endpoint, self._endpoint = self._endpoint, None
         self._closed = True
         if endpoint is None:
+            failure = self._send_failure()
+            if failure is not None:
+                raise failure
             return
         self._finalizer.detach()
         try:
+            await self._send_queue.flush(endpoint.options.close_timeout)
             await endpoint.aclose()
+        except TimeoutError:
+            log.info(
+                "rdmaio.dask: %s: the peer took nothing for %s s; aborting",
+                self,
+                endpoint.options.close_timeout,
+            )
+            self._send_queue.abort(
+                CommClosedError(f"in {self}: closed before the peer read the queued messages")
+            )
+            endpoint.abort()
         except _COMM_ERRORS as exc:  # the peer went first; nothing is left to flush
             log.debug("rdmaio.dask: %s closed with %r", self, exc)
         except BaseException:
+            self._send_queue.abort(CommClosedError(f"in {self}: close() was interrupted"))
             endpoint.abort()
             raise
+        failure = self._send_failure()
+        if failure is not None:
+            raise failure
 
     def abort(self) -> None:
         """Close at once, dropping queued data."""
@@ -195,11 +403,14 @@ class RDMAComm(Comm):
         self._closed = True
         if endpoint is not None:
             self._finalizer.detach()
+            self._send_error_reported = True  # dropping the queue is what abort() means
+            self._send_queue.abort(CommClosedError(f"in {self}: the comm was aborted"))
             endpoint.abort()
 
     def closed(self) -> bool:
-        """True once closed or aborted here, or once the peer has gone and nothing is left to read."""
-        if self._closed:
+        """True once closed or aborted here, once a queued message could not be sent, or once the peer
+        has gone and nothing is left to read."""
+        if self._closed or self._send_queue.error is not None:
             return True
         endpoint = self._endpoint
         return endpoint is None or endpoint.at_eof()
@@ -228,10 +439,10 @@ class RDMAConnector(Connector):
             raise CommClosedError(f"cannot connect to {PREFIX}{address}: {exc}") from exc
         try:
             local = _address(endpoint.get_extra_info("sockname"))
-        except BaseException:
+            return RDMAComm(endpoint, local, PREFIX + address, deserialize)
+        except BaseException:  # including a bad distributed.comm.rdma.* setting: no connection is left open
             endpoint.abort()
             raise
-        return RDMAComm(endpoint, local, PREFIX + address, deserialize)
 
 
 class RDMAListener(BaseListener):
@@ -288,7 +499,11 @@ class RDMAListener(BaseListener):
         except CommClosedError:
             endpoint.abort()
             return
-        comm = RDMAComm(endpoint, local, peer, self.deserialize)
+        try:
+            comm = RDMAComm(endpoint, local, peer, self.deserialize)
+        except BaseException:  # a bad distributed.comm.rdma.* setting: no connection is left open
+            endpoint.abort()
+            raise
         comm.allow_offload = self.allow_offload
         try:
             await self.on_connection(comm)

@@ -11,29 +11,42 @@ Wire format of one message, as rdmaio messages:
    message (and one work request).
 2. Each non-inline frame, in order, as one or more rdmaio messages of at most ``chunk_size`` bytes.
 
-The receiver allocates each non-inline frame at its final size (``distributed``'s ``host_array``: a
-writable NumPy-backed buffer when NumPy is there) and fills it with ``Endpoint.recv_into`` on the part
-still missing. ``recv_into`` fills at most the buffer it is given and keeps the rest of a longer message
-for the next read call, so the frame boundary is exact whatever the chunking; a peer that chunks
-differently still produces the right frames, and one that lies about sizes is caught by the next
-header's validation.
+The receiver checks the declared sizes against its :class:`FrameLimits` before it allocates anything,
+then allocates each non-inline frame at its final size when it gets to that frame (``distributed``'s
+``host_array``: a writable NumPy-backed buffer when NumPy is there) and fills it with
+``Endpoint.recv_into`` on the part still missing. ``recv_into`` fills at most the buffer it is given and
+keeps the rest of a longer message for the next read call, so the frame boundary is exact whatever the
+chunking; a peer that chunks differently still produces the right frames, and one that lies about
+sizes is caught by the next header's validation. A frame's buffer is allocated before its data
+arrives (a rendezvous message is pulled straight into it), so ``FrameLimits.max_frame_size`` is what a
+peer can make the receiver allocate ahead of data; large allocations are mapped lazily by the
+allocator, so resident memory grows as the data is written.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+import rdmaio
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "INLINE_FRAME_LIMIT",
     "INLINE_TOTAL_LIMIT",
+    "FrameLimitError",
+    "FrameLimits",
     "FramingError",
     "MessageEndpoint",
+    "OutgoingMessage",
+    "check_limits",
     "decode_header",
     "encode_header",
+    "encode_message",
     "read_frames",
+    "send_message",
     "write_frames",
 ]
 
@@ -62,8 +75,47 @@ host, asyncio; rxe's own ``ib_write_bw`` 60 MiB/s in the same run). Against a pe
 the messages are reassembled by the receiving endpoint, which its own ``max_message_size`` bounds."""
 
 
-class FramingError(ValueError):
-    """The peer sent a header that does not follow the format above."""
+class FramingError(rdmaio.FrameError):
+    """The peer sent a header that does not follow the format above (a ``ValueError``)."""
+
+
+class FrameLimitError(FramingError, rdmaio.MessageTooLargeError):
+    """A header declares a frame or a message larger than the receiver's :class:`FrameLimits`."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """What one received Dask message may declare; checked before anything is allocated for it."""
+
+    max_frame_size: int = MAX_FRAME_SIZE
+    """Largest frame (each frame's buffer is allocated at its declared size before its data arrives)."""
+    max_message_size: int = MAX_FRAME_SIZE
+    """Largest message: all its frames together, inline ones included."""
+    frame_size_name: str = "max_frame_size"
+    """How the frame limit is called in error messages (the comm names its config key)."""
+    message_size_name: str = "max_message_size"
+    """How the message limit is called in error messages."""
+
+    def __post_init__(self) -> None:
+        if self.max_frame_size < 1 or self.max_message_size < 1:
+            raise ValueError("frame and message limits must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingMessage:
+    """One encoded Dask message: its header message and the frames that follow it."""
+
+    header: bytes
+    frames: list[memoryview]
+    nbytes: int
+    """Bytes on the wire: the header and every separate frame."""
+
+    def pieces(self, chunk_size: int) -> Iterator[memoryview]:
+        """The rdmaio messages to send, in order: the header, then each frame cut at ``chunk_size``."""
+        yield memoryview(self.header)
+        for view in self.frames:
+            for start in range(0, view.nbytes, chunk_size):
+                yield view[start : start + chunk_size]
 
 
 class MessageEndpoint(Protocol):
@@ -147,6 +199,28 @@ def decode_header(message: bytes) -> tuple[list[memoryview | int], int]:
     return out, separate
 
 
+def encode_message(frames: Sequence[bytes | bytearray | memoryview]) -> OutgoingMessage:
+    """Encode ``frames`` as one Dask message. The frames are referenced, not copied (except a
+    non-contiguous buffer, which has to be made contiguous): they must not change until it is sent."""
+    views = [_as_bytes_view(frame) for frame in frames]
+    header, separate = encode_header(views)
+    return OutgoingMessage(header, separate, len(header) + sum(view.nbytes for view in separate))
+
+
+async def send_message(
+    endpoint: MessageEndpoint, message: OutgoingMessage, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> int:
+    """Send an encoded message; return its bytes (header included).
+
+    Not safe to interleave with another message on the same endpoint: the caller serialises.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, not {chunk_size}")
+    for piece in message.pieces(chunk_size):
+        await endpoint.send(piece)
+    return message.nbytes
+
+
 async def write_frames(
     endpoint: MessageEndpoint,
     frames: Sequence[bytes | bytearray | memoryview],
@@ -156,30 +230,44 @@ async def write_frames(
 
     Not safe to interleave with another ``write_frames`` on the same endpoint: the caller serialises.
     """
-    views = [_as_bytes_view(frame) for frame in frames]
-    header, separate = encode_header(views)
-    await endpoint.send(header)
-    total = len(header)
-    for view in separate:
-        size = view.nbytes
-        for start in range(0, size, chunk_size):
-            await endpoint.send(view[start : start + chunk_size])
+    return await send_message(endpoint, encode_message(frames), chunk_size)
+
+
+def check_limits(layout: Sequence[memoryview | int], limits: FrameLimits) -> None:
+    """Raise :class:`FrameLimitError` if a decoded header declares more than ``limits`` allow."""
+    total = 0
+    for item in layout:
+        size = item.nbytes if isinstance(item, memoryview) else item
+        if not isinstance(item, memoryview) and size > limits.max_frame_size:
+            raise FrameLimitError(
+                f"the peer declared a frame of {size} bytes, over {limits.frame_size_name} "
+                f"({limits.max_frame_size} bytes)"
+            )
         total += size
-    return total
+    if total > limits.max_message_size:
+        raise FrameLimitError(
+            f"the peer declared a message of {total} bytes in {len(layout)} frames, over "
+            f"{limits.message_size_name} ({limits.max_message_size} bytes)"
+        )
 
 
 async def read_frames(
-    endpoint: MessageEndpoint, allocate: Callable[[int], memoryview] | None = None
+    endpoint: MessageEndpoint,
+    allocate: Callable[[int], memoryview] | None = None,
+    limits: FrameLimits | None = None,
 ) -> list[memoryview] | None:
     """Receive one Dask message; ``None`` if the stream ended cleanly before it began.
 
-    ``allocate(n)`` makes the buffer of a non-inline frame (default: a ``bytearray``). Raises
-    :class:`FramingError` on a malformed header and :class:`EOFError` if the stream ends inside a message.
+    ``allocate(n)`` makes the buffer of a non-inline frame (default: a ``bytearray``), one frame at a
+    time, when the previous frames are complete. Raises :class:`FramingError` on a malformed header,
+    :class:`FrameLimitError` (before allocating anything) when it declares more than ``limits`` allow
+    (default: only the format's own bounds), and :class:`EOFError` if the stream ends inside a message.
     """
     message = await endpoint.recv()
     if message is None:
         return None
     layout, _ = decode_header(message)
+    check_limits(layout, limits or FrameLimits())
     frames: list[memoryview] = []
     for item in layout:
         if isinstance(item, memoryview):

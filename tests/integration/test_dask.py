@@ -1,9 +1,14 @@
 """The ``rdma://`` comm backend of Dask distributed, over Soft-RoCE: comms, then real clusters.
 
-The comm tests cover what distributed's own ``test_comms.py`` checks for a backend (its helpers are not
-shipped in its wheel): round trips with serialisation, closing with reads in flight, connect failures
-and timeouts, many listeners, addresses and ``repr``, loading through the entry point. They run on
-asyncio and uvloop (``arun``).
+The comm tests cover what distributed's own ``test_comms.py`` checks for a backend, mirrored here since
+its ``check_*`` helpers are not shipped in its wheel: client/server with concurrent clients
+(``check_client_server``), implicit and explicit close (``check_comm_closed_implicit``/``_explicit``),
+connect failures and timeouts (``check_connect_timeout``), many listeners (``check_many_listeners``),
+the ``deserialize`` flag on listeners and connectors (``check_deserialize``), a round trip of three
+4 MiB frames written before the peer reads (``check_deserialize_roundtrip``), an ``EOFError`` while
+deserialising (``check_deserialize_eoferror``), addresses and ``repr``; plus loading through the entry
+point, the write queue (close flushes it, a peer that never reads cannot hang close) and hostile
+peers that forge frame headers. They run on asyncio and uvloop (``arun``).
 
 The cluster tests run ``LocalCluster(protocol="rdma", processes=True)`` with every process on asyncio, then
 on uvloop (one cluster per loop, shared by the tests that use it) and a scheduler and two workers started
@@ -17,8 +22,10 @@ processes few.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -34,11 +41,13 @@ import pandas as pd
 import pytest
 from dask_tasks import loop_module, square_unless_victim
 from distributed import Client, LocalCluster
-from distributed.comm import connect, listen
+from distributed.comm import connect, listen, parse_address, parse_host_port
 from distributed.comm.core import Comm, CommClosedError
-from distributed.protocol import to_serialize
+from distributed.protocol import Serialized, deserialize, serialize, to_serialize
 from loops import Runner, arun
 
+import rdmaio
+import rdmaio.dask.comm
 from rdmaio.dask import RDMABackend, RDMAComm
 
 pytestmark = pytest.mark.timeout(900)
@@ -128,9 +137,9 @@ def test_frames_are_cut_at_the_peers_max_message_size(arun: Runner[Any], rdma_ad
         assert comm.extra_info["peer_max_message_size"] == 1 << 20
         array = np.arange(3 * (1 << 20) // 8, dtype="i8")  # 3 MiB, one frame
         await comm.write({"x": to_serialize(array)})
+        np.testing.assert_array_equal((await comm.read())["x"], array)  # the echo: all of it arrived
         endpoint = comm.endpoint
         assert endpoint is not None and endpoint.statistics()["messages_sent"] >= 4  # header + 3 chunks
-        np.testing.assert_array_equal((await comm.read())["x"], array)
         await comm.close()
 
     arun(main())
@@ -153,6 +162,19 @@ def test_implicit_close_fails_the_peers_read(arun: Runner[Any], rdma_addr: str) 
             assert comm.closed()
             with pytest.raises(CommClosedError):
                 await comm.write({"op": "again"})
+
+        # check_comm_closed_implicit: the server closes at once; a write then a read, or a read, fails
+        async def closing_handler(comm: Comm) -> None:
+            await comm.close()
+
+        async with listen(f"rdma://{rdma_addr}:0", closing_handler) as listener:
+            comm = await connect(listener.contact_address)
+            with pytest.raises(CommClosedError):
+                await comm.write({})
+                await asyncio.wait_for(comm.read(), 60)
+            comm = await connect(listener.contact_address)
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(comm.read(), 60)
 
     arun(main())
 
@@ -183,6 +205,27 @@ def test_explicit_close_and_abort_with_reads_in_flight(arun: Runner[Any], rdma_a
                 with pytest.raises(CommClosedError):
                     await comm.read()
 
+        # check_comm_closed_explicit and check_repr/check_addresses, on a pair
+        a, b = await _comm_pair(f"rdma://{rdma_addr}:0")
+        assert a.peer_address == b.local_address and a.local_address == b.peer_address
+        assert "closed" not in repr(a) and "closed" not in repr(b)
+        a_read = asyncio.ensure_future(a.read())
+        b_read = asyncio.ensure_future(b.read())
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(a.close(), 60)
+        assert "closed" in repr(a) and a.local_address in repr(a) and b.local_address in repr(a)
+        for pending in (a_read, b_read):
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(pending, 60)
+        for comm in (a, b):
+            with pytest.raises(CommClosedError):
+                await comm.read()
+        for comm in (a, b):
+            with pytest.raises(CommClosedError):
+                await comm.write({})
+        await b.close()
+        assert "closed" in repr(b) and b.peer_address in repr(b)
+
     arun(main())
 
 
@@ -201,6 +244,8 @@ def test_connect_refused_and_timeout(arun: Runner[Any], rdma_addr: str) -> None:
         # distributed's connect() retries until its timeout, then raises an OSError
         with pytest.raises(OSError, match="Timed out trying to connect"):
             await connect(address, timeout=1)
+        with pytest.raises(OSError):  # check_connect_timeout's budget (its duration is not asserted)
+            await connect(address, timeout=0.15)
 
     arun(main())
 
@@ -220,6 +265,16 @@ def test_many_listeners(arun: Runner[Any], rdma_addr: str) -> None:
         finally:
             for listener in listeners:
                 listener.stop()
+        # check_many_listeners: 100 listeners (handler does nothing), each with its own addresses
+        with dask.config.set({"distributed.comm.rdma.host": rdma_addr}):
+            for address in (f"rdma://{rdma_addr}", "rdma://0.0.0.0", "rdma://"):
+                many = [await listen(address, _ignore) for _ in range(100)]
+                try:
+                    assert len({listener.listen_address for listener in many}) == 100
+                    assert len({listener.contact_address for listener in many}) == 100
+                finally:
+                    for listener in many:
+                        listener.stop()
 
     arun(main())
 
@@ -239,6 +294,329 @@ def test_wildcard_and_loopback_listeners_advertise_the_rdma_address(
                     await comm.write("hello")
                     assert await comm.read() == "hello"
                     await comm.close()
+
+    arun(main())
+
+
+async def _ignore(comm: Comm) -> None:
+    """Listener handler that does nothing with the comm."""
+
+
+async def _comm_pair(address: str, **kwargs: Any) -> tuple[Comm, Comm]:
+    """A connected (client, server) pair of comms, after distributed's handshake (as get_comm_pair)."""
+    accepted: asyncio.Queue[Comm] = asyncio.Queue()
+    async with listen(address, accepted.put, **kwargs) as listener:
+        client = await connect(listener.contact_address, **kwargs)
+    return client, await asyncio.wait_for(accepted.get(), 60)
+
+
+def test_client_server_with_concurrent_clients(arun: Runner[Any], rdma_addr: str) -> None:
+    """check_client_server: two writes before a read, 1 then 20 concurrent clients, unknown connection
+    arguments ignored, on a specific, a wildcard and an empty host."""
+
+    async def check(address: str, listen_host: str) -> None:
+        async def handler(comm: Comm) -> None:
+            try:
+                assert parse_address(comm.peer_address)[0] == "rdma"
+                msg = await comm.read()
+                assert msg["op"] == "ping"
+                await comm.write({**msg, "op": "pong"})
+                assert (await comm.read())["op"] == "foobar"
+            finally:
+                await comm.close()
+
+        listener = await listen(address, handler, xxx="bar")
+        try:
+            scheme, loc = parse_address(listener.listen_address)
+            assert scheme == "rdma"
+            host, port = parse_host_port(loc)
+            assert host == listen_host and 1023 < port < 65536
+            contact = parse_host_port(parse_address(listener.contact_address)[1])
+            assert contact == (rdma_addr, port)
+            done: list[int] = []
+
+            async def client(key: int, delay: float = 0) -> None:
+                comm = await connect(listener.contact_address, xxx="foo")
+                try:
+                    assert comm.peer_address == listener.contact_address
+                    await comm.write({"op": "ping", "data": key})
+                    await comm.write({"op": "foobar"})
+                    if delay:
+                        await asyncio.sleep(delay)
+                    assert await comm.read() == {"op": "pong", "data": key}
+                    done.append(key)
+                finally:
+                    await comm.close()
+
+            await client(1234)
+            await asyncio.gather(*(client(i, 0.05) for i in range(20)))
+            assert set(done) == {1234, *range(20)}
+        finally:
+            listener.stop()
+
+    async def main() -> None:
+        with dask.config.set({"distributed.comm.rdma.host": rdma_addr}):
+            await check(f"rdma://{rdma_addr}", rdma_addr)
+            await check("rdma://0.0.0.0", "0.0.0.0")
+            await check("rdma://", "0.0.0.0")  # an empty host listens on every interface
+
+    arun(main())
+
+
+def test_deserialize_flag_of_listener_and_connector(arun: Runner[Any], rdma_addr: str) -> None:
+    """check_deserialize: with ``deserialize=False`` the receiver gets ``Serialized`` objects (or the
+    ``to_serialize`` wrapper), with True the values; small messages and 4 MiB bytestrings."""
+
+    async def via_listener(flag: bool, msg: dict[str, Any]) -> dict[str, Any]:
+        got: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def handler(comm: Comm) -> None:
+            try:
+                await got.put(await comm.read())
+            except Exception as exc:
+                await got.put(exc)
+            finally:
+                await comm.close()
+
+        async with listen(f"rdma://{rdma_addr}:0", handler, deserialize=flag) as listener:
+            comm = await connect(listener.contact_address)
+        await comm.write(msg)
+        out = await asyncio.wait_for(got.get(), 120)
+        await comm.close()
+        if isinstance(out, Exception):
+            raise out
+        assert isinstance(out, dict)
+        return out
+
+    async def via_connector(flag: bool, msg: dict[str, Any]) -> dict[str, Any]:
+        done = asyncio.Event()
+
+        async def handler(comm: Comm) -> None:
+            try:
+                await comm.write(msg)
+                await done.wait()
+            finally:
+                await comm.close()
+
+        async with listen(f"rdma://{rdma_addr}:0", handler) as listener:
+            comm = await connect(listener.contact_address, deserialize=flag)
+        try:
+            out = await asyncio.wait_for(comm.read(), 120)
+            done.set()
+        finally:
+            await comm.close()
+        assert isinstance(out, dict)
+        return out
+
+    def check(out: dict[str, Any], flag: bool, value: Any, plain: Any) -> None:
+        out = dict(out)
+        to_ser, ser = out.pop("to_ser"), out.pop("ser")
+        assert out == {"op": "update", "x": plain}
+        if flag:
+            if isinstance(value, bytes):  # bytes come back as a bytes-like frame
+                assert bytes(ser) == value and [bytes(item) for item in to_ser] == [value]
+            else:
+                assert list(to_ser) == [value] and ser == value
+            return
+        assert isinstance(ser, Serialized) and deserialize(ser.header, ser.frames) == value
+        (item,) = to_ser
+        if isinstance(item, Serialized):
+            assert deserialize(item.header, item.frames) == value
+        else:
+            assert item == to_serialize(value)
+
+    async def main() -> None:
+        big = os.urandom(1 << 20) * 4
+        for value, plain in ((456, b"abc"), (big, big)):
+            msg = {
+                "op": "update",
+                "x": plain,
+                "to_ser": [to_serialize(value)],
+                "ser": Serialized(*serialize(value)),
+            }
+            for flag in (False, True):
+                for via in (via_listener, via_connector):
+                    check(await via(flag, msg), flag, value, plain)
+
+    arun(main())
+
+
+def test_write_of_three_4mib_frames_does_not_wait_for_the_peers_read(
+    arun: Runner[Any], rdma_addr: str
+) -> None:
+    """check_deserialize_roundtrip: a message of three 4 MiB frames is written before the peer reads.
+
+    The frames go by rendezvous (``send()`` returns once the peer pulled them), and the receiving
+    endpoint does not pull 12 MiB on its own, so a ``write()`` that waited for its frames to be sent
+    would wait for the peer's ``read()``, which comes after it: the comm queues and returns."""
+
+    async def main() -> None:
+        data = os.urandom(1 << 20) * 4
+        msg = {
+            "op": "update",
+            "x": data,
+            "to_ser": [to_serialize(data)],
+            "ser": Serialized(*serialize(data)),
+        }
+        for flag in (True, False):
+            a, b = await _comm_pair(f"rdma://{rdma_addr}:0", deserialize=flag)
+            written = await asyncio.wait_for(a.write(msg), 60)
+            assert written > 3 * len(data)
+            got = await asyncio.wait_for(b.read(), 120)
+            await asyncio.wait_for(b.write(got), 120)
+            got = await asyncio.wait_for(a.read(), 120)
+            assert sorted(got) == sorted(msg)
+            assert got["op"] == msg["op"] and got["x"] == data
+            if flag:
+                assert isinstance(got["to_ser"][0], (bytes, bytearray))
+                assert isinstance(got["ser"], (bytes, bytearray))
+            else:
+                assert isinstance(got["to_ser"][0], (to_serialize, Serialized))
+                assert isinstance(got["ser"], Serialized)
+            assert isinstance(a, RDMAComm) and a.endpoint is not None
+            assert a.endpoint.statistics()["rndv_sent"] >= 3  # the premise: the frames went by rendezvous
+            await a.close()
+            await b.close()
+
+    arun(main())
+
+
+class _RaisesEOFWhenUnpickled:
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _raise_eof, ()
+
+
+def _raise_eof() -> None:
+    raise EOFError
+
+
+def test_eoferror_while_deserialising_closes_the_comm(arun: Runner[Any], rdma_addr: str) -> None:
+    """check_deserialize_eoferror: an EOFError raised by deserialisation closes the comm on both ends."""
+
+    async def main() -> None:
+        server_saw: asyncio.Queue[BaseException | None] = asyncio.Queue()
+
+        async def handler(comm: Comm) -> None:
+            await comm.write({"data": to_serialize(_RaisesEOFWhenUnpickled())})
+            try:
+                await comm.read()
+            except CommClosedError as exc:
+                await server_saw.put(exc)
+            else:
+                await server_saw.put(None)
+
+        async with listen(f"rdma://{rdma_addr}:0", handler) as listener:
+            comm = await connect(listener.contact_address, deserialize=True)
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(comm.read(), 60)
+            assert comm.closed()
+            assert isinstance(await asyncio.wait_for(server_saw.get(), 60), CommClosedError)
+
+    arun(main())
+
+
+def test_close_sends_the_queue_and_never_hangs(arun: Runner[Any], rdma_addr: str) -> None:
+    """close() right after write() still delivers the message; when the peer never reads, close() gives
+    up after the endpoint's close_timeout without progress, aborting, instead of hanging."""
+
+    async def main() -> None:
+        data = os.urandom(1 << 20) * 4
+        msg = {"x": to_serialize(data), "y": to_serialize(data), "z": to_serialize(data)}
+        a, b = await _comm_pair(f"rdma://{rdma_addr}:0")
+        await asyncio.wait_for(a.write(msg), 60)
+        closing = asyncio.ensure_future(a.close())  # waits for the frames, which b pulls as it reads
+        got = await asyncio.wait_for(b.read(), 120)
+        await asyncio.wait_for(closing, 120)
+        assert bytes(got["z"]) == data
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(b.read(), 60)
+        # a peer that never reads: close() stops waiting once nothing moved for close_timeout
+        with dask.config.set({"distributed.comm.rdma.options": {"close_timeout": 1.0}}):
+            a, b = await _comm_pair(f"rdma://{rdma_addr}:0")
+        for _ in range(3):
+            await asyncio.wait_for(a.write(msg), 60)
+        assert isinstance(a, RDMAComm) and a.write_queue_statistics()["messages"] >= 1
+        with pytest.raises(CommClosedError, match="not sent"):
+            await asyncio.wait_for(a.close(), 120)
+        assert a.closed() and a.write_queue_statistics()["bytes"] == 0
+        with pytest.raises(CommClosedError):
+            for _ in range(4):  # whatever b had received before, the connection ends
+                await asyncio.wait_for(b.read(), 120)
+
+    arun(main())
+
+
+# --- hostile peers: forged frame headers ------------------------------------------------------------
+
+
+def _forged_header(*sizes: int) -> bytes:
+    """A header message (rdmaio.dask.framing's format, version 1) declaring separate frames of these
+    sizes; no data follows it."""
+    return struct.pack(f"<B3xI{len(sizes)}Q", 1, len(sizes), *sizes)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "config", "match", "cause"),
+    [
+        ((32 << 40,), {}, "max-frame-size", rdmaio.MessageTooLargeError),  # 32 TiB, under the format's 64
+        ((16 << 30,), {}, "max-frame-size", rdmaio.MessageTooLargeError),
+        (
+            (1 << 20,) * 3,
+            {"max-frame-size": "1MiB", "max-message-size": "2MiB"},
+            "max-message-size",
+            rdmaio.MessageTooLargeError,
+        ),
+        ((32 << 40,), {"max-frame-size": "64TiB", "max-message-size": "64TiB"}, "MemoryError", MemoryError),
+    ],
+    ids=["32TiB-frame", "16GiB-frame", "message-over-limit", "allocation-fails"],
+)
+def test_forged_headers_close_the_comm_before_allocating(
+    arun: Runner[Any],
+    rdma_addr: str,
+    monkeypatch: pytest.MonkeyPatch,
+    sizes: tuple[int, ...],
+    config: dict[str, str],
+    match: str,
+    cause: type[BaseException],
+) -> None:
+    """A peer (an rdmaio endpoint sending a crafted header) declares frames it never sends: read()
+    raises CommClosedError and closes the comm; a declaration over the limits allocates nothing, and an
+    allocation that fails (MemoryError) is a closed comm too."""
+    allocations: list[int] = []
+    real_host_array = rdmaio.dask.comm.host_array
+
+    def recording_host_array(n: int) -> memoryview:
+        allocations.append(n)
+        if n > 1 << 30:  # what numpy does in a small VM (and, past the address space, anywhere)
+            raise MemoryError(f"Unable to allocate {n} bytes")
+        return memoryview(real_host_array(n))
+
+    monkeypatch.setattr(rdmaio.dask.comm, "host_array", recording_host_array)
+
+    async def main() -> None:
+        allocations.clear()
+        server = await rdmaio.listen(rdma_addr, 0)
+        try:
+            host, port = server.addresses[0]
+            keys = {f"distributed.comm.rdma.{key}": value for key, value in config.items()}
+            with dask.config.set(keys):
+                comm = await RDMABackend().get_connector().connect(f"{host}:{port}")
+            peer = await asyncio.wait_for(server.accept(), 60)
+            await peer.send(_forged_header(*sizes))
+            with pytest.raises(CommClosedError, match=match) as info:
+                await asyncio.wait_for(comm.read(), 60)
+            assert isinstance(info.value.__cause__, cause)
+            assert comm.closed() and comm.endpoint is None
+            if cause is MemoryError:
+                assert allocations == [sizes[0]]
+            else:
+                assert allocations == []  # rejected before any frame was allocated
+            # the comm aborted its end: the hostile peer's connection ends (reset, or EOF)
+            with contextlib.suppress(rdmaio.ConnectionResetError):
+                assert await asyncio.wait_for(peer.recv(), 60) is None
+            peer.abort()
+        finally:
+            server.close()
 
     arun(main())
 

@@ -3,7 +3,9 @@
 ``FakeEndpoint`` mimics the message half of :class:`rdmaio.Endpoint` with its documented semantics:
 ``send`` copies the data; ``recv`` returns the next message or ``None`` at EOF; ``recv_into`` copies what
 fits of the next message and keeps the rest for the next read call; ``close`` sends EOF; ``abort`` makes
-pending and later calls of both sides fail.
+pending and later calls of both sides fail. With ``rendezvous_from`` set, a ``send`` of at least that
+many bytes returns only once the peer has read the whole message, as a rendezvous send does when the
+receiving endpoint does not pull unclaimed messages by itself.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rdmaio
+import rdmaio.dask.comm
 from rdmaio.dask import addressing
-from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAListener, chunk_size
+from rdmaio.dask.comm import RDMABackend, RDMAComm, RDMAListener, chunk_size, frame_limits
+from rdmaio.dask.config import load_defaults
 from rdmaio.dask.framing import (
     INLINE_FRAME_LIMIT,
+    FrameLimitError,
+    FrameLimits,
     FramingError,
     decode_header,
     encode_header,
@@ -44,6 +50,9 @@ class FakeEndpoint:
     def __init__(self) -> None:
         self.peer: FakeEndpoint | None = None
         self.rx: collections.deque[bytes] = collections.deque()
+        self.rx_done: collections.deque[asyncio.Event | None] = collections.deque()
+        self.rendezvous_from: int | None = None
+        self.options = rdmaio.Options()
         self.offset = 0
         self.eof = False
         self.error: BaseException | None = None
@@ -58,9 +67,18 @@ class FakeEndpoint:
         a.peer, b.peer = b, a
         return a, b
 
-    def _deliver(self, data: bytes) -> None:
+    def _deliver(self, data: bytes, done: asyncio.Event | None = None) -> None:
         self.rx.append(data)
+        self.rx_done.append(done)
         self.changed.set()
+
+    def _consumed(self) -> None:
+        self.rx.popleft()
+        done = self.rx_done.popleft()
+        if done is not None:
+            done.set()
+            if self.peer is not None:
+                self.peer.changed.set()
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         if self.error is not None:
@@ -69,8 +87,16 @@ class FakeEndpoint:
             raise rdmaio.EndpointClosedError("endpoint is closing")
         await asyncio.sleep(0)
         assert self.peer is not None
-        self.sent_sizes.append(memoryview(data).nbytes)
-        self.peer._deliver(bytes(data))
+        size = memoryview(data).nbytes
+        self.sent_sizes.append(size)
+        rendezvous = self.rendezvous_from is not None and size >= self.rendezvous_from
+        done = asyncio.Event() if rendezvous else None
+        self.peer._deliver(bytes(data), done)
+        while done is not None and not done.is_set():
+            if self.error is not None:
+                raise self.error
+            self.changed.clear()
+            await self.changed.wait()
 
     async def _wait(self) -> bool:
         while not self.rx:
@@ -85,7 +111,8 @@ class FakeEndpoint:
     async def recv(self) -> bytes | None:
         if not await self._wait():
             return None
-        data = self.rx.popleft()[self.offset :]
+        data = self.rx[0][self.offset :]
+        self._consumed()
         self.offset = 0
         return data
 
@@ -98,7 +125,7 @@ class FakeEndpoint:
         target[:n] = data[self.offset : self.offset + n]
         self.offset += n
         if self.offset == len(data):
-            self.rx.popleft()
+            self._consumed()
             self.offset = 0
         return n
 
@@ -324,6 +351,8 @@ def test_comm_cancelled_read_aborts(arun: Callable[[Coroutine[Any, Any, None]], 
         with pytest.raises(CommClosedError, match="ConnectionResetError"):
             await cb.read()
 
+    arun(main())
+
 
 def test_dropped_comm_aborts_its_endpoint(
     arun: Callable[[Coroutine[Any, Any, None]], None], caplog: pytest.LogCaptureFixture
@@ -350,6 +379,297 @@ def test_concurrent_writes_do_not_interleave(arun: Callable[[Coroutine[Any, Any,
         for _ in payloads:
             got = await cb.read()
             assert bytes(got["b"]) == payloads[got["i"]]
+
+    arun(main())
+
+
+# --- limits on what a peer may declare ----------------------------------------------------------------
+
+
+def _forged_header(*sizes: int) -> bytes:
+    """A header declaring separate frames of these sizes (what a hostile peer sends; no data follows)."""
+    return struct.pack(f"<B3xI{len(sizes)}Q", 1, len(sizes), *sizes)
+
+
+@pytest.mark.parametrize(
+    ("header", "limits", "match"),
+    [
+        (_forged_header(32 << 40), FrameLimits(1 << 30, 16 << 30), "frame of 35184372088832 bytes"),
+        (_forged_header(1 << 20, 1 << 20, 1 << 20), FrameLimits(1 << 20, 2 << 20), "message of 3145728"),
+        (  # inline bytes count towards the message too
+            struct.pack("<B3xI2Q", 1, 2, (1 << 63) | 4, 1 << 20) + b"abcd",
+            FrameLimits(1 << 20, 1 << 20),
+            "message of 1048580",
+        ),
+    ],
+)
+def test_limits_are_checked_before_anything_is_allocated(
+    header: bytes, limits: FrameLimits, match: str
+) -> None:
+    async def main() -> None:
+        a, b = FakeEndpoint.pair()
+        await a.send(header)
+        allocations: list[int] = []
+
+        def allocate(n: int) -> memoryview:
+            allocations.append(n)
+            return memoryview(bytearray(n))
+
+        with pytest.raises(FrameLimitError, match=match) as info:
+            await read_frames(b, allocate, limits)
+        assert allocations == []
+        assert isinstance(info.value, rdmaio.MessageTooLargeError) and isinstance(info.value, ValueError)
+
+    asyncio.run(main())
+
+
+def test_limits_at_the_bound_are_accepted() -> None:
+    async def main() -> None:
+        a, b = FakeEndpoint.pair()
+        frames = [b"x" * 100, bytes(range(256)) * 1024]  # 100 B inline + 256 KiB separate
+        await write_frames(a, frames)
+        got = await read_frames(b, None, FrameLimits(256 * 1024, 256 * 1024 + 100))
+        assert got is not None and [bytes(f) for f in got] == frames
+
+    asyncio.run(main())
+
+
+def test_config_defaults_are_registered_and_user_settings_win() -> None:
+    assert dask.config.get("distributed.comm.rdma.max-frame-size") == "1GiB"
+    assert dask.config.get("distributed.comm.rdma.max-message-size") == "16GiB"
+    assert dask.config.get("distributed.comm.rdma.write-queue-limit") == "256MiB"
+    limits = frame_limits()
+    assert (limits.max_frame_size, limits.max_message_size) == (1 << 30, 16 << 30)
+    assert limits.frame_size_name == "distributed.comm.rdma.max-frame-size"
+    with dask.config.set({"distributed.comm.rdma.max-frame-size": "4 MiB"}):
+        load_defaults()  # registering again does not override what the user set
+        assert frame_limits().max_frame_size == 4 << 20
+    with (
+        dask.config.set({"distributed.comm.rdma.max-message-size": 0}),
+        pytest.raises(ValueError, match="max-message-size must be positive"),
+    ):
+        frame_limits()
+    with (
+        dask.config.set({"distributed.comm.rdma.write-queue-limit": "lots"}),
+        pytest.raises(ValueError, match="write-queue-limit must be a byte size"),
+    ):
+        asyncio.run(_comm_pair())
+
+
+async def _hostile_pair(**config: Any) -> tuple[RDMAComm, FakeEndpoint, FakeEndpoint]:
+    a, b = FakeEndpoint.pair()
+    with dask.config.set({f"distributed.comm.rdma.{key}": value for key, value in config.items()}):
+        comm = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
+    return comm, a, b
+
+
+@pytest.mark.parametrize(
+    ("header", "config", "match"),
+    [
+        (_forged_header(32 << 40), {}, r"over distributed\.comm\.rdma\.max-frame-size"),
+        (_forged_header(16 << 30), {}, r"over distributed\.comm\.rdma\.max-frame-size"),
+        (_forged_header(3 << 20), {"max-frame-size": "2MiB"}, "max-frame-size"),
+        (_forged_header(1 << 20, 1 << 20), {"max-message-size": "1MiB"}, "max-message-size"),
+        (_forged_header(1 << 50), {}, "FramingError"),  # past the format's own bound
+        (b"\x07\x00\x00\x00\x00\x00\x00\x00", {}, "version 7"),
+    ],
+)
+def test_comm_read_turns_forged_headers_into_comm_closed(
+    arun: Callable[[Coroutine[Any, Any, None]], None],
+    monkeypatch: pytest.MonkeyPatch,
+    header: bytes,
+    config: dict[str, Any],
+    match: str,
+) -> None:
+    allocations: list[int] = []
+    monkeypatch.setattr(rdmaio.dask.comm, "host_array", lambda n: allocations.append(n) or bytearray(n))
+
+    async def main() -> None:
+        comm, hostile, _ = await _hostile_pair(**config)
+        await hostile.send(header)
+        with pytest.raises(CommClosedError, match=match) as info:
+            await comm.read()
+        assert isinstance(info.value.__cause__, FramingError)
+        assert comm.closed() and comm.endpoint is None
+        assert allocations == []
+        with pytest.raises(rdmaio.ConnectionResetError):  # the hostile peer's connection is gone
+            await hostile.recv()
+
+    arun(main())
+
+
+def test_comm_read_turns_a_failed_allocation_into_comm_closed(
+    arun: Callable[[Coroutine[Any, Any, None]], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(n: int) -> memoryview:
+        raise MemoryError(f"Unable to allocate {n} bytes")
+
+    monkeypatch.setattr(rdmaio.dask.comm, "host_array", refuse)
+
+    async def main() -> None:
+        comm, hostile, _ = await _hostile_pair(**{"max-frame-size": "64TiB", "max-message-size": "64TiB"})
+        await hostile.send(_forged_header(32 << 40))
+        with pytest.raises(CommClosedError, match="MemoryError") as info:
+            await comm.read()
+        assert isinstance(info.value.__cause__, MemoryError)
+        assert comm.closed()
+
+    arun(main())
+
+
+# --- the write queue ------------------------------------------------------------------------------------
+
+
+async def _rendezvous_pair(**config: Any) -> tuple[RDMAComm, RDMAComm, FakeEndpoint, FakeEndpoint]:
+    """A comm pair whose large sends return only once the peer read them."""
+    a, b = FakeEndpoint.pair()
+    a.rendezvous_from = b.rendezvous_from = 256 * 1024
+    with dask.config.set({f"distributed.comm.rdma.{key}": value for key, value in config.items()}):
+        ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]
+        cb = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
+    return ca, cb, a, b
+
+
+def _three_4mib_frames() -> tuple[bytes, dict[str, Any]]:
+    from distributed.protocol import to_serialize
+
+    data = bytes(range(256)) * (1 << 14)  # 4 MiB
+    return data, {"x": to_serialize(data), "y": to_serialize(data), "z": to_serialize(data)}
+
+
+def test_write_returns_before_the_peer_reads(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    """A message of three 4 MiB frames, written before the peer reads (distributed's roundtrip check)."""
+
+    async def main() -> None:
+        ca, cb, a, _ = await _rendezvous_pair()
+        data, msg = _three_4mib_frames()
+        written = await asyncio.wait_for(ca.write(msg), 5)
+        assert written > 3 * len(data)
+        stats = ca.write_queue_statistics()
+        assert stats["messages"] == 1 and stats["bytes"] == written
+        got = await cb.read()
+        assert [bytes(got[k]) for k in "xyz"] == [data] * 3
+        await cb.write(got)  # and back, the same way
+        got = await ca.read()
+        assert [bytes(got[k]) for k in "xyz"] == [data] * 3
+        assert ca.write_queue_statistics()["bytes"] == 0 and cb.write_queue_statistics()["bytes"] == 0
+        assert sum(size >= 4 << 20 for size in a.sent_sizes) == 3
+
+    arun(main())
+
+
+def test_write_queue_limit_holds_back_a_writer_that_outpaces_its_peer(
+    arun: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    async def main() -> None:
+        ca, cb, _, _ = await _rendezvous_pair(**{"write-queue-limit": "6MiB"})
+        _, msg = _three_4mib_frames()
+        await asyncio.wait_for(ca.write(msg), 5)  # over the limit alone: an empty queue takes it
+        second = asyncio.ensure_future(ca.write({"n": 2}))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not second.done()  # 12 MiB queued: the next message waits for room
+        stats = ca.write_queue_statistics()
+        assert stats["messages"] == 1 and stats["limit"] == 6 << 20
+        await cb.read()
+        await asyncio.wait_for(second, 5)
+        assert (await cb.read()) == {"n": 2}
+
+    arun(main())
+
+
+def test_cancelled_write_queues_nothing_and_keeps_the_comm(
+    arun: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    async def main() -> None:
+        ca, cb, _, _ = await _rendezvous_pair(**{"write-queue-limit": "1MiB"})
+        _, msg = _three_4mib_frames()
+        await ca.write(msg)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ca.write({"lost": True}), 0.05)
+        assert not ca.closed() and ca.write_queue_statistics()["messages"] == 1
+        await cb.read()
+        await ca.write({"n": 3})
+        assert (await cb.read()) == {"n": 3}
+
+    arun(main())
+
+
+@pytest.mark.parametrize("surfaces_on", ["write", "close"])
+def test_a_failed_background_send_surfaces_on_the_next_write_or_close(
+    arun: Callable[[Coroutine[Any, Any, None]], None], surfaces_on: str
+) -> None:
+    async def main() -> None:
+        ca, cb, a, _ = await _rendezvous_pair()
+        _, msg = _three_4mib_frames()
+        await ca.write(msg)
+        cb.abort()  # the peer goes while the message waits for it
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert ca.closed() and a.error is not None
+        with pytest.raises(CommClosedError, match="not sent") as info:
+            if surfaces_on == "write":
+                await ca.write({"n": 1})
+            else:
+                await ca.close()
+        assert isinstance(info.value.__cause__, rdmaio.ConnectionResetError)
+        await ca.close()  # reported once
+        with pytest.raises(CommClosedError, match="the comm is closed"):
+            await ca.write({"n": 2})
+
+    arun(main())
+
+
+def test_close_sends_the_queue_first(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    async def main() -> None:
+        ca, cb, _, _ = await _rendezvous_pair()
+        data, msg = _three_4mib_frames()
+        await ca.write(msg)
+        await ca.write({"n": 1})
+        closing = asyncio.ensure_future(ca.close())
+        got = await cb.read()
+        assert bytes(got["z"]) == data and (await cb.read()) == {"n": 1}
+        await asyncio.wait_for(closing, 5)
+        with pytest.raises(CommClosedError, match="peer closed"):
+            await cb.read()
+
+    arun(main())
+
+
+def test_close_gives_up_on_a_peer_that_never_reads(
+    arun: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    async def main() -> None:
+        ca, cb, a, _ = await _rendezvous_pair()
+        a.options = rdmaio.Options(close_timeout=0.05)
+        _, msg = _three_4mib_frames()
+        await ca.write(msg)
+        with pytest.raises(CommClosedError, match="not sent"):
+            await asyncio.wait_for(ca.close(), 5)
+        assert ca.closed() and a.error is not None
+        assert ca.write_queue_statistics() == {
+            "messages": 0,
+            "bytes": 0,
+            "limit": 256 << 20,
+            "pieces_sent": 1,
+        }
+        with pytest.raises(CommClosedError):
+            await cb.read()
+
+    arun(main())
+
+
+def test_abort_drops_the_queue_quietly(arun: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    async def main() -> None:
+        ca, _, a, _ = await _rendezvous_pair()
+        _, msg = _three_4mib_frames()
+        await ca.write(msg)
+        ca.abort()
+        await asyncio.sleep(0)
+        assert ca.write_queue_statistics()["messages"] == 0 and a.error is not None
+        await ca.close()  # the caller dropped the queue itself: nothing to report
+        with pytest.raises(CommClosedError, match="the comm is closed"):
+            await ca.write({"n": 1})
 
     arun(main())
 
