@@ -5,19 +5,26 @@ The protocol and the per-message states are :mod:`rdmaio.protocol.rendezvous`'s;
 * **Send** (:meth:`RendezvousEngine.send`): the caller's buffer is registered for remote READ as its own
   memory region for this transfer only (never through the registration cache: an rkey is valid on every
   queue pair of the protection domain, so a remotely readable region must not outlive its transfer), its
-  size is counted against the Domain cache's ``max_pinned`` (:meth:`RegistrationCache.try_reserve`; over
-  the bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in the
-  send engine's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's DONE;
-  the region is closed before ``send()`` returns or raises.
+  size is counted against the connection's share (``Options.rndv_send_budget``, by default
+  ``max_pinned // SEND_SHARE``) and the Domain cache's ``max_pinned`` (:meth:`RegistrationCache.try_reserve`;
+  over either bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in
+  the send engine's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's
+  DONE, at most ``Options.rndv_timeout``: then it cancels itself as a cancelled ``send()`` does (so the
+  buffer is never given back while the peer may still read it) and raises
+  :class:`~rdmaio.errors.RendezvousTimeoutError`. The region is closed before ``send()`` returns or raises.
 * **Receive**: the RNDV frame becomes a placeholder in the receive buffer
   (:class:`rdmaio.protocol.rendezvous.Incoming`) that keeps the message's place in the order. A
   ``recv_into()`` that finds it at the head pulls the data straight into the caller's buffer (registered,
   local access only, through the Domain's cache: a buffer used again is registered once); ``recv()`` and the
-  stream reads pull it into a pooled bounce buffer of rdmaio and copy it out once. A message nobody claims is
-  pulled into rdmaio's memory two loop iterations after it arrived (so a reader woken by the same batch gets
-  to claim it first), unless the receive buffer is over its limit: then it waits for the application to read
-  (back-pressure: the sender waits in ``send()``). Pulling without a reader keeps two peers that both
-  ``send()`` before they ``recv()`` from deadlocking, as eager messages do.
+  stream reads pull it into a pooled bounce buffer of rdmaio and copy it out once (a stream read pulls
+  only the messages within the bytes it needs: :meth:`RendezvousEngine.pull_for`). The placeholder's
+  announced length counts against ``recv_buffer_limit``, and past it the RNDV frame's slot is held like a
+  data frame's (:class:`rdmaio.protocol.rxbuffer.ReceiveBuffer`): the sender runs out of credits. A message
+  nobody claims is pulled into rdmaio's memory two loop iterations after it arrived (so a reader woken by
+  the same batch gets to claim it first), in arrival order, unless the receive buffer is over its limit:
+  then it waits for the application to read (back-pressure: the sender waits in ``send()``). Pulling
+  without a reader keeps two peers that both ``send()`` before they ``recv()`` from deadlocking, as eager
+  messages do.
 * READs go through :class:`rdmaio.core.onesided.OneSidedEngine` (its op slots bound the READs in flight with
   the one-sided ones, within the send queue and CQ sizes) in chunks of at most a quarter of
   ``max_pinned``; registrations wait while the cache has no room, woken by the cache when a registration
