@@ -635,11 +635,13 @@ class RendezvousEngine:
             event.set()
 
     def statistics(self) -> dict[str, int]:
-        """Sends waiting for the peer and their registered bytes, announced messages not answered, bounce
-        buffers kept."""
+        """Sends waiting for the peer and their registered bytes, announced messages not answered, the
+        placeholders in the receive buffer and their announced bytes, bounce buffers kept."""
         return {
             "rndv_sending": len(self.sends.active),
             "rndv_send_pinned": self._send_pinned,
             "rndv_receiving": len(self.recvs.active),
+            "recv_placeholders": self._rxbuf.pending,
+            "recv_announced_bytes": self._rxbuf.announced,
             "rndv_bounce_buffers": len(self._bounces),
         }

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
+import trio
 from hostile import (
     CTL_DONE,
     export_region,
@@ -320,3 +322,40 @@ def test_deadline_withdraws_from_a_slow_honest_receiver(arun: Runner[Any], rdma_
             assert not client._conn.torn_down
 
     arun(main())
+
+
+def test_deadline_on_trio(rdma_addr: str) -> None:
+    """The deadline on the trio backend (its timer and shielded wait differ from asyncio's): the send to a
+    receiver that defers the pull is withdrawn and raises RendezvousTimeoutError; the connection stays."""
+
+    async def main() -> None:
+        with trio.fail_after(120):
+            ready: list[rdmaio.Endpoint] = []
+            accepted = trio.Event()
+            options = {**OPTIONS, "rndv_threshold": 512 * 1024, "rndv_timeout": 3.0}
+
+            async def handler(ep: rdmaio.Endpoint) -> None:
+                ready.append(ep)
+                accepted.set()
+                await ep.wait_closed()
+
+            server = await rdmaio.serve(
+                handler, rdma_addr, 0, options={**options, "recv_buffer_limit": 65536}
+            )
+            async with server:
+                client = await rdmaio.connect(rdma_addr, server.addresses[0][1], timeout=30, options=options)
+                await accepted.wait()
+                served = ready[0]
+                first = bytes(200 * 1024)
+                await client.send(first)
+                while served._conn.rxbuf.unread < len(first):  # noqa: ASYNC110 (polling a counter)
+                    await trio.sleep(0.05)
+                with pytest.raises(rdmaio.RendezvousTimeoutError, match="withdrawn"):
+                    await client.send(bytearray(PATTERN))
+                assert client._conn.rndv is not None and client._conn.rndv.send_pinned == 0
+                assert await served.recv() == first
+                await client.send(b"still usable")
+                assert await served.recv() == b"still usable"
+                client.abort()
+
+    trio.run(main)
