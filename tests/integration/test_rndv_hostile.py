@@ -262,7 +262,7 @@ def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(arun: Runner[A
                 await asyncio.wait_for(honest_client.send(payload), 60)
                 assert await asyncio.wait_for(received, 60) == payload
                 honest = honest_client.statistics()
-                assert honest["rndv_sent"] == 1 and honest.get("rndv_fallback_eager", 0) == 0, honest
+                assert honest.get("rndv_sent", 0) == 1 and honest.get("rndv_fallback_eager", 0) == 0, honest
                 for ep in victims:  # because each silent one holds its share only
                     stats = ep.statistics()
                     assert stats["rndv_send_pinned"] <= max_pinned // 16, stats
