@@ -32,6 +32,7 @@ __all__ = [
     "RdmaError",
     "RemoteAccessError",
     "RemoteKeyRevokedError",
+    "RendezvousTimeoutError",
     "TimeoutError",
     "UnreachableError",
     "VerbsError",
@@ -182,3 +183,12 @@ class FeatureNotSupportedError(RdmaError, NotImplementedError):
 
 class InvalidRemoteKeyError(RdmaError, ValueError):
     """Bytes given to :meth:`rdmaio.RemoteKey.from_bytes` are not a valid key (size, version, fields)."""
+
+
+class RendezvousTimeoutError(TimeoutError):
+    """A rendezvous ``send()`` was not pulled by the peer within ``Options.rndv_timeout``.
+
+    The message was withdrawn (never delivered), or, if the peer did not answer the cancellation within
+    ``close_timeout``, the connection was failed (its queue pair destroyed) before the buffer was given
+    back: the peer cannot read it any more either way.
+    """

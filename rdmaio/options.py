@@ -99,6 +99,18 @@ class Options:
     srq_max_buffers: int = 4096
     """Receive buffers the shared receive queue may grow to (capped by the device's ``max_srq_wr``); with
     four receives reserved per connection, a quarter of it is the number of connections it admits."""
+    rndv_timeout: float | None = 60.0
+    """Seconds a rendezvous ``send()`` waits for the peer to pull the message. Past it the send is cancelled
+    as a cancelled ``send()`` is (withdrawn, or the peer answers; without an answer within
+    ``close_timeout`` the connection is failed, which destroys the queue pair, so the peer can never read
+    the buffer once it is given back) and raises :class:`~rdmaio.errors.RendezvousTimeoutError`. A
+    receiving application that reads nothing for that long makes the sends to it fail (an eager message
+    would wait in ``send()``/``drain()`` instead). None: no deadline."""
+    rndv_send_budget: int | None = None
+    """Bytes of one connection's rendezvous sends registered at once (waiting for the peer to pull them);
+    a send beyond it is copied (eager), as when the device's budget (half of ``max_pinned``) is used up.
+    None: ``max_pinned // 16`` (16 MiB by default), so that peers which hold sends unanswered cannot take
+    the device's budget from the other connections. 0 turns rendezvous sends off on this connection."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -136,6 +148,10 @@ class Options:
             raise ValueError("srq_max_buffers must be between 4 and 16777216")
         if self.keepalive_interval is not None and not self.keepalive_interval > 0:
             raise ValueError("keepalive_interval must be positive (or None to turn keepalive off)")
+        if self.rndv_timeout is not None and not self.rndv_timeout > 0:
+            raise ValueError("rndv_timeout must be positive (or None for no deadline)")
+        if self.rndv_send_budget is not None and self.rndv_send_budget < 0:
+            raise ValueError("rndv_send_budget must be >= 0 (or None for a share of max_pinned)")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:

@@ -153,7 +153,10 @@ class CompletionProcessor:
         elif kind == _RNDV:  # zero-copy (issue 12): a placeholder now, the data is pulled later
             assert self._rndv is not None  # on_frame refuses RNDV frames unless negotiated
             self._rndv.on_request(recv_view[off : off + length])
-            repost.append(slot)
+            # The announced bytes count against the limit: past it the slot is held as a data frame's
+            # is, so a peer cannot queue announcements faster than the application reads.
+            if rxbuf.admit(slot):
+                repost.append(slot)
             return _GOT_DATA
         else:
             # CREDIT and EOF carry no payload and never hold their slot: holding it would

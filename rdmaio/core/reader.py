@@ -10,6 +10,7 @@ docstrings are :class:`rdmaio.Endpoint`'s; this class is internal.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from rdmaio.core.connection import Connection
 from rdmaio.errors import EndpointClosedError
@@ -86,17 +87,15 @@ class Reader:
         await conn.wait_readable()
         return True
 
-    async def _wait_more_bytes(self) -> bool:
-        """:meth:`_wait_more` for the stream reads: rendezvous messages that came meanwhile are pulled."""
-        more = await self._wait_more()
-        await self._settle()
-        return more
-
-    async def _settle(self) -> None:
-        """Stream reads see bytes only: pull every rendezvous message still announced (issue 12)."""
+    async def _more_bytes(self, need: int) -> bool:
+        """A stream read needs ``need`` bytes readable and has fewer: pull the announced messages among
+        them if there are any (only those, in order: the rest waits for the automatic pull, within the
+        buffer's limit), else wait for more data. False if no more will ever come (EOF)."""
         if self._rxbuf.pending:
             assert self._conn.rndv is not None
-            await self._conn.rndv.settle()
+            await self._conn.rndv.pull_for(need)  # zero-copy (issue 12)
+            return True
+        return await self._wait_more()
 
     def _after_read(self) -> None:
         """The application took data: post the held slots again once the buffer allows it."""
@@ -106,14 +105,15 @@ class Reader:
             self._conn.rndv.kick()  # zero-copy (issue 12): pulls held back by the buffer's limit may go now
 
     # --- the byte stream ----------------------------------------------------------------------------
+    # The stream reads see the bytes before the first message announced and not pulled yet (rxbuf.ready);
+    # each pulls announced messages only as far as it needs them.
 
     async def _read_some(self, n: int) -> bytes:
         """Up to ``n`` bytes (n > 0) of the stream; b"" at EOF. Skips empty messages."""
         rxbuf = self._rxbuf
-        await self._settle()
-        while not rxbuf.unread:
+        while not rxbuf.ready:
             rxbuf.skip_empty()
-            if not await self._wait_more_bytes():
+            if not await self._more_bytes(1):
                 return b""
         data = rxbuf.take(n)
         self._after_read()
@@ -125,8 +125,7 @@ class Reader:
             return b""
         if n > 0:
             return await self._read_some(n)
-        await self._settle()
-        while await self._wait_more_bytes():
+        while await self._more_bytes(sys.maxsize):
             pass
         data = self._rxbuf.take_all()
         self._after_read()
@@ -139,9 +138,8 @@ class Reader:
         if n == 0:
             return b""
         rxbuf = self._rxbuf
-        await self._settle()
-        while rxbuf.unread < n:
-            if not await self._wait_more_bytes():
+        while rxbuf.ready < n:
+            if not await self._more_bytes(n):
                 partial = rxbuf.take_all()
                 self._after_read()
                 raise asyncio.IncompleteReadError(partial, n)
@@ -156,7 +154,6 @@ class Reader:
         limit = self._conn.options.read_limit
         seplen = len(separator)
         rxbuf = self._rxbuf
-        await self._settle()
         while True:
             index = rxbuf.find(separator)
             if index >= 0:
@@ -168,11 +165,11 @@ class Reader:
                 data = rxbuf.take(end)
                 self._after_read()
                 return data
-            if rxbuf.unread > limit:
+            if rxbuf.ready > limit:
                 raise asyncio.LimitOverrunError(
-                    "Separator is not found, and chunk exceed the limit", rxbuf.unread - seplen + 1
+                    "Separator is not found, and chunk exceed the limit", rxbuf.ready - seplen + 1
                 )
-            if not await self._wait_more_bytes():
+            if not await self._more_bytes(rxbuf.ready + 1):
                 partial = rxbuf.take_all()
                 self._after_read()
                 raise asyncio.IncompleteReadError(partial, None)

@@ -5,19 +5,26 @@ The protocol and the per-message states are :mod:`rdmaio.protocol.rendezvous`'s;
 * **Send** (:meth:`RendezvousEngine.send`): the caller's buffer is registered for remote READ as its own
   memory region for this transfer only (never through the registration cache: an rkey is valid on every
   queue pair of the protection domain, so a remotely readable region must not outlive its transfer), its
-  size is counted against the Domain cache's ``max_pinned`` (:meth:`RegistrationCache.try_reserve`; over
-  the bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in the
-  send engine's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's DONE;
-  the region is closed before ``send()`` returns or raises.
+  size is counted against the connection's share (``Options.rndv_send_budget``, by default
+  ``max_pinned // SEND_SHARE``) and the Domain cache's ``max_pinned`` (:meth:`RegistrationCache.try_reserve`;
+  over either bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in
+  the send engine's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's
+  DONE, at most ``Options.rndv_timeout``: then it cancels itself as a cancelled ``send()`` does (so the
+  buffer is never given back while the peer may still read it) and raises
+  :class:`~rdmaio.errors.RendezvousTimeoutError`. The region is closed before ``send()`` returns or raises.
 * **Receive**: the RNDV frame becomes a placeholder in the receive buffer
   (:class:`rdmaio.protocol.rendezvous.Incoming`) that keeps the message's place in the order. A
   ``recv_into()`` that finds it at the head pulls the data straight into the caller's buffer (registered,
   local access only, through the Domain's cache: a buffer used again is registered once); ``recv()`` and the
-  stream reads pull it into a pooled bounce buffer of rdmaio and copy it out once. A message nobody claims is
-  pulled into rdmaio's memory two loop iterations after it arrived (so a reader woken by the same batch gets
-  to claim it first), unless the receive buffer is over its limit: then it waits for the application to read
-  (back-pressure: the sender waits in ``send()``). Pulling without a reader keeps two peers that both
-  ``send()`` before they ``recv()`` from deadlocking, as eager messages do.
+  stream reads pull it into a pooled bounce buffer of rdmaio and copy it out once (a stream read pulls
+  only the messages within the bytes it needs: :meth:`RendezvousEngine.pull_for`). The placeholder's
+  announced length counts against ``recv_buffer_limit``, and past it the RNDV frame's slot is held like a
+  data frame's (:class:`rdmaio.protocol.rxbuffer.ReceiveBuffer`): the sender runs out of credits. A message
+  nobody claims is pulled into rdmaio's memory two loop iterations after it arrived (so a reader woken by
+  the same batch gets to claim it first), in arrival order, unless the receive buffer is over its limit:
+  then it waits for the application to read (back-pressure: the sender waits in ``send()``). Pulling
+  without a reader keeps two peers that both ``send()`` before they ``recv()`` from deadlocking, as eager
+  messages do.
 * READs go through :class:`rdmaio.core.onesided.OneSidedEngine` (its op slots bound the READs in flight with
   the one-sided ones, within the send queue and CQ sizes) in chunks of at most a quarter of
   ``max_pinned``; registrations wait while the cache has no room, woken by the cache when a registration
@@ -40,7 +47,7 @@ from rdmaio import verbs
 from rdmaio._ffi import lib
 from rdmaio.core.onesided import ACCESS_READ, MAX_OP_BYTES, OneSidedEngine, RemoteKey
 from rdmaio.core.txengine import RNDV_FRAME
-from rdmaio.errors import EndpointClosedError, ProtocolError
+from rdmaio.errors import EndpointClosedError, ProtocolError, RendezvousTimeoutError
 from rdmaio.protocol.rendezvous import (
     CTL_CANCEL,
     CTL_DONE,
@@ -55,13 +62,17 @@ from rdmaio.protocol.rendezvous import (
     SendTable,
 )
 
-__all__ = ["RendezvousEngine", "wait_shielded"]
+__all__ = ["SEND_SHARE", "RendezvousEngine", "wait_shielded"]
 
 log = logging.getLogger("rdmaio.rndv")
 
 _WR_READ: int = lib.IBV_WR_RDMA_READ
 _MIN_BOUNCE = 64 * 1024
 _POOL = 1  # bounce buffers kept registered per connection (dropped when the pin bound is reached)
+SEND_SHARE = 16
+"""Without ``Options.rndv_send_budget``, a connection's rendezvous sends keep at most ``max_pinned //
+SEND_SHARE`` bytes registered (the sends of all connections together at most ``max_pinned // 2``): peers
+that hold our sends unanswered until ``rndv_timeout`` must be more than eight to starve the others."""
 
 
 async def wait_shielded(io: Any, waiter: Any, timeout: float) -> bool:  # noqa: ASYNC109
@@ -119,6 +130,8 @@ class RendezvousEngine:
         max_message_size: int,
         close_timeout: float,
         stats: collections.Counter[str],
+        timeout: float | None = None,
+        send_budget: int | None = None,
     ) -> None:
         self._endpoint = weakref.ref(endpoint)
         self._io = endpoint.io
@@ -129,6 +142,9 @@ class RendezvousEngine:
         self._cache = cache
         self.threshold = threshold
         self._close_timeout = close_timeout
+        self._timeout = timeout  # Options.rndv_timeout
+        self._send_budget = send_budget  # Options.rndv_send_budget (None: a share of max_pinned)
+        self._send_pinned = 0  # bytes of this connection's sends registered and waiting for the peer
         self._stats = stats
         self.sends = SendTable()
         self.recvs = RecvTable(max_message_size)
@@ -159,12 +175,27 @@ class RendezvousEngine:
             max_message_size=options.max_message_size,
             close_timeout=options.close_timeout,
             stats=conn.stats,
+            timeout=options.rndv_timeout,
+            send_budget=options.rndv_send_budget,
         )
 
     @property
     def _chunk(self) -> int:
         """Bytes registered and read at a time: a quarter of the pin bound (at least 1 MiB)."""
         return min(MAX_OP_BYTES, max(1 << 20, int(self._cache.max_pinned) // 4))
+
+    @property
+    def send_budget(self) -> int:
+        """Bytes this connection's rendezvous sends may keep registered at once (waiting for the peer):
+        ``Options.rndv_send_budget``, or :data:`SEND_SHARE` of the device's ``max_pinned``."""
+        if self._send_budget is not None:
+            return self._send_budget
+        return int(self._cache.max_pinned) // SEND_SHARE
+
+    @property
+    def send_pinned(self) -> int:
+        """Bytes of this connection's rendezvous sends registered now (within :attr:`send_budget`)."""
+        return self._send_pinned
 
     @property
     def sending(self) -> int:
@@ -181,7 +212,9 @@ class RendezvousEngine:
             raise EndpointClosedError("endpoint is closed")
         size = view.nbytes
         cache = self._cache
-        if not cache.try_reserve(size, cache.max_pinned // 2):  # half: the pulls keep the other half
+        # This connection's share first (a peer that never answers holds at most that much of the
+        # device's budget), then the device's: half of max_pinned, the pulls keep the other half.
+        if self._send_pinned + size > self.send_budget or not cache.try_reserve(size, cache.max_pinned // 2):
             self._stats["rndv_fallback_eager"] += 1
             return False
         start = time.perf_counter_ns()
@@ -205,7 +238,12 @@ class RendezvousEngine:
         tx.txq_bytes += len(encoded)
         target = tx.queued_frames
         log.debug("rndv send %d: %d bytes rkey %#x frame %d", out.msg_id, size, region.rkey, target)
+        self._send_pinned += size  # given back with the region (_release_send)
         ep.pump()
+        timer = None
+        if self._timeout is not None:
+            # The deadline sets the same event as the peer's answer; the send then cancels itself.
+            timer = self._io.call_later(self._timeout, out.waiter.set)
         try:
             try:
                 await out.waiter.wait()
@@ -213,7 +251,22 @@ class RendezvousEngine:
                 if not out.finished:
                     await self._cancel(ep, out, desc, encoded, target)
                 raise
+            if not out.finished:  # the deadline: the peer did not pull the message in time
+                self._stats["rndv_timeouts"] += 1
+                await self._cancel(ep, out, desc, encoded, target)
+                if out.state is not SendState.DONE:  # (the peer may still have delivered it whole)
+                    raise RendezvousTimeoutError(
+                        f"the peer did not take a rendezvous message of {size} bytes within "
+                        f"rndv_timeout ({self._timeout} s); "
+                        + (
+                            "it was withdrawn"
+                            if out.state is SendState.WITHDRAWN
+                            else "the connection was failed to stop the peer reading the buffer"
+                        )
+                    )
         finally:
+            if timer is not None:
+                timer.cancel()
             self._release_send(out)
             if ep.closing:
                 ep.finish_close()  # a graceful close may have been waiting for this send only
@@ -237,6 +290,8 @@ class RendezvousEngine:
             ep.tx.posted_frames,
             target,
         )
+        if out.waiter.is_set():
+            out.waiter = self._io.event()  # set by the deadline, not by an answer: wait for the answer
         if ep.tx.posted_frames >= target:
             self.sends.posted(out)
         if not self.sends.cancel(out):
@@ -257,6 +312,7 @@ class RendezvousEngine:
         if region is not None:
             log.debug("rndv send %d ends %s: region closed", out.msg_id, out.state.value)
             region.close()
+            self._send_pinned -= out.length
             self._cache.unreserve(out.length)
 
     def _failure(self) -> BaseException:
@@ -279,6 +335,9 @@ class RendezvousEngine:
                 msg.event.set()
                 self._onesided.send_control(CTL_WITHDRAWN, msg_id)
                 self._stats["rndv_withdrawn_by_peer"] += 1
+                ep = self._endpoint()
+                if ep is not None and self._rxbuf.held:
+                    ep.repost_released()  # its announced bytes no longer count against the limit
             return
         if kind in (CTL_DONE, CTL_WITHDRAWN):
             out = self.sends.on_control(kind, msg_id)
@@ -289,7 +348,9 @@ class RendezvousEngine:
     # --- receiving ------------------------------------------------------------------------------------------
 
     def on_request(self, payload: memoryview) -> None:
-        """An RNDV frame arrived (its slot may be reposted once this returns: the descriptor is parsed)."""
+        """An RNDV frame arrived: its placeholder goes to the receive buffer, where its announced length
+        counts against the limit (the caller then asks the buffer whether the frame's slot is held, as for
+        data: the descriptor is parsed, so the slot may be reposted once this returns)."""
         msg = self.recvs.on_descriptor(payload)
         if msg is None:
             self._stats["rndv_withdrawn_frames"] += 1
@@ -313,10 +374,10 @@ class RendezvousEngine:
         if self.closed:
             return
         rxbuf = self._rxbuf
-        for msg in rxbuf.placeholders():
-            assert isinstance(msg, Incoming)
-            if msg.state is not RecvState.QUEUED:
-                continue
+        recvs = self.recvs
+        # In arrival order, from the index of the messages not pulled yet: O(1) per message, however many
+        # are announced.
+        while (msg := recvs.next_queued()) is not None:
             held = rxbuf.buffered + self._owned_inflight
             if held and held + msg.length > rxbuf.limit and not rxbuf.reader_waiting:
                 self._stats["rndv_deferred"] += 1
@@ -518,26 +579,27 @@ class RendezvousEngine:
             return msg.length
         return None
 
-    async def settle(self) -> None:
-        """Resolve every placeholder (stream reads see the data as bytes): pull what is not pulled yet and
-        wait for all of it."""
-        rxbuf = self._rxbuf
-        while rxbuf.pending:
-            waiting = rxbuf.placeholders()
-            for msg in waiting:
+    async def pull_for(self, need: int) -> None:
+        """A stream read needs the first ``need`` bytes of the stream: pull the announced messages among
+        them (in order; those already pulling are not pulled again) and wait for the first one to be
+        settled. The caller looks at the buffer again: more may be needed. Nothing beyond what the read
+        needs is pulled here (the automatic pull, within ``recv_buffer_limit``, does the rest); a read
+        that needs more than the limit still gets it, as asyncio's ``StreamReader`` does."""
+        needed = self._rxbuf.needed(need)
+        if not needed:
+            return
+        for msg in needed:
+            if msg.state is RecvState.QUEUED:
                 assert isinstance(msg, Incoming)
-                if msg.state is RecvState.QUEUED:
-                    self._start_pull(msg, None)
-            msg = waiting[0]
-            assert isinstance(msg, Incoming)
-            if msg.event.is_set():
-                if msg.state in (RecvState.FAILED,) or self.closed:
-                    raise self._recv_failure(msg)
-                await self._io.sleep(0)  # its claimant resolves it
-                continue
-            await msg.event.wait()
-            if msg.state is RecvState.FAILED:
-                raise self._recv_failure(msg)
+                self._start_pull(msg, None)
+        first = needed[0]
+        assert isinstance(first, Incoming)
+        if not first.event.is_set():
+            await first.event.wait()
+        if first.state is RecvState.FAILED or (self.closed and not first.settled):
+            raise self._recv_failure(first)
+        if not first.settled:
+            await self._io.sleep(0)  # pulled straight into a recv_into() buffer: its claimant settles it
 
     def _recv_failure(self, msg: Incoming) -> BaseException:
         outcome = self._session.recv_outcome()
@@ -573,9 +635,13 @@ class RendezvousEngine:
             event.set()
 
     def statistics(self) -> dict[str, int]:
-        """Sends waiting for the peer, announced messages not answered, bounce buffers kept."""
+        """Sends waiting for the peer and their registered bytes, announced messages not answered, the
+        placeholders in the receive buffer and their announced bytes, bounce buffers kept."""
         return {
             "rndv_sending": len(self.sends.active),
+            "rndv_send_pinned": self._send_pinned,
             "rndv_receiving": len(self.recvs.active),
+            "recv_placeholders": self._rxbuf.pending,
+            "recv_announced_bytes": self._rxbuf.announced,
             "rndv_bounce_buffers": len(self._bounces),
         }

@@ -27,6 +27,7 @@ from rdmaio.protocol import (
     EOF,
     FEATURE_BATCH,
     FEATURE_GROW,
+    FEATURE_RNDV,
     HANDSHAKE_MAGIC,
     KNOWN_FEATURES,
     MAX_MESSAGE_SIZE,
@@ -45,7 +46,8 @@ from rdmaio.protocol import (
     pack_batch_into,
     unpack_batch,
 )
-from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rendezvous import DESCRIPTOR_SIZE, Descriptor
+from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
 
 HEADER = struct.Struct("!4sBBH")
 BODY = struct.Struct("!IIQ")
@@ -1161,6 +1163,16 @@ def test_on_frame_fuzz(ops: list[tuple[str, object, object]], batching: bool) ->
 POLICIES = ("eager", "lazy", "batched", "limit")
 
 
+class _Announced(Placeholder):
+    """A rendezvous message in the simulation: the placeholder and the data its pull will bring."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(len(data))
+        self.data = data
+
+
 @dataclass
 class Side:
     """One end of the simulated connection: a Session plus a toy application and I/O layer."""
@@ -1177,6 +1189,15 @@ class Side:
     # has handed every message of its outbox to the session (the two-way back-pressure case).
     app: str = "random"
     rxbuf: ReceiveBuffer = field(default_factory=lambda: ReceiveBuffer(1))  # "limit" policy
+    # Rendezvous: a message of at least rndv_min bytes (0: never) goes as an RNDV frame (a descriptor) if
+    # both sides announced FEATURE_RNDV; the receiver's placeholder is pulled ("pull", in any order, as the
+    # engine's READs complete) or by the application's read. (The DONE answer is a one-sided control
+    # message: it needs no slot of the receiver's, so it does not take part in the receiver's holding.)
+    rndv_min: int = 0
+    rndv_sent: int = 0
+    rndv_bytes: int = 0
+    peer_outbox: list[bytes] = field(default_factory=list)
+    unpulled: list[_Announced] = field(default_factory=list)
     slots_seen: int = 0
     msg_index: int = 0
     offset: int = 0
@@ -1205,6 +1226,14 @@ class Side:
         return batch
 
     def send_data(self) -> None:
+        msg = self.outbox[self.msg_index]
+        if self.rndv_min and not self.offset and len(msg) >= self.rndv_min and self.session.rendezvous:
+            value = self.session.take_rndv_frame(DESCRIPTOR_SIZE)
+            self.wire_out.append((value, Descriptor(self.msg_index + 1, 1, len(msg), 0).encode()))
+            self.msg_index += 1
+            self.rndv_sent += 1
+            self.rndv_bytes += len(msg)
+            return
         batch = self.batchable()
         if batch:
             slot = bytearray(self.session.max_fragment + 8)  # the slot plus the start of the next one
@@ -1233,7 +1262,11 @@ class Side:
         if kind is FrameKind.EOF:
             assert not self.got_eof
             self.got_eof = True
-        data = kind in (FrameKind.DATA_MORE, FrameKind.DATA_END, FrameKind.DATA_BATCH)
+        data = kind in (FrameKind.DATA_MORE, FrameKind.DATA_END, FrameKind.DATA_BATCH, FrameKind.RNDV)
+        if kind is FrameKind.RNDV:
+            desc = Descriptor.decode(payload, 1 << 20)
+            payload = self.peer_outbox[desc.msg_id - 1]
+            assert desc.length == len(payload)
         if self.policy == "limit":
             self._deliver_limited(kind, payload, data)
             return
@@ -1247,6 +1280,8 @@ class Side:
             held = True  # zero-copy: the slot is reposted when the app has read it
         if kind is FrameKind.DATA_BATCH:
             self.rx.append((kind, self.session.on_batch(memoryview(payload)), held))
+        elif kind is FrameKind.RNDV:
+            self.rx.append((FrameKind.DATA_END, [payload], held))  # a whole message, pulled when read
         elif data:
             self.rx.append((kind, [payload], held))
 
@@ -1258,6 +1293,10 @@ class Side:
         rxbuf = self.rxbuf
         if kind is FrameKind.DATA_BATCH:
             rxbuf.add_messages(self.session.on_batch(memoryview(payload)))
+        elif kind is FrameKind.RNDV:
+            announced = _Announced(payload)
+            rxbuf.add_pending(announced)
+            self.unpulled.append(announced)
         elif kind is FrameKind.DATA_END:
             rxbuf.add_message(payload)
         else:
@@ -1271,8 +1310,15 @@ class Side:
             return False
         return self.rxbuf.has_message() if self.policy == "limit" else bool(self.rx)
 
+    def pull(self, index: int) -> None:
+        announced = self.unpulled.pop(index)
+        self.rxbuf.resolve(announced, announced.data)
+
     def consume(self) -> None:
         if self.policy == "limit":
+            head = self.rxbuf.head()
+            if isinstance(head, _Announced):  # the read pulls it
+                self.pull(self.unpulled.index(head))
             self.inbox.append(self.rxbuf.pop_message())
             released = self.rxbuf.releasable()
             if released:
@@ -1292,6 +1338,7 @@ class Side:
 
 
 ACTION_NAMES = ("data", "credit", "write_eof", "eof", "deliver", "consume", "repost", "grow")
+RNDV_ACTIONS = ("pull",)  # only enabled when rendezvous is simulated (the other schedules stay as they were)
 
 
 def _actions(me: Side) -> list[str]:
@@ -1313,6 +1360,8 @@ def _actions(me: Side) -> list[str]:
         acts.append("repost")
     if s.can_grow:
         acts.append("grow")
+    if me.unpulled:
+        acts.append("pull")
     return acts
 
 
@@ -1338,6 +1387,8 @@ def _step(rnd: random.Random, sides: tuple[Side, Side], weights: dict[str, float
         peer.deliver(value, payload)
     elif name == "consume":
         me.consume()
+    elif name == "pull":
+        me.pull(rnd.randrange(len(me.unpulled)))
     elif name == "grow":
         # The endpoint grows its receive ring at any moment (under load, as it sees fit): any amount up
         # to the announced recv_depth, at any point of the schedule, must keep the credit rules.
@@ -1365,6 +1416,7 @@ def run_simulation(
     limits: tuple[int, int] = (0, 0),
     apps: tuple[str, str] = ("random", "random"),
     initial: tuple[int, int] = (0, 0),
+    rndv_min: tuple[int, int] = (0, 0),
 ) -> tuple[Side, Side]:
     """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet.
 
@@ -1372,14 +1424,16 @@ def run_simulation(
     to that many small whole messages as DATA_BATCH frames. A side with ``initial > 0`` announces
     FEATURE_GROW: it posts ``initial`` receives at first and grows to ``depths[i]`` at random moments.
     """
-    weights = {name: 1.0 for name in ACTION_NAMES} | (weights or {})
+    weights = {name: 1.0 for name in (*ACTION_NAMES, *RNDV_ACTIONS)} | (weights or {})
     max_message = max([1, *sizes[0], *sizes[1]])
     hs = [
         Handshake(
             depths[i],
             slots[i],
             max_message,
-            features=(FEATURE_BATCH if batch_max[i] else 0) | (FEATURE_GROW if initial[i] else 0),
+            features=(FEATURE_BATCH if batch_max[i] else 0)
+            | (FEATURE_GROW if initial[i] else 0)
+            | (FEATURE_RNDV if any(rndv_min) else 0),
             initial_depth=initial[i],
         )
         for i in range(2)
@@ -1392,9 +1446,12 @@ def run_simulation(
             batch_max=batch_max[i],
             rxbuf=ReceiveBuffer(max(limits[i], 1)),
             app=apps[i],
+            rndv_min=rndv_min[i],
         )
         for i in range(2)
     )
+    sides[0].peer_outbox = sides[1].outbox
+    sides[1].peer_outbox = sides[0].outbox
     assert len(sides) == 2
     pair = (sides[0], sides[1])
     credits_when_done: int | None = None
@@ -1415,7 +1472,8 @@ def run_simulation(
         assert side.got_eof and side.session.peer_eof and side.session.eof_sent
         assert side.session.recv_outcome() is EOF
         assert not side.rx and not side.wire_out and not side.assembling and not side.pending_reposts
-        assert not side.rxbuf.held and not side.rxbuf.buffered
+        assert not side.rxbuf.held and not side.rxbuf.buffered and not side.rxbuf.pending
+        assert not side.unpulled and not side.rxbuf.committed
         assert side.session.posted == side.session.recv_depth
         # Quiet and ready: nothing is due and the peer can start sending data at once.
         assert not side.session.credit_frame_due()
@@ -1426,8 +1484,9 @@ def run_simulation(
         assert session.ungranted < session.recv_depth - 1
         assert side.session.send_credits >= 2
         stats = side.session.statistics()
-        assert stats["messages_sent"] == len(side.outbox)
-        assert stats["bytes_sent"] == sum(map(len, side.outbox))
+        # (an RNDV frame's message is counted by the rendezvous layer, not the session)
+        assert stats["messages_sent"] == len(side.outbox) - side.rndv_sent
+        assert stats["bytes_sent"] == sum(map(len, side.outbox)) - side.rndv_bytes
         other_stats = other.session.statistics()
         assert stats["frames_sent"] == other_stats["frames_received"]
         for key in ("data_frames", "batch_frames", "batched_messages", "messages", "bytes", "credit_frames"):
@@ -1748,3 +1807,70 @@ def test_simulation_growing_windows_large(seed: int) -> None:
     )
     assert a.session.statistics()["messages_received"] == 120
     assert b.session.statistics()["messages_received"] == 60
+
+
+# -- rendezvous announcements under the receive limit --------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rnd=st.randoms(use_true_random=False),
+    depths=st.tuples(st.integers(4, 9), st.integers(4, 9)),
+    policies=st.tuples(st.sampled_from(POLICIES), st.sampled_from(POLICIES)),
+    limits=st.tuples(st.integers(1, 400), st.integers(1, 400)),
+    sizes=st.tuples(SIZES, SIZES),
+    weights=WEIGHTS,
+    rndv_min=st.tuples(st.sampled_from([1, 30, 100]), st.sampled_from([0, 1, 30, 100])),
+    writer=st.sampled_from([None, 0, 1]),
+)
+def test_simulation_rendezvous(
+    rnd: random.Random,
+    depths: tuple[int, int],
+    policies: tuple[str, str],
+    limits: tuple[int, int],
+    sizes: tuple[list[int], list[int]],
+    weights: dict[str, float],
+    rndv_min: tuple[int, int],
+    writer: int | None,
+) -> None:
+    """Messages announced by RNDV frames mixed with data: the announced bytes count against the receiver's
+    limit and hold the frames' slots past it ("limit" policy), pulls complete in any order; every message
+    still arrives, in order, and the connection ends quiet, also when one side reads nothing until it has
+    sent everything."""
+    apps = (
+        ("random", "random")
+        if writer is None
+        else tuple("write_first" if i == writer else "random" for i in range(2))
+    )
+    run_simulation(
+        rnd,
+        depths,
+        (64, 100),
+        (None, None),
+        policies,
+        sizes,
+        weights,
+        limits=limits,
+        apps=(apps[0], apps[1]),
+        rndv_min=rndv_min,
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_simulation_rendezvous_flood_large(seed: int) -> None:
+    """Many announcements (a third of all messages) both ways, small limits, one side writing first."""
+    rnd = random.Random(seed)
+    sizes = ([rnd.randrange(1, 300) for _ in range(60)], [rnd.randrange(1, 300) for _ in range(200)])
+    weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in (*ACTION_NAMES, *RNDV_ACTIONS)}
+    run_simulation(
+        rnd,
+        (4, 8),
+        (128, 64),
+        (None, None),
+        ("limit", "limit"),
+        sizes,
+        weights,
+        limits=(150, 40),
+        apps=("random", "write_first") if seed % 2 else ("write_first", "random"),
+        rndv_min=(200, 100),
+    )

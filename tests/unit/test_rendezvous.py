@@ -24,7 +24,7 @@ from rdmaio.protocol.rendezvous import (
     SendState,
     SendTable,
 )
-from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rxbuffer import PLACEHOLDER_CHARGE, Placeholder, ReceiveBuffer
 
 
 def test_descriptor_round_trip_and_size() -> None:
@@ -104,17 +104,78 @@ def test_recv_table_cancel_before_and_during_pull() -> None:
 def test_receive_buffer_placeholders_keep_order() -> None:
     rxbuf = ReceiveBuffer(1 << 20)
     rxbuf.add_message(b"a")
-    first, second = object(), object()
+    first, second = Placeholder(3), Placeholder(5)
     rxbuf.add_pending(first)
     rxbuf.add_message(b"b")
     rxbuf.add_pending(second)
-    assert rxbuf.pending == 2 and rxbuf.unread == 2 and rxbuf.placeholders() == [first, second]
+    assert rxbuf.pending == 2 and rxbuf.unread == 2 and rxbuf.announced == 8
+    assert rxbuf.ready == 1 and rxbuf.needed(1) == [] and rxbuf.needed(2) == [first]
+    assert rxbuf.needed(5) == [first] and rxbuf.needed(6) == [first, second]  # a, 3 announced, b, 5
     assert rxbuf.pop_message() == b"a"
     assert rxbuf.head() is first
     rxbuf.resolve(first, b"big")
+    assert rxbuf.ready == 4 and rxbuf.take(100) == b"bigb"  # never past the unsettled `second`
     rxbuf.withdraw(second)
-    assert rxbuf.pending == 0 and rxbuf.unread == 4
-    assert rxbuf.take_all() == b"bigb"
+    assert rxbuf.pending == 0 and rxbuf.announced == 0 and rxbuf.unread == 0 and not rxbuf.has_message()
+
+
+def test_receive_buffer_placeholders_settled_out_of_order() -> None:
+    rxbuf = ReceiveBuffer(1 << 20)
+    marks = [Placeholder(2) for _ in range(4)]
+    for i, mark in enumerate(marks):
+        rxbuf.add_pending(mark)
+        rxbuf.add_message(bytes([65 + i]))
+    rxbuf.resolve(marks[2], b"cc")
+    rxbuf.withdraw(marks[1])
+    assert rxbuf.ready == 0 and rxbuf.needed(1) == rxbuf.needed(7) == [marks[0]]
+    assert rxbuf.needed(8) == [marks[0], marks[3]]
+    rxbuf.resolve(marks[0], b"aa")
+    # a's data, A, (b withdrawn) B, cc, C: readable up to the unsettled fourth
+    assert rxbuf.ready == 7 and rxbuf.find(b"C") == 6
+    assert rxbuf.take_all() == b"aaABccC"
+    assert isinstance(rxbuf.head(), Placeholder) and rxbuf.unread == 1
+    rxbuf.resolve(marks[3], b"dd")
+    assert rxbuf.pop_message() == b"dd" and rxbuf.pop_message() == b"D" and not rxbuf.has_message()
+
+
+def test_announcements_count_against_the_limit_and_hold_their_slots() -> None:
+    # A flood of announcements is held back as a flood of data is: past the limit, their slots are held
+    # (the sender runs out of credits), and reading releases them.
+    rxbuf = ReceiveBuffer(64 * 1024)
+    marks = []
+    slot = 0
+    while True:
+        mark = Placeholder(1)
+        rxbuf.add_pending(mark)
+        marks.append(mark)
+        slot += 1
+        if not rxbuf.admit(slot):
+            break
+    assert len(marks) == 64 * 1024 // (PLACEHOLDER_CHARGE + 1) + 1  # the bound the docstring states
+    assert rxbuf.held == 1 and rxbuf.buffered == 0 and rxbuf.committed > rxbuf.limit
+    assert rxbuf.releasable() == []
+    rxbuf.resolve(marks[0], b"x")
+    assert rxbuf.pop_message() == b"x"
+    assert rxbuf.releasable() == [slot] and rxbuf.held == 0  # one read brought it under the limit
+    # A reader waiting for more is never starved, even over the limit.
+    rxbuf.add_pending(Placeholder(1 << 20))
+    rxbuf.reader_waiting = True
+    assert rxbuf.admit(slot + 1)
+
+
+def test_recv_table_index_of_queued_messages() -> None:
+    table = RecvTable(1 << 20)
+    msgs = [table.on_descriptor(Descriptor(i, 0x1000, 10, 3).encode()) for i in range(1, 6)]
+    assert all(m is not None for m in msgs)
+    assert table.next_queued() is msgs[0]
+    table.start_pull(msgs[0])
+    table.start_pull(msgs[2])
+    assert table.on_cancel(2) is msgs[1]
+    assert table.next_queued() is msgs[3]
+    table.start_pull(msgs[3])
+    assert table.next_queued() is msgs[4]
+    table.fail_all()
+    assert table.next_queued() is None
 
 
 def test_session_rndv_frames() -> None:
