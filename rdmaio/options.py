@@ -109,8 +109,9 @@ class Options:
     rndv_send_budget: int | None = None
     """Bytes of one connection's rendezvous sends registered at once (waiting for the peer to pull them);
     a send beyond it is copied (eager), as when the device's budget (half of ``max_pinned``) is used up.
-    None: ``max_pinned // 16`` (16 MiB by default), so that peers which hold sends unanswered cannot take
-    the device's budget from the other connections. 0 turns rendezvous sends off on this connection."""
+    None: half of what the other connections leave free of the device's budget (``max_pinned // 2``): a
+    quarter of ``max_pinned`` on an idle device (64 MiB by default), and peers which hold sends unanswered
+    never take the whole budget from the other connections. 0 turns rendezvous sends off on this connection."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:

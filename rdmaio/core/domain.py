@@ -123,6 +123,7 @@ class RegistrationCache:
         self._entries: collections.OrderedDict[tuple[int, int, int], _Entry] = collections.OrderedDict()
         self.pinned = 0  # bytes registered by this cache, in use or not, plus reserved bytes
         self.reserved = 0  # zero-copy: bytes of per-transfer registrations made outside the cache
+        self.send_pinned = 0  # of which rendezvous sends waiting for their peers (every connection's)
         self.hits = 0
         self.misses = 0
         self.evictions = 0

@@ -69,10 +69,13 @@ log = logging.getLogger("rdmaio.rndv")
 _WR_READ: int = lib.IBV_WR_RDMA_READ
 _MIN_BOUNCE = 64 * 1024
 _POOL = 1  # bounce buffers kept registered per connection (dropped when the pin bound is reached)
-SEND_SHARE = 16
-"""Without ``Options.rndv_send_budget``, a connection's rendezvous sends keep at most ``max_pinned //
-SEND_SHARE`` bytes registered (the sends of all connections together at most ``max_pinned // 2``): peers
-that hold our sends unanswered until ``rndv_timeout`` must be more than eight to starve the others."""
+SEND_SHARE = 2
+"""Without ``Options.rndv_send_budget``, a connection's rendezvous sends keep at most ``1 / SEND_SHARE`` of
+what the other connections leave free of the device's send budget (``max_pinned // 2``) registered. An
+idle device lets one connection pin a quarter of ``max_pinned`` (64 MiB by default: one message of the
+default ``max_message_size`` goes zero-copy), and peers that hold our sends unanswered until
+``rndv_timeout`` never take the whole budget: each one that fills its share leaves half of the rest, so
+after ``k`` of them ``1 / 2**k`` of the budget is still there for the next connection."""
 
 
 async def wait_shielded(io: Any, waiter: Any, timeout: float) -> bool:  # noqa: ASYNC109
@@ -187,10 +190,13 @@ class RendezvousEngine:
     @property
     def send_budget(self) -> int:
         """Bytes this connection's rendezvous sends may keep registered at once (waiting for the peer):
-        ``Options.rndv_send_budget``, or :data:`SEND_SHARE` of the device's ``max_pinned``."""
+        ``Options.rndv_send_budget``, or a share of what the other connections leave free
+        (:data:`SEND_SHARE`)."""
         if self._send_budget is not None:
             return self._send_budget
-        return int(self._cache.max_pinned) // SEND_SHARE
+        cache = self._cache
+        others = int(cache.send_pinned) - self._send_pinned
+        return max(0, int(cache.max_pinned) // 2 - others) // SEND_SHARE
 
     @property
     def send_pinned(self) -> int:
@@ -239,6 +245,7 @@ class RendezvousEngine:
         target = tx.queued_frames
         log.debug("rndv send %d: %d bytes rkey %#x frame %d", out.msg_id, size, region.rkey, target)
         self._send_pinned += size  # given back with the region (_release_send)
+        cache.send_pinned += size
         ep.pump()
         timer = None
         if self._timeout is not None:
@@ -313,6 +320,7 @@ class RendezvousEngine:
             log.debug("rndv send %d ends %s: region closed", out.msg_id, out.state.value)
             region.close()
             self._send_pinned -= out.length
+            self._cache.send_pinned -= out.length
             self._cache.unreserve(out.length)
 
     def _failure(self) -> BaseException:

@@ -217,16 +217,31 @@ def test_announcement_flood_is_held_back_and_released_by_reading(arun: Runner[An
 # --- a receiver that never answers --------------------------
 
 
-def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(arun: Runner[Any], rdma_addr: str) -> None:
+@pytest.mark.parametrize("budget", [None, 2 * MiB], ids=["default-share", "explicit-budget"])
+def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(
+    arun: Runner[Any], rdma_addr: str, budget: int | None
+) -> None:
     """Four receivers record our descriptors and never answer (not even a CANCEL). Each connection keeps at
-    most its share of the device's rendezvous budget pinned (its other sends are copied), so a 1 MiB send
+    most its share of the device's rendezvous budget pinned (its other sends are copied), so a 512 KiB send
     to an honest peer still goes zero-copy; at ``rndv_timeout`` the stuck sends are cancelled, the silent
-    connections failed, and the sends raise RendezvousTimeoutError with their regions released."""
-    max_pinned = 32 * MiB  # the device's send budget is 16 MiB, a connection's share 2 MiB
+    connections failed, and the sends raise RendezvousTimeoutError with their regions released.
+
+    The default share is half of what the other connections leave free of the device's 16 MiB, so four
+    connections holding six 1 MiB sends each pin at most 8 + 4 + 2 + 1 MiB; an explicit budget of 2 MiB
+    pins two sends each and copies the other four."""
+    max_pinned = 32 * MiB  # the device's send budget is 16 MiB
+    sends_each = 6
     # The deadline leaves the honest send time to run first in a slow VM (it would go zero-copy after the
     # deadline anyway; the assertions do not depend on the order).
-    options = {**OPTIONS, "max_pinned": max_pinned, "rndv_timeout": 20.0, "close_timeout": 2.0}
+    options = {
+        **OPTIONS,
+        "max_pinned": max_pinned,
+        "rndv_timeout": 20.0,
+        "close_timeout": 2.0,
+        "rndv_send_budget": budget,
+    }
     payload = bytearray(PATTERN)
+    honest_payload = bytes(PATTERN[: 512 * 1024])  # within what four full shares leave (1 MiB)
 
     async def main() -> None:
         accepted: asyncio.Queue[rdmaio.Endpoint] = asyncio.Queue()
@@ -248,30 +263,41 @@ def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(arun: Runner[A
             cache = honest_client._conn.transport.domain.registrations
             assert cache.max_pinned == max_pinned
             try:
-                stuck = [asyncio.ensure_future(ep.send(payload)) for ep in victims for _ in range(4)]
+                stuck = [asyncio.ensure_future(ep.send(payload)) for ep in victims for _ in range(sends_each)]
 
                 def all_decided() -> bool:
                     per_conn = [ep.statistics() for ep in victims]
-                    return sum(s["rndv_sending"] + s.get("rndv_fallback_eager", 0) for s in per_conn) == 16
+                    decided = sum(s["rndv_sending"] + s.get("rndv_fallback_eager", 0) for s in per_conn)
+                    return decided == len(stuck)
 
                 await until(all_decided, "every send went zero-copy or fell back")
                 assert cache.reserved >= 4 * MiB  # the silent receivers do hold sends
 
                 # An honest connection still gets a zero-copy send.
                 received = asyncio.ensure_future(honest_server.recv())
-                await asyncio.wait_for(honest_client.send(payload), 60)
-                assert await asyncio.wait_for(received, 60) == payload
+                await asyncio.wait_for(honest_client.send(honest_payload), 60)
+                assert await asyncio.wait_for(received, 60) == honest_payload
                 honest = honest_client.statistics()
                 assert honest.get("rndv_sent", 0) == 1 and honest.get("rndv_fallback_eager", 0) == 0, honest
-                for ep in victims:  # because each silent one holds its share only
-                    stats = ep.statistics()
-                    assert stats["rndv_send_pinned"] <= max_pinned // 16, stats
-                    assert stats["rndv_sending"] == 2 and stats["rndv_fallback_eager"] == 2, stats
+                held = [ep.statistics() for ep in victims]  # because each silent one holds its share only
+                pinned = [stats["rndv_send_pinned"] for stats in held]
+                assert sum(stats["rndv_sending"] for stats in held) * MiB == sum(pinned), held
+                if budget is None:
+                    # Each send fitted in half of what the others left: never the whole device budget.
+                    assert sum(pinned) <= max_pinned // 2 - 2 * MiB and max(pinned) <= max_pinned // 4, pinned
+                    assert sum(stats.get("rndv_fallback_eager", 0) for stats in held) >= 1, held
+                else:
+                    for stats in held:
+                        assert stats["rndv_send_pinned"] == budget, stats
+                        assert stats["rndv_sending"] == 2 and stats["rndv_fallback_eager"] == 4, stats
 
                 # The deadline: every stuck send fails, typed; the silent peers could not keep the buffers.
                 results = await asyncio.wait_for(asyncio.gather(*stuck, return_exceptions=True), 120)
                 errors = [r for r in results if isinstance(r, BaseException)]
-                assert len(errors) == 8 and all(r is None for r in results if r not in errors), results
+                stuck_sends = sum(stats["rndv_sending"] for stats in held)
+                assert len(errors) == stuck_sends and all(r is None for r in results if r not in errors), (
+                    results
+                )
                 assert all(isinstance(e, rdmaio.RendezvousTimeoutError) for e in errors), errors
                 assert all(isinstance(e, TimeoutError) and isinstance(e, rdmaio.RdmaError) for e in errors)
                 assert all(silent.cancels for silent in silents)  # each was asked, none answered
