@@ -29,8 +29,9 @@ class Options:
     """Send slots (and send-queue entries) in flight before send()/drain() wait."""
     initial_depth: int = 4
     """Receive slots registered and posted at first, and send slots registered by the first send; each
-    ring doubles under load up to ``recv_depth``/``send_depth``. Set it to ``recv_depth`` for fixed rings
-    (also what a peer without growing windows gets)."""
+    ring doubles under load up to ``recv_depth``/``send_depth``. Set it to ``recv_depth`` for fixed rings.
+    A server gives a peer that does not announce growing windows (no ``FEATURE_GROW``: not rdmaio, or an
+    older one) a fixed window of this many receives, since it must post them before it accepts."""
     max_message_size: int = 64 * MiB
     """Largest message accepted from the peer; the peer refuses to send a larger one."""
     recv_buffer_limit: int = 4 * MiB
@@ -99,6 +100,20 @@ class Options:
     srq_max_buffers: int = 4096
     """Receive buffers the shared receive queue may grow to (capped by the device's ``max_srq_wr``); with
     four receives reserved per connection, a quarter of it is the number of connections it admits."""
+    # --- connection establishment and shared-receive leases (server side) ---
+    establish_timeout: float = 10.0
+    """Seconds a server keeps a connection it accepted (its receives posted, its QP created, its SRQ lease
+    lent) waiting for the client to complete the exchange (rdma_cm ESTABLISHED); past it the request is
+    dropped, its resources released and its cm id destroyed (counted in ``StreamServer.statistics()`` as
+    ``pending_timed_out``). Generous by default: an emulated device under load has been seen to take
+    seconds to establish a connection."""
+    max_pending_per_source: int = 32
+    """Connections one peer address may have accepted and not yet established at once on a server; a
+    further request from that address is rejected at once (the client gets ``ConnectionRefusedError``), so
+    one host cannot hold the whole backlog."""
+    reclaim_timeout: float = 10.0
+    """On a shared receive queue: seconds a peer may leave a RECLAIM unanswered while it holds the credits
+    to answer; past it the connection fails (``ProtocolError``) and its lease goes back to the pool."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -136,6 +151,10 @@ class Options:
             raise ValueError("srq_max_buffers must be between 4 and 16777216")
         if self.keepalive_interval is not None and not self.keepalive_interval > 0:
             raise ValueError("keepalive_interval must be positive (or None to turn keepalive off)")
+        if not self.establish_timeout > 0 or not self.reclaim_timeout > 0:
+            raise ValueError("establish_timeout and reclaim_timeout must be positive")
+        if self.max_pending_per_source < 1:
+            raise ValueError("max_pending_per_source must be >= 1")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:
