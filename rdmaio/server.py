@@ -61,7 +61,7 @@ def accepting_handshake(handshake: Handshake, peer: Handshake, options: Options)
     if options.shared_receive_queue and not peer.features & FEATURE_RECLAIM:
         fixed = MIN_WINDOW
     elif not peer.features & FEATURE_GROW:
-        fixed = handshake.initial_depth
+        fixed = options.initial_depth
     else:
         return handshake
     fixed = min(fixed, handshake.recv_depth)
