@@ -24,7 +24,7 @@ import rdmaio.client
 from rdmaio import verbs
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.shared_receive import SharedReceivePool
-from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake
+from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, FrameKind, Handshake, encode_imm
 from rdmaio.protocol.shared_credits import MIN_WINDOW, ReclaimSession
 from rdmaio.verbs import CMEvent, CMEventType, CMId, EventChannel
 
@@ -303,7 +303,8 @@ def test_a_peer_that_never_answers_reclaim_is_failed_and_its_lease_reclaimed(
     """A client announcing FEATURE_RECLAIM whose window on the server's shared receive queue grew under a
     burst, then idles: the server sends RECLAIM, the client (while holding credits to answer) never
     returns any; after ``reclaim_timeout`` the server fails that connection (a ProtocolError: its reads
-    raise ConnectionAbortedError from it) and its lease goes back to the pool. Another connection on the pool is unaffected.
+    raise ConnectionAbortedError from it) and its lease goes back to the pool. Another connection on the
+    pool is unaffected.
 
     Before the fix: RECLAIM had no deadline; the lease stayed lent (the wait for the failure timed out)."""
     server_options = rdmaio.Options(
@@ -364,5 +365,109 @@ def test_a_peer_that_never_answers_reclaim_is_failed_and_its_lease_reclaimed(
             server.close()
             server.abort_clients()
             await server.wait_closed()
+
+    arun(main())
+
+
+class RawPeer:
+    """An established connection of raw verbs objects (a QP of its own, four receives posted for the
+    server's CREDIT frames): it puts on the wire whatever SENDs it is told to, credits or not."""
+
+    SLOT = 4096
+
+    def __init__(self, cm_id: CMId) -> None:
+        ctx = cm_id.device()
+        assert ctx is not None
+        self.cm_id = cm_id
+        self.pd = verbs.ProtectionDomain(ctx)
+        self.buf = bytearray(self.SLOT * 8)
+        self.mr = verbs.MemoryRegion(self.pd, self.buf)
+        self.comp = verbs.CompletionChannel(ctx)
+        self.cq = verbs.CompletionQueue(ctx, self.comp, 64)
+        self.qp = cm_id.create_qp(self.pd, self.cq, self.cq, max_send_wr=32, max_recv_wr=8)
+        lkeys = verbs.ffi.new("uint32_t[]", [self.mr.lkey] * 8)
+        self._lkeys = lkeys
+        self.qp.post_ring_slots(lkeys, self.mr.addr, self.SLOT, [4, 5, 6, 7], 0)
+
+    def send_frames(self, count: int, payload: bytes) -> None:
+        """Post ``count`` complete one-fragment messages (DATA_END frames granting nothing)."""
+        self.buf[: len(payload)] = payload
+        imm = encode_imm(FrameKind.DATA_END, 0)
+        for i in range(count):
+            s = self.qp.send_array[0]
+            s.wr_id = i
+            s.addr = self.mr.addr
+            s.length = len(payload)
+            s.lkey = self.mr.lkey
+            s.imm_data = imm
+            s.opcode = verbs.lib.IBV_WR_SEND_WITH_IMM
+            s.send_flags = verbs.lib.IBV_SEND_SIGNALED
+            self.qp.post_sends(1)
+
+    def close(self) -> None:
+        self.cm_id.close()
+        for obj in (self.mr, self.cq, self.comp, self.pd):
+            obj.close()
+
+
+def test_a_peer_sending_beyond_its_credits_on_an_srq_fails_at_once(arun: Runner[Any], rdma_addr: str) -> None:
+    """A raw peer on a shared receive queue sends 12 frames against the 4 credits its lease gave it: the
+    receives it took beyond the lease are counted (``overruns``), the connection fails at once (a
+    ProtocolError, before the frames of that completion batch are processed) and its teardown puts every
+    buffer back, so the ledger agrees with the SRQ again and the other connection keeps working.
+
+    Before the fix the overrun was only logged (the frame was then rejected by the session), and the
+    ledger counted the receives taken beyond the lease as still posted."""
+    options = rdmaio.Options(shared_receive_queue=True, srq_max_buffers=64)
+    handshake = Handshake(recv_depth=4, slot_size=RawPeer.SLOT, max_message_size=1 << 20)
+
+    async def main() -> None:
+        server = await rdmaio.listen(rdma_addr, 0, options=options)
+        hostile = HalfOpenClient()
+        raw: RawPeer | None = None
+        try:
+            port = server.addresses[0][1]
+            cm_id = CMId(hostile.channel)
+            hostile.ids.append(cm_id)
+            cm_id.resolve_addr(rdma_addr, port)
+            await hostile.wait(cm_id, CMEventType.ADDR_RESOLVED)
+            cm_id.resolve_route()
+            await hostile.wait(cm_id, CMEventType.ROUTE_RESOLVED)
+            raw = RawPeer(cm_id)
+            hostile.ids.remove(cm_id)  # closed by raw.close()
+            cm_id.connect(handshake.encode(), rnr_retry_count=1)
+            await hostile.wait(cm_id, CMEventType.ESTABLISHED)
+            bad_peer = await asyncio.wait_for(server.accept(), 60)
+            good = await rdmaio.connect(rdma_addr, port, timeout=60)
+            good_peer = await asyncio.wait_for(server.accept(), 60)
+            member = bad_peer._conn.transport.shared
+            assert member is not None
+            pool = member.pool
+            assert pool.ledger.window(member.key) == MIN_WINDOW  # it cannot answer RECLAIM: the reserve
+            # The pool holds the two leases (8 receives): the frames beyond the bad lease take the good
+            # connection's receives (it sends nothing meanwhile), then meet an empty SRQ (RNR: the raw QP
+            # retries once, then fails). That window is what an overrun can cost the others.
+            assert pool.ledger.buffers - pool.ledger.free == 2 * MIN_WINDOW
+            raw.send_frames(12, b"flood")
+            await until(lambda: bad_peer._conn.torn_down, "the flooding peer failed")
+            with pytest.raises(rdmaio.ConnectionAbortedError, match="beyond its credits") as failure:
+                await bad_peer.recv()
+            assert isinstance(failure.value.__cause__, rdmaio.ProtocolError)
+            assert pool.statistics()["overruns"] >= 1
+            assert member.key not in pool.members and pool.ledger.connections == 1
+            pool.ledger.check()
+            await until(lambda: pool.ledger.posted == pool.ledger.buffers, "every buffer posted again")
+            for i in range(20):  # the other connection on the pool is unaffected
+                await good.send(b"good %d" % i)
+                assert await asyncio.wait_for(good_peer.recv(), 60) == b"good %d" % i
+            await good.aclose()
+            await good_peer.aclose()
+        finally:
+            server.close()
+            server.abort_clients()
+            await server.wait_closed()
+            if raw is not None:
+                raw.close()
+            hostile.close()
 
     arun(main())
