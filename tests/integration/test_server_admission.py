@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import pytest
+import trio
 from loops import Runner, arun
 
 import rdmaio
@@ -43,13 +46,13 @@ def other_address(addr: str) -> str:
 
 
 async def until(condition: Callable[[], bool], what: str, limit: float = 60.0) -> None:
-    """Wait (bounded) for ``condition``; a hang on a server without the fix becomes this failure."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
+    """Wait (bounded) for ``condition``; a hang on a server without the fix becomes this failure. (anyio's
+    sleep: the same helper serves the asyncio, uvloop and trio tests.)"""
+    deadline = time.monotonic() + limit
     while not condition():
-        if loop.time() > deadline:
+        if time.monotonic() > deadline:
             raise AssertionError(f"not within {limit} s: {what}")
-        await asyncio.sleep(0.05)
+        await anyio.sleep(0.05)
 
 
 class HalfOpenClient:
@@ -197,6 +200,35 @@ def test_half_open_requests_time_out_and_free_the_backlog(
             await server.wait_closed()
 
     arun(main())
+
+
+def test_half_open_requests_time_out_on_trio(rdma_addr: str) -> None:
+    """The establishment deadline on trio (its timers are system tasks, not loop callbacks): two half-open
+    requests fill a backlog=2 server, are dropped after ``establish_timeout``, and a client is served."""
+    options = rdmaio.Options(establish_timeout=2.0)
+
+    async def main() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0, backlog=2, options=options)
+        hostile = HalfOpenClient(src=other_address(rdma_addr))
+        try:
+            port = server.addresses[0][1]
+            ids = [await hostile.request(rdma_addr, port, NO_GROW) for _ in range(2)]
+            for cm_id in ids:
+                await hostile.wait(cm_id, CMEventType.CONNECT_RESPONSE)
+            assert server.statistics()["pending"] == 2
+            assert pending_receives(server) == [options.initial_depth] * 2
+            await until(lambda: server.statistics()["pending"] == 0, "the half-open requests dropped")
+            assert server.statistics()["pending_timed_out"] == 2
+            with trio.fail_after(60):
+                async with await rdmaio.connect(rdma_addr, port, timeout=60) as ep:
+                    await ep.send(b"legitimate")
+                    assert await ep.recv() == b"legitimate"
+        finally:
+            server.close()
+            hostile.close()
+            await server.wait_closed()
+
+    trio.run(main)
 
 
 def test_one_source_address_cannot_hold_the_whole_backlog(arun: Runner[Any], rdma_addr: str) -> None:
