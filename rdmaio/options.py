@@ -107,10 +107,12 @@ class Options:
     dropped, its resources released and its cm id destroyed (counted in ``StreamServer.statistics()`` as
     ``pending_timed_out``). Generous by default: an emulated device under load has been seen to take
     seconds to establish a connection."""
-    max_pending_per_source: int = 32
+    max_pending_per_source: int = 64
     """Connections one peer address may have accepted and not yet established at once on a server; a
     further request from that address is rejected at once (the client gets ``ConnectionRefusedError``), so
-    one host cannot hold the whole backlog."""
+    one host cannot hold the whole backlog (half of the default backlog of 128). A client that opens more
+    connections than this at once (all pending together) has the excess refused: raise it for such
+    clients."""
     reclaim_timeout: float = 10.0
     """On a shared receive queue: seconds a peer may leave a RECLAIM unanswered while it holds the credits
     to answer; past it the connection fails (``ProtocolError``) and its lease goes back to the pool."""
