@@ -72,9 +72,12 @@ def _numeric(host: str) -> str | None:
 
 def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
     """The handshake this side announces for ``options``: a growing receive window (FEATURE_GROW, starting
-    at ``options.initial_depth``) unless ``grow`` is false (a server answering a peer that cannot grow)."""
+    at ``options.initial_depth``) unless ``grow`` is false (a server answering a peer that cannot grow).
+
+    FEATURE_GROW is announced even when ``initial_depth`` equals ``recv_depth`` (a fixed ring): the bit also
+    says this side accepts a growing peer, and a server gives a peer without it only a small fixed window
+    (:attr:`Options.initial_depth`), since it must post that window before it accepts."""
     initial = min(options.initial_depth, options.recv_depth)
-    grow = grow and initial < options.recv_depth
     return Handshake(
         recv_depth=options.recv_depth,
         slot_size=options.slot_size,

@@ -29,8 +29,9 @@ class Options:
     """Send slots (and send-queue entries) in flight before send()/drain() wait."""
     initial_depth: int = 4
     """Receive slots registered and posted at first, and send slots registered by the first send; each
-    ring doubles under load up to ``recv_depth``/``send_depth``. Set it to ``recv_depth`` for fixed rings
-    (also what a peer without growing windows gets)."""
+    ring doubles under load up to ``recv_depth``/``send_depth``. Set it to ``recv_depth`` for fixed rings.
+    A server gives a peer that does not announce growing windows (no ``FEATURE_GROW``: not rdmaio, or an
+    older one) a fixed window of this many receives, since it must post them before it accepts."""
     max_message_size: int = 64 * MiB
     """Largest message accepted from the peer; the peer refuses to send a larger one."""
     recv_buffer_limit: int = 4 * MiB
@@ -112,6 +113,22 @@ class Options:
     None: half of what the other connections leave free of the device's budget (``max_pinned // 2``): a
     quarter of ``max_pinned`` on an idle device (64 MiB by default), and peers which hold sends unanswered
     never take the whole budget from the other connections. 0 turns rendezvous sends off on this connection."""
+    # --- connection establishment and shared-receive leases (server side) ---
+    establish_timeout: float = 10.0
+    """Seconds a server keeps a connection it accepted (its receives posted, its QP created, its SRQ lease
+    lent) waiting for the client to complete the exchange (rdma_cm ESTABLISHED); past it the request is
+    dropped, its resources released and its cm id destroyed (counted in ``StreamServer.statistics()`` as
+    ``pending_timed_out``). Generous by default: an emulated device under load has been seen to take
+    seconds to establish a connection."""
+    max_pending_per_source: int = 64
+    """Connections one peer address may have accepted and not yet established at once on a server; a
+    further request from that address is rejected at once (the client gets ``ConnectionRefusedError``), so
+    one host cannot hold the whole backlog (half of the default backlog of 128). A client that opens more
+    connections than this at once (all pending together) has the excess refused: raise it for such
+    clients."""
+    reclaim_timeout: float = 10.0
+    """On a shared receive queue: seconds a peer may leave a RECLAIM unanswered while it holds the credits
+    to answer; past it the connection fails (``ProtocolError``) and its lease goes back to the pool."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -153,6 +170,10 @@ class Options:
             raise ValueError("rndv_timeout must be positive (or None for no deadline)")
         if self.rndv_send_budget is not None and self.rndv_send_budget < 0:
             raise ValueError("rndv_send_budget must be >= 0 (or None for a share of max_pinned)")
+        if not self.establish_timeout > 0 or not self.reclaim_timeout > 0:
+            raise ValueError("establish_timeout and reclaim_timeout must be positive")
+        if self.max_pending_per_source < 1:
+            raise ValueError("max_pending_per_source must be >= 1")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self
 
 from rdmaio.client import local_handshake, resolve_host
-from rdmaio.core.backend import AsyncioBackend, Waiter
+from rdmaio.core.backend import AsyncioBackend, Handle, Waiter
 from rdmaio.core.onesided import rd_atomic_depth
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.shared_receive import new_session
@@ -17,7 +18,8 @@ from rdmaio.core.transport import Transport
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_GROW, Handshake, Session
+from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
+from rdmaio.protocol.shared_credits import MIN_WINDOW
 from rdmaio.verbs import CMEvent, CMEventType, CMId
 
 __all__ = ["Handler", "StreamServer", "listen", "serve"]
@@ -29,14 +31,45 @@ Handler = Callable[[Endpoint], Awaitable[None]]
 
 
 class _Pending:
-    """A connection accepted but not yet ESTABLISHED."""
+    """A connection accepted but not yet ESTABLISHED: its resources, its source address and its deadline."""
 
-    __slots__ = ("cm_id", "session", "transport")
+    __slots__ = ("cm_id", "deadline", "session", "source", "transport")
 
-    def __init__(self, cm_id: CMId, transport: Transport, session: Session) -> None:
+    def __init__(
+        self, cm_id: CMId, transport: Transport, session: Session, source: str, deadline: Handle
+    ) -> None:
         self.cm_id = cm_id
         self.transport = transport
         self.session = session
+        self.source = source
+        self.deadline = deadline
+
+
+def accepting_handshake(handshake: Handshake, peer: Handshake, options: Options) -> Handshake:
+    """``handshake`` (this side's, from :func:`~rdmaio.client.local_handshake`) with the receive window a
+    server may grant ``peer``.
+
+    The receives a peer may use must be posted before rdma_accept (it may send as soon as it is connected),
+    so they are what an accepted but never established request holds. A peer that announced
+    ``FEATURE_GROW`` starts with ``initial_depth`` and is grown once it is established and sends. A peer
+    without it cannot be grown later (it reads only ``recv_depth``), so it gets a *fixed* window of
+    ``initial_depth`` receives rather than ``recv_depth`` (announced as ``recv_depth``, without the bit):
+    what a half-open request pins is then the same for every peer. On a shared receive queue a peer that
+    does not answer RECLAIM keeps its lease for life, so it gets the reserve (:data:`MIN_WINDOW`): what
+    the documented capacity (a quarter of ``srq_max_buffers`` connections) assumes.
+    """
+    if options.shared_receive_queue and not peer.features & FEATURE_RECLAIM:
+        fixed = MIN_WINDOW
+    elif not peer.features & FEATURE_GROW:
+        fixed = options.initial_depth
+    else:
+        return handshake
+    fixed = min(fixed, handshake.recv_depth)
+    if handshake.recv_depth == fixed and not handshake.features & FEATURE_GROW:
+        return handshake
+    return dataclasses.replace(
+        handshake, recv_depth=fixed, features=handshake.features & ~FEATURE_GROW, initial_depth=0
+    )
 
 
 class StreamServer:
@@ -53,6 +86,11 @@ class StreamServer:
     taken by :meth:`accept`. A connection request beyond it is rejected at once (the client gets
     :class:`~rdmaio.ConnectionRefusedError`), so a flood of requests pins at most ``backlog`` connections'
     registered memory.
+
+    A connection accepted but not established within ``Options.establish_timeout`` is dropped (its
+    receives, QP and shared-receive lease released, its cm id destroyed), and one peer address may hold
+    at most ``Options.max_pending_per_source`` of them at once (further requests are rejected), so a
+    client that never completes the exchange cannot keep the backlog, or the memory it pins, for itself.
     """
 
     def __init__(
@@ -68,6 +106,7 @@ class StreamServer:
         self._serving = False  # handing connections to the handler (start_serving(); False once closed)
         self._start_serving = start_serving
         self._pending: dict[int, _Pending] = {}
+        self._pending_by_source: collections.Counter[str] = collections.Counter()
         self._clients: set[Endpoint] = set()
         self._handlers_running = 0
         self._accepted: collections.deque[Endpoint] = collections.deque()  # listen(): not yet accepted
@@ -82,6 +121,10 @@ class StreamServer:
         self.connections_rejected = 0
         #: Of those, rejected because the backlog was full.
         self.connections_refused_backlog = 0
+        #: Of those, rejected because their source address had ``max_pending_per_source`` pending.
+        self.connections_refused_source = 0
+        #: Connections accepted but dropped for not being established within ``establish_timeout``.
+        self.connections_timed_out = 0
         self._peak_waiting = 0
 
     def _listen(self, hosts: list[str], port: int) -> None:
@@ -123,14 +166,27 @@ class StreamServer:
         return len(self._pending) + len(self._accepted)
 
     def statistics(self) -> dict[str, int]:
-        """Counters: connections accepted and rejected (and how many for a full backlog), those now
-        pending (not yet established) and established but not yet taken by accept(), the most that ever
-        waited at once, the backlog, and the clients open now."""
+        """Counters: connections accepted and rejected (and how many for a full backlog, and for a source
+        address at its ``max_pending_per_source``), those now pending (not yet established), what they
+        hold (``pending_registered_bytes`` of receive slots, ``pending_shared_receives`` lent from the
+        shared receive queue) and how many were dropped at ``establish_timeout``, those established but
+        not yet taken by accept(), the most that ever waited at once, the backlog, and the clients open
+        now."""
+        registered = shared = 0
+        for pending in self._pending.values():
+            transport = pending.transport
+            registered += transport.registered_bytes
+            if transport.shared is not None:
+                shared += transport.shared.pool.ledger.window(transport.shared.key)
         return {
             "accepted": self.connections_accepted,
             "rejected": self.connections_rejected,
             "rejected_backlog_full": self.connections_refused_backlog,
+            "rejected_source_limit": self.connections_refused_source,
             "pending": len(self._pending),
+            "pending_registered_bytes": registered,
+            "pending_shared_receives": shared,
+            "pending_timed_out": self.connections_timed_out,
             "unaccepted": len(self._accepted),
             "peak_waiting": self._peak_waiting,
             "backlog": self._backlog,
@@ -158,6 +214,16 @@ class StreamServer:
             self.connections_refused_backlog += 1
             self._reject(cm_id, f"backlog of {self._backlog} connections is full")
             return
+        peer_address = cm_id.peer_address
+        source = peer_address[0] if peer_address else ""
+        if self._pending_by_source[source] >= self._options.max_pending_per_source:
+            self.connections_refused_source += 1
+            self._reject(
+                cm_id,
+                f"{source} already has {self._pending_by_source[source]} connections pending "
+                f"(Options.max_pending_per_source)",
+            )
+            return
         try:
             peer = Handshake.decode(event.private_data)
         except HandshakeError as exc:
@@ -165,7 +231,9 @@ class StreamServer:
             return
         transport = None
         try:
-            handshake = local_handshake(self._options, grow=bool(peer.features & FEATURE_GROW))
+            handshake = accepting_handshake(
+                local_handshake(self._options, grow=bool(peer.features & FEATURE_GROW)), peer, self._options
+            )
             transport = Transport(self._reactor, cm_id, self._options, handshake.initial_depth)
             # One-sided READs/atomics in flight: what we allow, capped by what the request offers (rdma_cm
             # reports the request's values from our side's point of view).
@@ -182,8 +250,47 @@ class StreamServer:
                 transport.close()
             self._reject(cm_id, str(exc))
             return
-        self._pending[cm_id.handle] = _Pending(cm_id, transport, new_session(handshake, peer, transport))
+        handle = cm_id.handle
+        deadline = self._io.call_later(
+            self._options.establish_timeout, lambda: self._establish_timed_out(handle)
+        )
+        self._pending[handle] = _Pending(
+            cm_id, transport, new_session(handshake, peer, transport), source, deadline
+        )
+        self._pending_by_source[source] += 1
         self._peak_waiting = max(self._peak_waiting, self._waiting())
+
+    def _take_pending(self, handle: int) -> _Pending | None:
+        """Remove a pending connection from the books (its deadline cancelled); None if it is not there."""
+        pending = self._pending.pop(handle, None)
+        if pending is not None:
+            pending.deadline.cancel()
+            count = self._pending_by_source[pending.source] - 1
+            if count > 0:
+                self._pending_by_source[pending.source] = count
+            else:
+                del self._pending_by_source[pending.source]
+        return pending
+
+    def _drop_pending(self, pending: _Pending) -> None:
+        """Release what a pending connection holds: QP, receives (or shared-receive lease), cm id."""
+        try:
+            pending.transport.close()
+        finally:
+            self._reactor.release_id(pending.cm_id)
+
+    def _establish_timed_out(self, handle: int) -> None:
+        pending = self._take_pending(handle)
+        if pending is None:
+            return
+        self.connections_timed_out += 1
+        log.info(
+            "rdmaio: dropping a connection from %s not established within %s s (Options.establish_timeout)",
+            pending.source,
+            self._options.establish_timeout,
+        )
+        self._drop_pending(pending)
+        self._state_changed()
 
     def _reject(self, cm_id: CMId, why: str) -> None:
         self.connections_rejected += 1
@@ -195,13 +302,12 @@ class StreamServer:
         self._reactor.release_id(cm_id)
 
     def _on_pending_event(self, event: CMEvent) -> None:
-        pending = self._pending.pop(event.id_handle, None)
+        pending = self._take_pending(event.id_handle)
         if pending is None:
             return
         if event.event != CMEventType.ESTABLISHED:
             log.info("rdmaio: connection attempt failed before it was established: %s", event.event.name)
-            pending.transport.close()
-            self._reactor.release_id(pending.cm_id)
+            self._drop_pending(pending)
             return
         endpoint = Endpoint(self._reactor, pending.cm_id, pending.transport, pending.session, self._options)
         self.connections_accepted += 1
@@ -289,10 +395,10 @@ class StreamServer:
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             self._reactor.release_id(listener)
-        for pending in list(self._pending.values()):
-            pending.transport.close()
-            self._reactor.release_id(pending.cm_id)
-        self._pending.clear()
+        for handle in list(self._pending):
+            pending = self._take_pending(handle)
+            if pending is not None:
+                self._drop_pending(pending)
         while self._accepted:
             self._accepted.popleft().abort()
         if self._accept_waiter is not None:

@@ -161,6 +161,9 @@ class Connection:
         # sharedcq: completions come from the domain's dispatcher (those kept since the QP was registered
         # go first).
         transport.set_completion_handler(CompletionProcessor(self, self._keepalive).on_completions)
+        shared = transport.shared
+        if shared is not None:  # the shared receive pool fails us for an overrun or a silent peer
+            shared.on_failure = _weak_call(self.fail)
         # Completions may already be waiting (the peer can send as soon as it is established).
         self.io.call_soon(self.poll_completions)
         self._keepalive.start()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from rdmaio.core.completions import CompletionHandler
 from rdmaio.core.rings import SlotRing
-from rdmaio.errors import RdmaError
+from rdmaio.errors import FrameError, RdmaError
 from rdmaio.protocol import FEATURE_RECLAIM, Handshake, Session
 from rdmaio.protocol.frames import FrameKind, returned_credits
 from rdmaio.protocol.shared_credits import ReclaimSession, SharedCreditLedger
@@ -101,6 +101,17 @@ class SharedMember:
         self.session: SharedSession | None = None
         self.handler: CompletionHandler | None = None
         self.slots: set[int] = set()  # buffers its frames took that were not posted again
+        #: Fails the connection (set by its Connection once established): an overrun, a RECLAIM unanswered.
+        self.on_failure: Callable[[BaseException], None] | None = None
+        #: Seconds a RECLAIM may stay unanswered while the peer holds the credits to answer it.
+        self.reclaim_timeout = 10.0
+        self.reclaim_waited = 0.0  # seconds (in ticks) the current RECLAIM has been unanswered so far
+        self.overruns = 0  # receives its peer consumed beyond its credits
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail this connection (its teardown gives the lease back: :meth:`SharedReceivePool.leave`)."""
+        if self.on_failure is not None:
+            self.on_failure(exc)
 
     def attach(self, session: SharedSession) -> None:
         """``session`` is this connection's (its handshakes say whether the peer answers RECLAIM)."""
@@ -137,13 +148,25 @@ class SharedMember:
         the endpoint then makes of it), then the endpoint's handler runs."""
         ledger = self.pool.ledger
         slots = self.slots
+        overruns = 0
         for i in range(start, start + count):
             slots.add(records[i].wr_id & WR_INDEX_MASK)
-            try:
-                ledger.on_consumed(self.key)
-            except RuntimeError:
-                # The peer sent without a credit: its session rejects the frame and fails the connection.
-                log.warning("rdmaio: QP %d consumed a shared receive beyond its credits", self.qp_num)
+            if not ledger.on_consumed(self.key):
+                overruns += 1
+        if overruns:
+            # The peer sent without credits: those receives were lent to other connections, whose SENDs
+            # may now find the queue short. The ledger counted them (the SRQ really holds fewer); the
+            # connection fails before its frames are processed, its QP goes, and its teardown reposts
+            # every buffer it took, so the shortfall lasts no longer than this batch.
+            self.overruns += overruns
+            log.warning(
+                "rdmaio: QP %d consumed %d shared receives beyond its credits; failing it",
+                self.qp_num,
+                overruns,
+            )
+            if self.on_failure is not None:
+                self.fail(FrameError(f"the peer consumed {overruns} shared receives beyond its credits"))
+                return
         pool = self.pool
         previous, pool.current = pool.current, self
         try:
@@ -282,8 +305,11 @@ class SharedReceivePool:
         if not slots or self.closed:
             return
         self.post(slots)
-        # Only what the ledger counts as taken (a frame sent beyond its credits was never counted).
-        self.ledger.on_reposted(member.key, min(len(slots), self.ledger.unreturned(member.key)))
+        # What the lease counts as taken goes back to it; the rest were taken beyond its credits (counted
+        # as lost from the SRQ by on_consumed), and are posted again now.
+        counted = min(len(slots), self.ledger.unreturned(member.key))
+        self.ledger.on_reposted(member.key, counted)
+        self.ledger.on_overrun_reposted(len(slots) - counted)
 
     def _retire(self, member: SharedMember) -> None:
         self.by_qp.pop(member.qp_num, None)
@@ -299,9 +325,10 @@ class SharedReceivePool:
             wc = records[i]
             member = self.by_qp.get(int(wc.qp_num))
             self.post([wc.wr_id & WR_INDEX_MASK])
-            if member is not None:  # a closing lease: the buffer goes to the pool
-                self.ledger.on_consumed(member.key)
+            if member is not None and self.ledger.on_consumed(member.key):  # a closing lease: to the pool
                 self.ledger.on_reposted(member.key, 1)
+            elif member is not None:  # beyond its credits: on_consumed counted it, the post restores it
+                self.ledger.on_overrun_reposted(1)
             # else: a retired QP's late completion (its CQ was polled before it retired): the buffer is
             # posted again and the ledger, which counted it as posted all along, is right once more.
         self.apply()
@@ -314,10 +341,30 @@ class SharedReceivePool:
         self._tick_handle = None
         if self.closed:
             return
+        self._check_reclaims()
         self.ledger.tick()
         self.apply()
         if self.members:
             self._schedule_tick()
+
+    def _check_reclaims(self) -> None:
+        """Fail the connections whose peers left a RECLAIM unanswered for ``reclaim_timeout`` seconds while
+        they held at least two credits (enough to send the RETURN, whatever else they were doing): such a
+        peer keeps its lease, receives other connections could use, for as long as it likes."""
+        for member in list(self.members.values()):
+            session = member.session
+            if session is None or not session.reclaim_pending or session.posted - session.ungranted < 2:
+                member.reclaim_waited = 0.0
+                continue
+            member.reclaim_waited += _TICK
+            if member.reclaim_waited >= member.reclaim_timeout:
+                member.reclaim_waited = 0.0
+                log.warning(
+                    "rdmaio: QP %d left a RECLAIM unanswered for %s s; failing it",
+                    member.qp_num,
+                    member.reclaim_timeout,
+                )
+                member.fail(FrameError(f"the peer did not answer RECLAIM within {member.reclaim_timeout} s"))
 
     def statistics(self) -> dict[str, int]:
         """Buffers, posted receives, free credits, connections, registered bytes and limit events."""
@@ -330,6 +377,7 @@ class SharedReceivePool:
             "registered_bytes": self.registered_bytes,
             "limit_events": ledger.limit_events,
             "refused": ledger.refused,
+            "overruns": ledger.overruns,
         }
 
     def close(self) -> None:

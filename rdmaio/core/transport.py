@@ -72,6 +72,7 @@ class Transport:
         if options.shared_receive_queue:
             shared = shared_pool(self.domain, options, reactor.backend.call_later)
             self.shared = shared.join(initial, self.recv_depth)
+            self.shared.reclaim_timeout = options.reclaim_timeout
             self.recv_ring = shared.ring
         else:
             self.recv_ring = SlotRing(self.slot_size, self.recv_depth, self._register, pool=pool)

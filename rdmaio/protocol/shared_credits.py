@@ -305,7 +305,9 @@ class SharedCreditLedger:
         self._waiters: collections.deque[Hashable] = collections.deque()
         self._grants: list[tuple[Hashable, int]] = []
         self._wanted = 0  # buffers the pool would like added
+        self._overrun_held = 0  # buffers consumed beyond a lease and not posted again
         self.refused = 0  # connections refused for lack of receives
+        self.overruns = 0  # receives consumed beyond a lease (a peer sending without credits)
         self.limit_events = 0
 
     def __repr__(self) -> str:
@@ -379,7 +381,7 @@ class SharedCreditLedger:
         if self.free < initial:
             self._wanted = max(self._wanted, initial - self.free)
             self.refused += 1
-            self._pressure()
+            self._pressure(newcomers=1)
             return False
         self._committed += initial
         if not self._waiters:
@@ -389,16 +391,32 @@ class SharedCreditLedger:
         )
         return True
 
-    def on_consumed(self, key: Hashable) -> None:
+    def on_consumed(self, key: Hashable) -> bool:
         """A receive of the SRQ completed for ``key``'s connection (any frame, or a one-sided request that
-        consumes a receive)."""
+        consumes a receive). False if it was beyond the lease (its peer sent without a credit): the SRQ
+        holds one receive fewer than the other leases count on, which the I/O layer must end by failing
+        that connection and reporting the buffer's repost with :meth:`on_overrun_reposted`."""
         lease = self._leases[key]
-        if lease.outstanding <= 0 or self._posted <= 0:
-            raise RuntimeError(f"a receive was consumed for {key!r} beyond its lease: RNR was possible")
-        lease.outstanding -= 1
-        lease.active = True
-        self._committed -= 1
+        if self._posted <= 0:
+            raise RuntimeError(
+                f"a receive was consumed for {key!r} with none posted: the ledger is out of step"
+            )
         self._posted -= 1
+        lease.active = True
+        if lease.outstanding <= 0:
+            self._overrun_held += 1
+            self.overruns += 1
+            return False
+        lease.outstanding -= 1
+        self._committed -= 1
+        return True
+
+    def on_overrun_reposted(self, n: int) -> None:
+        """``n`` buffers consumed beyond a lease (:meth:`on_consumed` returned False) were posted again."""
+        if not 0 <= n <= self._overrun_held:
+            raise ValueError(f"{n} overrun buffers reposted, {self._overrun_held} were taken")
+        self._overrun_held -= n
+        self._posted += n
 
     def on_reposted(self, key: Hashable, n: int = 1) -> tuple[int, int]:
         """``n`` buffers that ``key``'s frames consumed were posted in the SRQ again. Returns ``(back,
@@ -523,8 +541,9 @@ class SharedCreditLedger:
         committed = sum(lease.outstanding for lease in self._leases.values())
         windows = sum(lease.window for lease in self._leases.values())
         assert committed == self._committed, (committed, self._committed)
-        assert 0 <= self._committed <= self._posted, self
-        assert windows + self.free == self._buffers <= self.max_buffers, (windows, self)
+        # Overrun buffers are missing from the SRQ until reposted: only then can the invariant be short.
+        assert 0 <= self._committed <= self._posted + self._overrun_held, self
+        assert windows + self.free + self._overrun_held == self._buffers <= self.max_buffers, (windows, self)
         for lease in self._leases.values():
             assert 0 <= lease.outstanding <= lease.window <= lease.max_window, lease
             assert lease.closing or lease.window >= self.reserve, lease
@@ -550,16 +569,17 @@ class SharedCreditLedger:
                 self._waiters.popleft()
         self._pressure()
 
-    def _pressure(self) -> None:
+    def _pressure(self, newcomers: int = 0) -> None:
         """While requests wait: wish for more buffers, and bring every other window down to a fair share
-        of the largest pool (releasing on repost, reclaiming from peers that answer RECLAIM)."""
+        of the largest pool (releasing on repost, reclaiming from peers that answer RECLAIM). A refused
+        connection (``newcomers``) counts in the share, so that a later attempt finds its reserve free."""
         if not self._waiters and not self._wanted:
             return
         waiting = sum(self._leases[key].request for key in self._waiters)
         self._wanted = max(self._wanted, waiting - self.free)
         if not self._leases:
             return
-        fair = max(self.reserve, self.max_buffers // len(self._leases))
+        fair = max(self.reserve, self.max_buffers // (len(self._leases) + newcomers))
         for key, lease in self._leases.items():
             if lease.closing or key in self._waiters:
                 continue

@@ -92,6 +92,7 @@ class FakeTransport:
         self.pd = None
         self.domain = SimpleNamespace(registrations=None)
         self.registered_bytes = 2 * SLOT * DEPTH
+        self.shared = None  # receives of its own, no shared receive queue
         self.posted: collections.deque[int] = collections.deque(range(DEPTH))
         self.handler: Callable[[Any, int, int], None] | None = None
         self.closed = False

@@ -29,6 +29,9 @@ def test_defaults_register_4_mib_and_batch_small_messages() -> None:
         ("signal_interval", 0),
         ("rnr_retry_count", 8),
         ("srq_max_buffers", 3),
+        ("establish_timeout", 0),
+        ("reclaim_timeout", -1.0),
+        ("max_pending_per_source", 0),
     ],
 )
 def test_invalid_values_raise_value_error(field: str, value: int) -> None:
@@ -68,3 +71,15 @@ def test_shared_receive_queue_is_off_by_default_and_announces_reclaim_when_on() 
     assert Options().rnr_retry_count == 1  # finite: an RNR fails the connection (7 would retry forever)
     assert not local_handshake(Options()).features & FEATURE_RECLAIM
     assert local_handshake(Options(shared_receive_queue=True)).features & FEATURE_RECLAIM
+
+
+def test_a_client_announces_growing_windows_even_with_fixed_rings() -> None:
+    """FEATURE_GROW also says "I accept a growing peer": a client with fixed rings announces it (with
+    initial_depth == recv_depth), so a server grants it its usual growing window, not the small fixed one
+    it gives a peer without the bit."""
+    from rdmaio.protocol import FEATURE_GROW
+
+    fixed = local_handshake(Options(initial_depth=32, recv_depth=32))
+    assert fixed.features & FEATURE_GROW and fixed.initial_depth == fixed.recv_depth == 32
+    assert Handshake.decode(fixed.encode()) == fixed
+    assert not local_handshake(Options(), grow=False).features & FEATURE_GROW

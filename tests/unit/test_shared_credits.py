@@ -183,9 +183,10 @@ def test_ledger_admission_growth_and_release() -> None:
     back, released = ledger.on_reposted("a", 5)
     assert released == 4 and back == 1 and ledger.window("a") == MIN_WINDOW
     ledger.check()
-    with pytest.raises(RuntimeError, match="beyond its lease"):
-        for _ in range(10):
-            ledger.on_consumed("c")
+    assert all(ledger.on_consumed("c") for _ in range(ledger.outstanding("c")))
+    assert not ledger.on_consumed("c")  # beyond its lease: counted, not raised
+    assert ledger.overruns == 1
+    ledger.check()
 
 
 def test_ledger_close_keeps_outstanding_lent_until_retired() -> None:
@@ -547,3 +548,51 @@ def test_simulation_many_connections_tight_pool(seed: int) -> None:
     grown = sum(conn.server.recv_depth > 8 for conn in sim.closed)
     assert len(sim.closed) == 80
     assert returned > 0 and released > 0 and grown > 0  # the pool was really shared, not just partitioned
+
+
+def test_an_overrun_is_counted_as_missing_from_the_srq_until_its_buffer_is_reposted() -> None:
+    """A peer sending beyond its credits takes receives the other leases count on: the ledger says so
+    (posted drops below what is lent) instead of raising, and the repost of those buffers (the offending
+    connection's teardown) restores the invariant."""
+    ledger = SharedCreditLedger(buffers=12, max_buffers=12)
+    assert ledger.open("good", 4, 4, reclaimable=False)
+    assert ledger.open("bad", 4, 4, reclaimable=False)
+    for _ in range(4):
+        assert ledger.on_consumed("bad")
+    overrun = 0
+    while ledger.posted > 0 and not overrun:
+        overrun += not ledger.on_consumed("bad")
+    assert overrun == 1 and ledger.overruns == 1
+    assert ledger.posted == 12 - 5 and ledger.outstanding("good") == 4
+    ledger.check()  # consistent, with one buffer held by the overrun
+    # Four more beyond the lease: only the good connection's 4 outstanding receives are left in the SRQ.
+    for _ in range(3):
+        assert not ledger.on_consumed("bad")
+    assert ledger.posted == 4 == ledger.outstanding("good") and ledger.free == 0
+    ledger.check()
+    # Teardown of "bad": its 4 counted buffers go back to its lease, the 4 overrun ones to the SRQ.
+    ledger.close("bad")
+    assert ledger.on_reposted("bad", 4) == (0, 4)
+    ledger.on_overrun_reposted(4)
+    with pytest.raises(ValueError, match="overrun"):
+        ledger.on_overrun_reposted(1)
+    ledger.retire("bad")
+    ledger.check()
+    assert ledger.posted == 12 and ledger.free == 8
+
+
+def test_a_refused_connection_counts_in_the_fair_share() -> None:
+    """A pool lent out to reclaimable windows refuses a newcomer, but the refusal lowers every window to
+    the share of one more connection, so a later attempt finds its reserve once the windows shrank."""
+    ledger = SharedCreditLedger(buffers=24, max_buffers=24)
+    for key in ("a", "b"):
+        assert ledger.open(key, 12, 12, reclaimable=True)
+    assert not ledger.open("c", 4, 8, reclaimable=True)
+    assert sorted(ledger.take_reclaims()) == ["a", "b"]  # fair share 24 // 3 = 8: RECLAIM from both
+    for key in ("a", "b"):  # each consumes and reposts: the windows shrink to their target
+        for _ in range(12):
+            ledger.on_consumed(key)
+        ledger.on_reposted(key, 12)
+    assert ledger.window("a") == ledger.window("b") == 8 and ledger.free == 8
+    assert ledger.open("c", 4, 8, reclaimable=True)
+    ledger.check()

@@ -1,0 +1,511 @@
+"""What a server holds for connections that are not (yet) served, and what one peer can take of a shared
+receive queue: half-open requests (a raw rdma_cm client that never completes the exchange), the bound per
+source address, the window of a peer without FEATURE_GROW, the shared-receive lease of a peer that cannot
+answer RECLAIM, and a peer that leaves a RECLAIM unanswered.
+
+Every bound is asserted from counters (the server's statistics(), the transports' registered bytes, the
+shared receive pool's ledger), never from timing; each wait that would hang on a server without the bound
+is itself bounded (a failure, not a duration assertion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+import trio
+from loops import Runner, arun
+
+import rdmaio
+import rdmaio.client
+from rdmaio import verbs
+from rdmaio.core.reactor import Reactor
+from rdmaio.core.shared_receive import SharedReceivePool
+from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, FrameKind, Handshake, encode_imm
+from rdmaio.protocol.shared_credits import MIN_WINDOW, ReclaimSession
+from rdmaio.verbs import CMEvent, CMEventType, CMId, EventChannel
+
+__all__ = ["arun"]
+
+SLOT = 64 * 1024
+# What a peer without FEATURE_GROW announces: the whole window posted at once (rdmaio before growing
+# windows, or another implementation). Before the fix the server posted its whole recv_depth for it.
+NO_GROW = Handshake(recv_depth=32, slot_size=SLOT, max_message_size=1 << 20)
+
+
+def other_address(addr: str) -> str:
+    """The test host's second address on the same device (198.18.0.1 and .2 on dum0/rxe0): hostile
+    requests come from it, so that the legitimate clients have a source address of their own."""
+    return os.environ.get("RDMAIO_TEST_ADDR2", "198.18.0.2" if addr != "198.18.0.2" else "198.18.0.1")
+
+
+async def until(condition: Callable[[], bool], what: str, limit: float = 60.0) -> None:
+    """Wait (bounded) for ``condition``; a hang on a server without the fix becomes this failure. (anyio's
+    sleep: the same helper serves the asyncio, uvloop and trio tests.)"""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {limit} s: {what}")
+        await anyio.sleep(0.05)
+
+
+class HalfOpenClient:
+    """Raw rdma_cm connection requests that never complete: no QP (so the kernel does not answer the
+    server's REP with an RTU: a CONNECT_RESPONSE is reported and left unanswered), a valid handshake in
+    the private data and a distinct QP number in each request (the IB CM drops a request repeating a QP
+    number it knows as stale)."""
+
+    def __init__(self, src: str | None = None) -> None:
+        self.channel = EventChannel()
+        self.src = src
+        self.ids: list[CMId] = []
+        self.events: list[CMEvent] = []
+        self._next_qp = 0x1000
+
+    def _drain(self) -> None:
+        while (event := self.channel.get_event()) is not None:
+            self.events.append(event)
+
+    async def wait(self, cm_id: CMId, *types: CMEventType) -> CMEvent:
+        """The next event of ``cm_id`` (which must be one of ``types``)."""
+        found: list[CMEvent] = []
+
+        def arrived() -> bool:
+            self._drain()
+            for event in self.events:
+                if event.id_handle == cm_id.handle:
+                    self.events.remove(event)
+                    found.append(event)
+                    return True
+            return False
+
+        await until(arrived, f"an event {types} on a hostile cm id")
+        assert found[0].event in types, (found[0].event.name, found[0].status)
+        return found[0]
+
+    def seen(self, cm_id: CMId, event_type: CMEventType) -> bool:
+        """Whether ``cm_id`` reported ``event_type`` (drains the channel; keeps the event)."""
+        self._drain()
+        return any(e.id_handle == cm_id.handle and e.event == event_type for e in self.events)
+
+    async def request(self, host: str, port: int, handshake: Handshake) -> CMId:
+        """Send one connection request announcing ``handshake``; return its cm id once it is sent."""
+        cm_id = CMId(self.channel)
+        self.ids.append(cm_id)
+        cm_id.resolve_addr(host, port, src=(self.src, 0) if self.src else None)
+        await self.wait(cm_id, CMEventType.ADDR_RESOLVED)
+        cm_id.resolve_route()
+        await self.wait(cm_id, CMEventType.ROUTE_RESOLVED)
+        param, _keep = cm_id._conn_param(
+            handshake.encode(), retry_count=6, rnr_retry_count=1, responder_resources=1, initiator_depth=1
+        )
+        param.qp_num = self._next_qp
+        self._next_qp += 1
+        assert verbs.lib.rdma_connect(cm_id._ptr, param) == 0, "rdma_connect failed"
+        return cm_id
+
+    def close(self) -> None:
+        for cm_id in self.ids:
+            cm_id.close()
+        self.channel.close()
+
+
+def shared_pool() -> SharedReceivePool:
+    """The shared receive pool of the running loop's (only) device."""
+    pools = [d.shared_receive for d in Reactor.current()._domains.values() if d.shared_receive is not None]
+    assert len(pools) == 1, pools
+    pool = pools[0]
+    assert isinstance(pool, SharedReceivePool)
+    return pool
+
+
+def pending_receives(server: rdmaio.StreamServer) -> list[int]:
+    """Receives each pending connection of ``server`` holds: slots registered for it, or its lease."""
+    held = []
+    for pending in server._pending.values():
+        transport = pending.transport
+        if transport.shared is not None:
+            held.append(transport.shared.pool.ledger.window(transport.shared.key))
+        else:
+            held.append(transport.recv_ring.registered_bytes // transport.slot_size)
+    return held
+
+
+async def echo(ep: rdmaio.Endpoint) -> None:
+    async with ep:
+        while (message := await ep.recv()) is not None:
+            await ep.send(message)
+
+
+async def echo_once(host: str, port: int, options: rdmaio.Options | None = None) -> None:
+    async with await rdmaio.connect(host, port, options=options, timeout=60) as ep:
+        await ep.send(b"legitimate")
+        assert await asyncio.wait_for(ep.recv(), 60) == b"legitimate"
+
+
+@pytest.mark.parametrize("srq", [False, True], ids=["own-receives", "srq"])
+def test_half_open_requests_time_out_and_free_the_backlog(
+    arun: Runner[Any], rdma_addr: str, srq: bool
+) -> None:
+    """Four connection requests without FEATURE_GROW that never complete fill a backlog=4 server: each
+    holds only ``initial_depth`` receives (registered slots, or SRQ receives lent), not ``recv_depth``; a
+    legitimate client is refused while they wait; after ``establish_timeout`` they are dropped (resources
+    released, ids destroyed: the hostile side sees REJECTED) and the legitimate client is served.
+
+    Before the fix: each pending request held 32 receives (8 MiB for the four), and they were never
+    dropped (the wait for the backlog to free timed out)."""
+    options = rdmaio.Options(
+        establish_timeout=3.0, shared_receive_queue=srq, srq_max_buffers=64, max_pending_per_source=8
+    )
+
+    async def main() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0, backlog=4, options=options)
+        hostile = HalfOpenClient(src=other_address(rdma_addr))
+        try:
+            port = server.addresses[0][1]
+            ids = [await hostile.request(rdma_addr, port, NO_GROW) for _ in range(4)]
+            for cm_id in ids:  # the server accepted: its REP arrived, no RTU goes back
+                await hostile.wait(cm_id, CMEventType.CONNECT_RESPONSE)
+            stats = server.statistics()
+            assert stats["pending"] == 4, stats
+            assert pending_receives(server) == [options.initial_depth] * 4
+            if srq:
+                assert stats["pending_shared_receives"] == 4 * options.initial_depth
+                assert shared_pool().ledger.connections == 4
+            else:
+                assert stats["pending_registered_bytes"] == 4 * options.initial_depth * SLOT
+            with pytest.raises(rdmaio.ConnectionRefusedError):  # the backlog is full of them
+                await rdmaio.connect(rdma_addr, port, timeout=60)
+            await until(lambda: server.statistics()["pending"] == 0, "the half-open requests dropped")
+            stats = server.statistics()
+            assert stats["pending_timed_out"] == 4 and stats["pending_registered_bytes"] == 0, stats
+            assert stats["pending_shared_receives"] == 0
+            for cm_id in ids:  # destroying the server's id rejected the request
+                await until(lambda c=cm_id: hostile.seen(c, CMEventType.REJECTED), "REJECTED at the client")
+            if srq:
+                pool = shared_pool()
+                assert pool.ledger.connections == 0 and pool.ledger.free == pool.ledger.buffers
+                pool.ledger.check()
+            await echo_once(rdma_addr, port, options)
+            assert server.statistics()["accepted"] == 1
+        finally:
+            server.close()
+            hostile.close()
+            await server.wait_closed()
+
+    arun(main())
+
+
+def test_half_open_requests_time_out_on_trio(rdma_addr: str) -> None:
+    """The establishment deadline on trio (its timers are system tasks, not loop callbacks): two half-open
+    requests fill a backlog=2 server, are dropped after ``establish_timeout``, and a client is served."""
+    options = rdmaio.Options(establish_timeout=2.0)
+
+    async def main() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0, backlog=2, options=options)
+        hostile = HalfOpenClient(src=other_address(rdma_addr))
+        try:
+            port = server.addresses[0][1]
+            ids = [await hostile.request(rdma_addr, port, NO_GROW) for _ in range(2)]
+            for cm_id in ids:
+                await hostile.wait(cm_id, CMEventType.CONNECT_RESPONSE)
+            assert server.statistics()["pending"] == 2
+            assert pending_receives(server) == [options.initial_depth] * 2
+            await until(lambda: server.statistics()["pending"] == 0, "the half-open requests dropped")
+            assert server.statistics()["pending_timed_out"] == 2
+            with trio.fail_after(60):
+                async with await rdmaio.connect(rdma_addr, port, timeout=60) as ep:
+                    await ep.send(b"legitimate")
+                    assert await ep.recv() == b"legitimate"
+        finally:
+            server.close()
+            hostile.close()
+            await server.wait_closed()
+
+    trio.run(main)
+
+
+def test_one_source_address_cannot_hold_the_whole_backlog(arun: Runner[Any], rdma_addr: str) -> None:
+    """With ``max_pending_per_source=2``, six half-open requests from one address: two are pending, the
+    other four are rejected at once (the hostile client sees REJECTED); a client from another address is
+    served at once, long before the two time out.
+
+    Before the fix: all six were pending (the backlog of 8 allowed it) and nothing was refused."""
+    options = rdmaio.Options(establish_timeout=600.0, max_pending_per_source=2)
+
+    async def main() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0, backlog=8, options=options)
+        hostile = HalfOpenClient(src=other_address(rdma_addr))
+        try:
+            port = server.addresses[0][1]
+            ids = [await hostile.request(rdma_addr, port, NO_GROW) for _ in range(6)]
+            outcomes = [
+                (await hostile.wait(c, CMEventType.CONNECT_RESPONSE, CMEventType.REJECTED)).event for c in ids
+            ]
+            assert outcomes.count(CMEventType.CONNECT_RESPONSE) == 2, outcomes
+            assert outcomes.count(CMEventType.REJECTED) == 4, outcomes
+            stats = server.statistics()
+            assert stats["pending"] == 2 and stats["rejected_source_limit"] == 4, stats
+            assert stats["pending_registered_bytes"] == 2 * options.initial_depth * SLOT
+            await echo_once(rdma_addr, port, options)  # another source: its own allowance
+            assert server.statistics()["pending"] == 2
+        finally:
+            server.close()
+            hostile.close()
+            await server.wait_closed()
+
+    arun(main())
+
+
+def test_peers_that_cannot_be_reclaimed_get_the_reserve_of_the_srq(
+    arun: Runner[Any], rdma_addr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a server with a shared receive queue of 64 buffers (documented capacity 64 / 4 = 16 connections):
+    8 clients without FEATURE_GROW asking for 32 receives and 8 default clients (neither answers RECLAIM)
+    are lent the reserve, 4 receives each, so all 16 connect; the 17th is refused (the pool is at its
+    bound), and its refusal leaves every lease as it was.
+
+    Before the fix: a peer without FEATURE_GROW was lent its whole 32 receives for life, so two of them
+    took the whole pool and the third connection was refused."""
+    server_options = rdmaio.Options(shared_receive_queue=True, srq_max_buffers=64)
+    original = rdmaio.client.local_handshake
+
+    def handshake_for(options: rdmaio.Options, *, grow: bool = True) -> Handshake:
+        if options.initial_depth == options.recv_depth:  # the "fixed ring" clients: no FEATURE_GROW
+            handshake = original(options, grow=False)
+            assert not handshake.features & FEATURE_GROW
+            return handshake
+        return original(options, grow=grow)
+
+    monkeypatch.setattr(rdmaio.client, "local_handshake", handshake_for)
+    fixed = rdmaio.Options(initial_depth=32, recv_depth=32)
+
+    async def main() -> None:
+        server = await rdmaio.listen(rdma_addr, 0, options=server_options, backlog=32)
+        clients: list[rdmaio.Endpoint] = []
+        try:
+            port = server.addresses[0][1]
+            for i in range(16):
+                ep = await rdmaio.connect(rdma_addr, port, options=fixed if i < 8 else None, timeout=60)
+                clients.append(ep)
+            peers = [await asyncio.wait_for(server.accept(), 60) for _ in clients]
+            pool = shared_pool()
+            leases = [pool.ledger.window(p._conn.transport.shared.key) for p in peers]  # type: ignore[union-attr]
+            assert leases == [MIN_WINDOW] * 16, leases
+            assert [p._conn.session.local.recv_depth for p in peers] == [MIN_WINDOW] * 16
+            assert pool.ledger.buffers == 64 and pool.ledger.free == 0
+            with pytest.raises(rdmaio.ConnectionRefusedError):
+                await rdmaio.connect(rdma_addr, port, timeout=60)
+            assert pool.statistics()["refused"] >= 1
+            # Every connection works on its reserve, both ways.
+            for i, (ep, peer) in enumerate(zip(clients, peers, strict=True)):
+                await ep.send(b"%d" % i)
+                assert await asyncio.wait_for(peer.recv(), 60) == b"%d" % i
+                await peer.send(b"back %d" % i)
+                assert await asyncio.wait_for(ep.recv(), 60) == b"back %d" % i
+            pool.ledger.check()
+        finally:
+            for ep in clients:
+                ep.abort()
+            server.close()
+            server.abort_clients()
+            await server.wait_closed()
+
+    arun(main())
+
+
+class SilentReclaimSession(ReclaimSession):
+    """A peer that announces FEATURE_RECLAIM (and accepts RECLAIM frames) but never answers with RETURN."""
+
+    __slots__ = ()
+
+    def return_frame_due(self) -> bool:
+        return False
+
+
+def test_a_peer_that_never_answers_reclaim_is_failed_and_its_lease_reclaimed(
+    arun: Runner[Any], rdma_addr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client announcing FEATURE_RECLAIM whose window on the server's shared receive queue grew under a
+    burst, then idles: the server sends RECLAIM, the client (while holding credits to answer) never
+    returns any; after ``reclaim_timeout`` the server fails that connection (a ProtocolError: its reads
+    raise ConnectionAbortedError from it) and its lease goes back to the pool. Another connection on the
+    pool is unaffected.
+
+    Before the fix: RECLAIM had no deadline; the lease stayed lent (the wait for the failure timed out)."""
+    server_options = rdmaio.Options(
+        shared_receive_queue=True, srq_max_buffers=256, reclaim_timeout=2.0, slot_size=8192, recv_depth=32
+    )
+    original = rdmaio.client.local_handshake
+
+    def reclaiming(options: rdmaio.Options, *, grow: bool = True) -> Handshake:
+        handshake = original(options, grow=grow)
+        return dataclasses.replace(handshake, features=handshake.features | FEATURE_RECLAIM)
+
+    silent = rdmaio.Options(slot_size=8192, recv_depth=32, send_depth=32, batch_limit=0)
+
+    async def main() -> None:
+        server = await rdmaio.listen(rdma_addr, 0, options=server_options)
+        try:
+            port = server.addresses[0][1]
+            monkeypatch.setattr(rdmaio.client, "local_handshake", reclaiming)
+            monkeypatch.setattr(
+                rdmaio.client, "new_session", lambda local, peer, transport: SilentReclaimSession(local, peer)
+            )
+            bad = await rdmaio.connect(rdma_addr, port, options=silent, timeout=60)
+            monkeypatch.undo()
+            good = await rdmaio.connect(rdma_addr, port, timeout=60)
+            bad_peer = await asyncio.wait_for(server.accept(), 60)
+            good_peer = await asyncio.wait_for(server.accept(), 60)
+            assert bad_peer._conn.session.reclaim  # both sides announced FEATURE_RECLAIM
+            member = bad_peer._conn.transport.shared
+            assert member is not None
+            pool = member.pool
+            # A burst the server does not read at once: its window grows beyond the reserve.
+            # (Frames of at least half a slot count towards growth.)
+            message = b"x" * 6000
+            for _round in range(20):
+                for _ in range(64):
+                    await bad.send(message)
+                for _ in range(64):
+                    assert await asyncio.wait_for(bad_peer.recv(), 60) == message
+                if pool.ledger.window(member.key) >= 2 * MIN_WINDOW:
+                    break
+            grown = pool.ledger.window(member.key)
+            # RECLAIM is sent only if the peer would give back something (it keeps RETURN_KEEP).
+            assert grown >= 2 * MIN_WINDOW, grown
+            # Idle now: the server asks for the credits back and the client never answers.
+            await until(lambda: bad_peer._conn.torn_down, "the silent peer failed", limit=120)
+            with pytest.raises(rdmaio.ConnectionAbortedError, match="RECLAIM") as failure:
+                await bad_peer.recv()
+            assert isinstance(failure.value.__cause__, rdmaio.ProtocolError)
+            assert member.key not in pool.members
+            assert pool.ledger.connections == 1  # only the good connection's lease is left
+            pool.ledger.check()
+            await good.send(b"still served")
+            assert await asyncio.wait_for(good_peer.recv(), 60) == b"still served"
+            bad.abort()
+            await good.aclose()
+            await good_peer.aclose()
+        finally:
+            server.close()
+            server.abort_clients()
+            await server.wait_closed()
+
+    arun(main())
+
+
+class RawPeer:
+    """An established connection of raw verbs objects (a QP of its own, four receives posted for the
+    server's CREDIT frames): it puts on the wire whatever SENDs it is told to, credits or not."""
+
+    SLOT = 4096
+
+    def __init__(self, cm_id: CMId) -> None:
+        ctx = cm_id.device()
+        assert ctx is not None
+        self.cm_id = cm_id
+        self.pd = verbs.ProtectionDomain(ctx)
+        self.buf = bytearray(self.SLOT * 8)
+        self.mr = verbs.MemoryRegion(self.pd, self.buf)
+        self.comp = verbs.CompletionChannel(ctx)
+        self.cq = verbs.CompletionQueue(ctx, self.comp, 64)
+        self.qp = cm_id.create_qp(self.pd, self.cq, self.cq, max_send_wr=32, max_recv_wr=8)
+        lkeys = verbs.ffi.new("uint32_t[]", [self.mr.lkey] * 8)
+        self._lkeys = lkeys
+        self.qp.post_ring_slots(lkeys, self.mr.addr, self.SLOT, [4, 5, 6, 7], 0)
+
+    def send_frames(self, count: int, payload: bytes) -> None:
+        """Post ``count`` complete one-fragment messages (DATA_END frames granting nothing)."""
+        self.buf[: len(payload)] = payload
+        imm = encode_imm(FrameKind.DATA_END, 0)
+        for i in range(count):
+            s = self.qp.send_array[0]
+            s.wr_id = i
+            s.addr = self.mr.addr
+            s.length = len(payload)
+            s.lkey = self.mr.lkey
+            s.imm_data = imm
+            s.opcode = verbs.lib.IBV_WR_SEND_WITH_IMM
+            s.send_flags = verbs.lib.IBV_SEND_SIGNALED
+            self.qp.post_sends(1)
+
+    def close(self) -> None:
+        self.cm_id.close()
+        for obj in (self.mr, self.cq, self.comp, self.pd):
+            obj.close()
+
+
+def test_a_peer_sending_beyond_its_credits_on_an_srq_fails_at_once(arun: Runner[Any], rdma_addr: str) -> None:
+    """A raw peer on a shared receive queue sends 12 frames against the 4 credits its lease gave it: the
+    receives it took beyond the lease are counted (``overruns``), the connection fails at once (a
+    ProtocolError, before the frames of that completion batch are processed) and its teardown puts every
+    buffer back, so the ledger agrees with the SRQ again and the other connection keeps working.
+
+    Before the fix the overrun was only logged (the frame was then rejected by the session), and the
+    ledger counted the receives taken beyond the lease as still posted."""
+    options = rdmaio.Options(shared_receive_queue=True, srq_max_buffers=64)
+    handshake = Handshake(recv_depth=4, slot_size=RawPeer.SLOT, max_message_size=1 << 20)
+
+    async def main() -> None:
+        server = await rdmaio.listen(rdma_addr, 0, options=options)
+        hostile = HalfOpenClient()
+        raw: RawPeer | None = None
+        try:
+            port = server.addresses[0][1]
+            cm_id = CMId(hostile.channel)
+            hostile.ids.append(cm_id)
+            cm_id.resolve_addr(rdma_addr, port)
+            await hostile.wait(cm_id, CMEventType.ADDR_RESOLVED)
+            cm_id.resolve_route()
+            await hostile.wait(cm_id, CMEventType.ROUTE_RESOLVED)
+            raw = RawPeer(cm_id)
+            hostile.ids.remove(cm_id)  # closed by raw.close()
+            cm_id.connect(handshake.encode(), rnr_retry_count=1)
+            await hostile.wait(cm_id, CMEventType.ESTABLISHED)
+            bad_peer = await asyncio.wait_for(server.accept(), 60)
+            good = await rdmaio.connect(rdma_addr, port, timeout=60)
+            good_peer = await asyncio.wait_for(server.accept(), 60)
+            member = bad_peer._conn.transport.shared
+            assert member is not None
+            pool = member.pool
+            assert pool.ledger.window(member.key) == MIN_WINDOW  # it cannot answer RECLAIM: the reserve
+            # The pool holds the two leases (8 receives): the frames beyond the bad lease take the good
+            # connection's receives (it sends nothing meanwhile), then meet an empty SRQ (RNR: the raw QP
+            # retries once, then fails). That window is what an overrun can cost the others.
+            assert pool.ledger.buffers - pool.ledger.free == 2 * MIN_WINDOW
+            raw.send_frames(12, b"flood")
+            await until(lambda: bad_peer._conn.torn_down, "the flooding peer failed")
+            # Frames within the lease that came in an earlier completion batch may have been delivered;
+            # none of the batch that overran is, and the reads then fail.
+            delivered = 0
+            with pytest.raises(rdmaio.ConnectionAbortedError, match="beyond its credits") as failure:
+                while True:
+                    assert await bad_peer.recv() == b"flood"
+                    delivered += 1
+            assert delivered <= MIN_WINDOW
+            assert isinstance(failure.value.__cause__, rdmaio.ProtocolError)
+            assert pool.statistics()["overruns"] >= 1
+            assert member.key not in pool.members and pool.ledger.connections == 1
+            pool.ledger.check()
+            await until(lambda: pool.ledger.posted == pool.ledger.buffers, "every buffer posted again")
+            for i in range(20):  # the other connection on the pool is unaffected
+                await good.send(b"good %d" % i)
+                assert await asyncio.wait_for(good_peer.recv(), 60) == b"good %d" % i
+            await good.aclose()
+            await good_peer.aclose()
+        finally:
+            server.close()
+            server.abort_clients()
+            await server.wait_closed()
+            if raw is not None:
+                raw.close()
+            hostile.close()
+
+    arun(main())
