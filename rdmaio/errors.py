@@ -16,6 +16,7 @@ import os
 
 __all__ = [
     "AddressError",
+    "BindQueueFullError",
     "ConnectionAbortedError",
     "ConnectionRefusedError",
     "ConnectionResetError",
@@ -182,3 +183,9 @@ class FeatureNotSupportedError(RdmaError, NotImplementedError):
 
 class InvalidRemoteKeyError(RdmaError, ValueError):
     """Bytes given to :meth:`rdmaio.RemoteKey.from_bytes` are not a valid key (size, version, fields)."""
+
+
+class BindQueueFullError(RdmaError, BlockingIOError):
+    """``export()`` found the connection's memory-window binds in flight at their bound
+    (``rdmaio.core.onesided_base.MAX_BINDS_IN_FLIGHT``) even after polling for their completions: let the
+    event loop run (any await) and export again. Nothing was registered or posted."""

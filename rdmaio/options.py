@@ -99,6 +99,11 @@ class Options:
     srq_max_buffers: int = 4096
     """Receive buffers the shared receive queue may grow to (capped by the device's ``max_srq_wr``); with
     four receives reserved per connection, a quarter of it is the number of connections it admits."""
+    max_revoked_key_ranges: int = 4096
+    """Revoked key ids of the peer an importer remembers, as disjoint ranges (one-sided; see
+    docs/one-sided.md, "Revocation"): keys revoked in the order they were exported cost nothing, each id
+    left between keys still alive costs one range. A peer that needs more (or revokes ids it never issued)
+    fails the connection with a ``ProtocolError``."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -134,6 +139,8 @@ class Options:
             raise ValueError("ack_timeout must be between 1 and 31 (or None for rdma_cm's default)")
         if not 4 <= self.srq_max_buffers <= 1 << 24:
             raise ValueError("srq_max_buffers must be between 4 and 16777216")
+        if self.max_revoked_key_ranges < 1:
+            raise ValueError("max_revoked_key_ranges must be >= 1")
         if self.keepalive_interval is not None and not self.keepalive_interval > 0:
             raise ValueError("keepalive_interval must be positive (or None to turn keepalive off)")
 
