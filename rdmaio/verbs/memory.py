@@ -115,6 +115,7 @@ class MemoryWindow(_Resource):
         out = ffi.new("struct ibv_mw **")
         rc = lib.rdmaio_alloc_mw(pd._ptr, out)
         if rc < 0:
+            self._forget()  # nothing to destroy: the parents must not close it later
             if -rc in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EPROTONOSUPPORT):
                 raise FeatureNotSupportedError(
                     "this device has no memory windows (ibv_alloc_mw: "
@@ -126,6 +127,12 @@ class MemoryWindow(_Resource):
         self._ptr = out[0]
         self.rkey: int = 0  # set by bind()
         self._rkey_out = ffi.new("uint32_t *")
+
+    def _forget(self) -> None:
+        self._closed = True
+        for parent in self._parents:
+            parent._dependents.pop(id(self), None)
+        self._parents = []
 
     def bind(self, qp: Any, wr_id: int, access: int) -> int:
         """Post the signalled bind work request (``wr_id``) on ``qp`` (a :class:`~rdmaio.verbs.QueuePair`)

@@ -37,8 +37,8 @@ RECV = int(rdmaio.verbs.WcOpcode.RECV)
 class FakeRegion:
     next_key = 0x100
 
-    def __init__(self, buffer: Any, access: int = 0) -> None:
-        self.cbuf = ffi.from_buffer(buffer, require_writable=True)
+    def __init__(self, buffer: Any, access: int = 0, readonly: bool = False) -> None:
+        self.cbuf = ffi.from_buffer(buffer, require_writable=not readonly)
         self.addr = int(ffi.cast("uintptr_t", self.cbuf))
         self.length = len(self.cbuf)
         FakeRegion.next_key += 1
@@ -190,7 +190,7 @@ class Rig:
         )
 
     def _bindable(self, view: memoryview, readonly: bool) -> FakeRegion:
-        region = FakeRegion(view, access=-1)  # -1: MW_BIND only, no remote flags
+        region = FakeRegion(view, access=-1, readonly=readonly)  # -1: MW_BIND only, no remote flags
         self.grants.append(region)
         return region
 
