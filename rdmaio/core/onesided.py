@@ -310,7 +310,8 @@ class OneSidedEngine(Exports, Batches):
                     grant.mr.close()
             except Exception as exc:
                 failures.append(exc)
-        for scoped in binds:  # rendezvous buffers whose bind had not completed
+        for scoped in binds:  # rendezvous buffers whose bind had not completed: it never will now
+            scoped.error = self._error
             if scoped.close_pending:
                 try:
                     scoped.close_now()
