@@ -384,9 +384,9 @@ def _binder(pd: Any, qp: Any) -> BindWindow:
     """Bind a type 2 window over a whole region on ``qp`` (see :class:`rdmaio.verbs.MemoryWindow`)."""
 
     def bind_window(region: Region, wr_id: int, access: int) -> verbs.MemoryWindow:
-        window = verbs.MemoryWindow(pd, cast(verbs.MemoryRegion, region))
+        window = verbs.MemoryWindow(pd, cast(verbs.MemoryRegion, region), qp)
         try:
-            window.bind(qp, wr_id, access)
+            window.bind(wr_id, access)
         except BaseException:
             window.close()
             raise

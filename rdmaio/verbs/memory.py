@@ -97,9 +97,9 @@ class MemoryRegion(_Resource):
 
 
 class MemoryWindow(_Resource):
-    """A type 2 memory window over all of ``region`` (registered with ``mw_bind=True``).
+    """A type 2 memory window over all of ``region`` (registered with ``mw_bind=True``), for ``qp``.
 
-    :meth:`bind` posts the bind on one queue pair: from the moment the NIC executes it (in that send
+    :meth:`bind` posts the bind on that queue pair: from the moment the NIC executes it (in that send
     queue's order) the window's rkey gives ``access`` to the region through that queue pair only; every
     other queue pair of the protection domain is refused. ``close()`` deallocates the window: the NIC
     refuses its rkey from then on. A device without windows (``max_mw`` 0, e.g. siw) raises
@@ -107,11 +107,15 @@ class MemoryWindow(_Resource):
     """
 
     _call_destroy = "ibv_dealloc_mw"
-    _close_rank = 1  # after the QPs, before the regions they lie on
+    _close_rank = 1  # before the regions they lie on
 
-    def __init__(self, pd: ProtectionDomain, region: MemoryRegion) -> None:
-        super().__init__(pd, region)  # the region closes its windows before it deregisters
+    def __init__(self, pd: ProtectionDomain, region: MemoryRegion, qp: Any = None) -> None:
+        # The region closes its windows before it deregisters (it cannot while a window is bound to it),
+        # and so does the queue pair ``qp`` the window is bound on before it is destroyed: a bound type 2
+        # window holds its QP, and rxe's QP destroy then waits for that hold (seconds per window).
+        super().__init__(pd, region, qp)
         self.region = region
+        self.qp = qp
         out = ffi.new("struct ibv_mw **")
         rc = lib.rdmaio_alloc_mw(pd._ptr, out)
         if rc < 0:
@@ -134,11 +138,15 @@ class MemoryWindow(_Resource):
             parent._dependents.pop(id(self), None)
         self._parents = []
 
-    def bind(self, qp: Any, wr_id: int, access: int) -> int:
-        """Post the signalled bind work request (``wr_id``) on ``qp`` (a :class:`~rdmaio.verbs.QueuePair`)
-        over the whole region with ``access`` (``IBV_ACCESS_REMOTE_*``); return the rkey to give the peer.
-        Raises :class:`~rdmaio.errors.VerbsError` with the provider's errno when the post fails."""
+    def bind(self, wr_id: int, access: int) -> int:
+        """Post the signalled bind work request (``wr_id``) on the window's queue pair (a
+        :class:`~rdmaio.verbs.QueuePair`) over the whole region with ``access`` (``IBV_ACCESS_REMOTE_*``);
+        return the rkey to give the peer. Raises :class:`~rdmaio.errors.VerbsError` with the provider's
+        errno when the post fails."""
         self._check_usable()
+        qp = self.qp
+        if qp is None:
+            raise ValueError("a window is bound on the queue pair given when it was made")
         qp._check_usable()
         region = self.region
         rc = lib.rdmaio_post_bind_mw(
