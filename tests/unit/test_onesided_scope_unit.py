@@ -304,3 +304,25 @@ def test_memory_windows_report_a_device_without_them_and_a_failed_release(
         region.close()  # closes its window first: the failure is reported, not swallowed
     assert busy.value.call == "ibv_dealloc_mw" and busy.value.errno == errno.EBUSY
     assert window.closed and fake.calls == ["ibv_dealloc_mw"]
+
+
+def test_closing_a_queue_pair_deallocates_its_windows_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bound type 2 window holds its QP: rxe's QP destroy waits (seconds) for every such hold, so the
+    windows bound on a QP go before it (a dead peer was detected 50 s late otherwise)."""
+    fake = _FakeLib()
+    monkeypatch.setattr(memory, "lib", fake)
+
+    class FakeQueuePair(memory._Resource):
+        _close_rank = 0
+
+        def _destroy(self) -> None:
+            fake.calls.append("rdma_destroy_qp")
+
+    pd = SimpleNamespace(_ptr=ffi.NULL, _check_usable=lambda: None, _dependents={})
+    region = _fake_region(bytearray(64))
+    qp = FakeQueuePair()
+    window = memory.MemoryWindow(pd, region, qp)  # type: ignore[arg-type]
+    qp.close()
+    assert fake.calls == ["ibv_dealloc_mw", "rdma_destroy_qp"] and window.closed
+    region.close()  # the region's own close does not free the window twice
+    assert fake.calls == ["ibv_dealloc_mw", "rdma_destroy_qp", "ibv_dereg_mr"]
