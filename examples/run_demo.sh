@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's demo, run inside the test host: `rdmaio doctor`, echo server + client on asyncio and uvloop,
-# the asyncio-streams and anyio (trio) examples, the one-sided KV store, zero-copy large messages,
+# the asyncio-streams and anyio (trio) examples, the one-sided KV store, key scope per connection, zero-copy large messages,
 # many connections on one shared receive queue,
 # `rdmaio ping` against `ping --server`, then a short
 # benchmark table. Exits non-zero if any step fails.
@@ -39,6 +39,8 @@ echo "== anyio echo over RDMA on trio =="
 "$PY" examples/anyio_echo.py --transport rdma --host "$ADDR" --backend trio
 echo "== one-sided key-value store: compare_swap / fetch_add / rdma_write puts, rdma_read gets, batched gets (rdma_read_many + fetch_add_many) =="
 "$PY" examples/onesided_kv.py "$ADDR" --clients 4
+echo "== key scope: a key exported to client A is refused by the NIC on client B's connection (type 2 memory windows) =="
+"$PY" examples/key_scope.py "$ADDR"
 echo "== zero-copy: large messages by rendezvous (RDMA READ into the receiver's buffer), SHA-256 checked =="
 "$PY" examples/zerocopy_transfer.py "$ADDR" --sizes 64K,1M,16M
 echo "== shared receive queue: 20 connections' echoes on one SRQ, credits lent from what it holds =="

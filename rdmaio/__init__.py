@@ -10,6 +10,7 @@ from rdmaio.core.onesided import RemoteKey, WriteNotice
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import (
     AddressError,
+    BindQueueFullError,
     ConnectionAbortedError,
     ConnectionRefusedError,
     ConnectionResetError,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AddressError",
+    "BindQueueFullError",
     "ConnectionAbortedError",
     "ConnectionRefusedError",
     "ConnectionResetError",

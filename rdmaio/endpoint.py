@@ -250,19 +250,32 @@ class Endpoint:
     # --- one-sided RDMA (issue 11; the work is rdmaio.core.onesided.OneSidedEngine's) -----------------
 
     def export(
-        self, buffer: Any, offset: int = 0, length: int | None = None, access: str = "rw"
+        self,
+        buffer: Any,
+        offset: int = 0,
+        length: int | None = None,
+        access: str = "rw",
+        *,
+        scope: str = "connection",
     ) -> RemoteKey:
         """Let the peer access ``buffer[offset:offset+length]`` with one-sided operations; return the key.
 
         ``buffer`` is any writable buffer (bytearray, memoryview, mmap, numpy array); ``length=None`` means
         to its end. ``access`` is a string of ``"r"`` (RDMA READ), ``"w"`` (RDMA WRITE) and ``"a"``
-        (atomics). Exactly that range is registered (its own memory region, with only those remote access
-        flags) and stays registered, with ``buffer`` kept alive, until :meth:`revoke` or the end of the
-        connection. Send ``bytes(key)`` (at most 64 bytes) to the peer, which rebuilds the key with
-        :meth:`RemoteKey.from_bytes`.
+        (atomics). Exactly that range is registered (its own memory region) and stays registered, with
+        ``buffer`` kept alive, until :meth:`revoke` or the end of the connection. Send ``bytes(key)`` (at
+        most 64 bytes) to the peer, which rebuilds the key with :meth:`RemoteKey.from_bytes`.
+
+        ``scope="connection"`` (the default): the key works through this connection only (a type 2 memory
+        window bound on its queue pair; every other connection of the process, on any loop, is refused by
+        the NIC). The bind is posted now, so whatever this endpoint sends afterwards, ``bytes(key)``
+        included, reaches the peer after the key became valid; a key sent by another path may arrive
+        first. A device without memory windows (siw) raises :class:`~rdmaio.FeatureNotSupportedError`.
+        ``scope="domain"`` grants the range to every connection of this loop's device (the region's own
+        rkey), as one must ask for by name. See docs/one-sided.md, "Key scope".
         """
         self._conn.check_fork()
-        return self._conn.onesided.export(buffer, offset, length, access)
+        return self._conn.onesided.export(buffer, offset, length, access, scope)
 
     async def revoke(self, key: RemoteKey) -> None:
         """Revoke a key this side exported: when this returns, the peer can no longer touch that memory.

@@ -16,6 +16,7 @@ import os
 
 __all__ = [
     "AddressError",
+    "BindQueueFullError",
     "ConnectionAbortedError",
     "ConnectionRefusedError",
     "ConnectionResetError",
@@ -192,3 +193,9 @@ class RendezvousTimeoutError(TimeoutError):
     ``close_timeout``, the connection was failed (its queue pair destroyed) before the buffer was given
     back: the peer cannot read it any more either way.
     """
+
+
+class BindQueueFullError(RdmaError, BlockingIOError):
+    """``export()`` found the connection's memory-window binds in flight at their bound
+    (``rdmaio.core.onesided_base.MAX_BINDS_IN_FLIGHT``) even after polling for their completions: let the
+    event loop run (any await) and export again. Nothing was registered or posted."""

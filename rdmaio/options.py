@@ -129,6 +129,11 @@ class Options:
     reclaim_timeout: float = 10.0
     """On a shared receive queue: seconds a peer may leave a RECLAIM unanswered while it holds the credits
     to answer; past it the connection fails (``ProtocolError``) and its lease goes back to the pool."""
+    max_revoked_key_ranges: int = 4096
+    """Revoked key ids of the peer an importer remembers, as disjoint ranges (one-sided; see
+    docs/one-sided.md, "Revocation"): keys revoked in the order they were exported cost nothing, each id
+    left between keys still alive costs one range. A peer that needs more (or revokes ids it never issued)
+    fails the connection with a ``ProtocolError``."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -164,6 +169,8 @@ class Options:
             raise ValueError("ack_timeout must be between 1 and 31 (or None for rdma_cm's default)")
         if not 4 <= self.srq_max_buffers <= 1 << 24:
             raise ValueError("srq_max_buffers must be between 4 and 16777216")
+        if self.max_revoked_key_ranges < 1:
+            raise ValueError("max_revoked_key_ranges must be >= 1")
         if self.keepalive_interval is not None and not self.keepalive_interval > 0:
             raise ValueError("keepalive_interval must be positive (or None to turn keepalive off)")
         if self.rndv_timeout is not None and not self.rndv_timeout > 0:

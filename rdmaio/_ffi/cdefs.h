@@ -227,7 +227,15 @@ int rdmaio_post_rdma_poll(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, i
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);
-struct ibv_mw;  /* memory-window probe (tools/probe_onesided.py) */
+struct ibv_mw { struct ibv_context *context; struct ibv_pd *pd; uint32_t rkey; uint32_t handle; ...; };
+/* memory windows: grants scoped to one connection (rdmaio.verbs.MemoryWindow) */
+int rdmaio_alloc_mw(struct ibv_pd *pd, struct ibv_mw **out);
+int rdmaio_post_bind_mw(struct ibv_qp *qp, struct ibv_mw *mw, struct ibv_mr *mr, uint64_t addr,
+                        uint64_t length, unsigned int access, uint64_t wr_id, uint32_t *rkey);
+int rdmaio_dealloc_mw(struct ibv_mw *mw);
+static const int IBV_WR_BIND_MW;
+static const int IBV_WC_BIND_MW;
+/* memory-window probe (tools/probe_onesided.py) */
 int rdmaio_probe_bind_mw(struct ibv_qp *qp, struct ibv_pd *pd, struct ibv_mr *mr, uint64_t addr,
                          uint64_t length, int access, uint64_t wr_id, struct ibv_mw **out, uint32_t *rkey);
 int rdmaio_probe_local_inv(struct ibv_qp *qp, uint32_t rkey, uint64_t wr_id);

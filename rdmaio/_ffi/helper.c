@@ -82,7 +82,7 @@ int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
     if (events) {
         int rc = ibv_req_notify_cq(cq, 0);
         if (rc)
-            return -(rc > 0 ? rc : EIO);
+            return rdmaio_neg_errno(rc);
     }
     if (events_out)
         *events_out = events;
@@ -136,7 +136,7 @@ int rdmaio_drain_channel(struct ibv_comp_channel *channel, struct ibv_cq **fired
         ibv_ack_cq_events(ev_cq, 1);
         int rc = ibv_req_notify_cq(ev_cq, 0);
         if (rc && !err)
-            err = rc > 0 ? rc : EIO;
+            err = -rdmaio_neg_errno(rc);
         if (distinct == max_fired)
             distinct++; /* report "more than max_fired" once */
     }
@@ -148,7 +148,7 @@ int rdmaio_drain_channel(struct ibv_comp_channel *channel, struct ibv_cq **fired
     for (int i = 0; i < listed; i++) {
         int rc = ibv_req_notify_cq(fired[i], 0);
         if (rc && !err)
-            err = rc > 0 ? rc : EIO;
+            err = -rdmaio_neg_errno(rc);
     }
     if (events_out)
         *events_out = events;
@@ -222,7 +222,7 @@ int rdmaio_poll_grouped(struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdm
 int rdmaio_req_notify(struct ibv_cq *cq)
 {
     int rc = ibv_req_notify_cq(cq, 0);
-    return rc ? -(rc > 0 ? rc : EIO) : 0;
+    return rc ? rdmaio_neg_errno(rc) : 0;
 }
 
 /* Post `count` receives in one chained ibv_post_recv: slot i covers base + slots[i] * slot_size, and
@@ -255,7 +255,7 @@ static int post_recvs_to(struct ibv_qp *qp, struct ibv_srq *srq, const uint32_t 
         }
         int rc = qp ? ibv_post_recv(qp, wr, &bad) : ibv_post_srq_recv(srq, wr, &bad);
         if (rc)
-            return -(rc > 0 ? rc : EIO);
+            return rdmaio_neg_errno(rc);
         done += n;
     }
     return done;
@@ -315,7 +315,7 @@ static int post_chains(struct ibv_qp *qp, const void *requests, int count, int *
         int rc = ibv_post_send(qp, wr, &bad);
         if (rc) {
             *bad_index = done + (bad ? (int)(bad - wr) : 0);
-            return -(rc > 0 ? rc : EIO);
+            return rdmaio_neg_errno(rc);
         }
         done += n;
     }
@@ -538,4 +538,52 @@ int rdmaio_post_batch(struct ibv_qp *qp, const struct rdmaio_batch *b, int *bad_
     if (b->count < 1 || !b->remote_addr)
         return -EINVAL;
     return post_chains(qp, b, b->count, bad_index, fill_batch);
+}
+
+/* ---- memory windows: grants scoped to one connection ------------------------------------------------
+ * A type 2 window is bound by a work request on one QP and its rkey then works through that QP only
+ * (rdmaio.verbs.MemoryWindow). ibv_alloc_mw, ibv_dealloc_mw and ibv_post_send are static inline in
+ * verbs.h, hence these wrappers (they also let tests/unit/test_helper_c.py drive them with fake ops). */
+
+/* Allocate a type 2 window in `pd`: 0 and *out, or -errno (EOPNOTSUPP when the provider has none). */
+int rdmaio_alloc_mw(struct ibv_pd *pd, struct ibv_mw **out)
+{
+    errno = 0;
+    struct ibv_mw *mw = ibv_alloc_mw(pd, IBV_MW_TYPE_2);
+    if (!mw)
+        return -(errno ? errno : EOPNOTSUPP);
+    *out = mw;
+    return 0;
+}
+
+/* Post one signalled IBV_WR_BIND_MW on `qp` binding `mw` to [addr, addr + length) of `mr` (registered
+ * with IBV_ACCESS_MW_BIND) with `access` (IBV_ACCESS_REMOTE_*), wr_id `wr_id`. The window gets a fresh
+ * key (a type 2 window's low byte is the consumer's): *rkey is the one the peer must use, valid from the
+ * moment the NIC executes the bind, in send-queue order. 0 or -errno (the provider's, never EIO). */
+int rdmaio_post_bind_mw(struct ibv_qp *qp, struct ibv_mw *mw, struct ibv_mr *mr, uint64_t addr,
+                        uint64_t length, unsigned int access, uint64_t wr_id, uint32_t *rkey)
+{
+    struct ibv_send_wr wr, *bad = NULL;
+    memset(&wr, 0, sizeof(wr));
+    wr.wr_id = wr_id;
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.bind_mw.mw = mw;
+    wr.bind_mw.rkey = ibv_inc_rkey(mw->rkey);
+    wr.bind_mw.bind_info.mr = mr;
+    wr.bind_mw.bind_info.addr = addr;
+    wr.bind_mw.bind_info.length = length;
+    wr.bind_mw.bind_info.mw_access_flags = access;
+    int rc = ibv_post_send(qp, &wr, &bad);
+    if (rc)
+        return rdmaio_neg_errno(rc);
+    *rkey = wr.bind_mw.rkey;
+    return 0;
+}
+
+/* Free a window (it is invalidated at once: the NIC refuses its rkey from then on). 0 or -errno. */
+int rdmaio_dealloc_mw(struct ibv_mw *mw)
+{
+    int rc = ibv_dealloc_mw(mw);
+    return rc ? rdmaio_neg_errno(rc) : 0;
 }

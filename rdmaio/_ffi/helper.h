@@ -66,6 +66,14 @@ struct rdmaio_cm_event {
     uint8_t private_data[RDMAIO_MAX_PRIVATE_DATA];
 };
 
+/* The -errno of a failed verbs call's non-zero return value `rc`. libibverbs documents a positive errno;
+ * providers also return a negative one (rxe and siw return -EINVAL for a work request they refuse, e.g. an
+ * opcode siw lacks): both are reported as they are, never replaced by EIO. */
+static inline int rdmaio_neg_errno(int rc)
+{
+    return rc > 0 ? -rc : rc;
+}
+
 int rdmaio_drain_cq(struct ibv_comp_channel *channel, struct ibv_cq *cq,
                     struct rdmaio_wc *out, int max_wc, unsigned int *events_out);
 int rdmaio_poll_cq(struct ibv_cq *cq, struct rdmaio_wc *out, int max_wc);
@@ -141,6 +149,10 @@ int rdmaio_post_rdma_poll(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, i
                           struct rdmaio_wc_group *groups, int *ngroups_out, int *polled);
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
+int rdmaio_alloc_mw(struct ibv_pd *pd, struct ibv_mw **out);
+int rdmaio_post_bind_mw(struct ibv_qp *qp, struct ibv_mw *mw, struct ibv_mr *mr, uint64_t addr,
+                        uint64_t length, unsigned int access, uint64_t wr_id, uint32_t *rkey);
+int rdmaio_dealloc_mw(struct ibv_mw *mw);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);
 
 #endif

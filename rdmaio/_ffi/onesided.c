@@ -11,7 +11,7 @@ int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesid
     struct ibv_device_attr attr;
     int rc = ibv_query_device(context, &attr);
     if (rc)
-        return -(rc > 0 ? rc : EIO);
+        return rdmaio_neg_errno(rc);
     out->atomic_cap = attr.atomic_cap;
     out->max_qp_rd_atom = attr.max_qp_rd_atom;
     out->max_qp_init_rd_atom = attr.max_qp_init_rd_atom;
@@ -38,7 +38,7 @@ int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, i
     int rc = ibv_query_qp(qp, &attr, IBV_QP_ACCESS_FLAGS | IBV_QP_MAX_QP_RD_ATOMIC |
                                      IBV_QP_MAX_DEST_RD_ATOMIC, &init);
     if (rc)
-        return -(rc > 0 ? rc : EIO);
+        return rdmaio_neg_errno(rc);
     *access_flags = attr.qp_access_flags;
     *max_rd_atomic = attr.max_rd_atomic;
     *max_dest_rd_atomic = attr.max_dest_rd_atomic;
@@ -70,7 +70,7 @@ int rdmaio_probe_bind_mw(struct ibv_qp *qp, struct ibv_pd *pd, struct ibv_mr *mr
     int rc = ibv_post_send(qp, &wr, &bad);
     if (rc) {
         ibv_dealloc_mw(mw);
-        return -(rc > 0 ? rc : EIO);
+        return rdmaio_neg_errno(rc);
     }
     *out = mw;
     *rkey = wr.bind_mw.rkey;
@@ -87,11 +87,11 @@ int rdmaio_probe_local_inv(struct ibv_qp *qp, uint32_t rkey, uint64_t wr_id)
     wr.send_flags = IBV_SEND_SIGNALED;
     wr.invalidate_rkey = rkey;
     int rc = ibv_post_send(qp, &wr, &bad);
-    return rc ? -(rc > 0 ? rc : EIO) : 0;
+    return rc ? rdmaio_neg_errno(rc) : 0;
 }
 
 int rdmaio_probe_dealloc_mw(struct ibv_mw *mw)
 {
     int rc = ibv_dealloc_mw(mw);
-    return rc ? -(rc > 0 ? rc : EIO) : 0;
+    return rc ? rdmaio_neg_errno(rc) : 0;
 }

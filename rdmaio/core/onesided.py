@@ -1,60 +1,77 @@
 """One-sided RDMA: exported memory, remote keys, RDMA READ / WRITE / atomics on the event loop.
 
 Model (see docs/one-sided.md). The *exporter* calls ``ep.export(buffer, offset, length, access)``: rdmaio
-registers exactly that range as its own memory region (MR) in the connection's protection domain with only
-the remote access flags asked for, and returns a :class:`RemoteKey` (address, rkey, length, access and a
-key id). The exporter sends ``bytes(key)`` to the peer by any means (usually ``ep.send``). The *importer*
-parses it with :meth:`RemoteKey.from_bytes` and calls ``ep.rdma_read`` / ``rdma_read_into`` /
-``rdma_write`` / ``fetch_add`` / ``compare_swap`` on it. Every call is checked locally (range, access,
-alignment, revocation) before anything is posted, so a mistake costs a :class:`~rdmaio.RemoteAccessError`
-and never the connection; the NIC enforces the same range and access for peers that do not use rdmaio.
+registers exactly that range as its own memory region (MR) with ``IBV_ACCESS_MW_BIND`` and no remote access
+flags, and binds a type 2 memory window over all of it, with exactly the access asked for, by a work request
+posted on this connection's queue pair; it returns a :class:`RemoteKey` (address, the window's rkey, length,
+access and a key id). The *importer* parses it with :meth:`RemoteKey.from_bytes` and calls ``ep.rdma_read``
+/ ``rdma_read_into`` / ``rdma_write`` / ``fetch_add`` / ``compare_swap`` on it. Every call is checked
+locally (range, access, alignment, revocation) before anything is posted, so a mistake costs a
+:class:`~rdmaio.RemoteAccessError` and never the connection; the NIC enforces the same range and access for
+peers that do not use rdmaio.
 
-Why one MR per export and not memory windows: the test host's rxe (Debian 12, Linux 6.1) allocates type 1
-and type 2 windows, but binding them is a work request whose completion ``export()`` (a synchronous call)
-could not wait for, and a bound window needs its MR registered with MW_BIND. One MR per export gives the same
-bounds, needs nothing from the device beyond registration, and deregistering it revokes at the NIC. The
-price: two exports of the same range are two registrations (the Domain's cache is used for the local side
-of reads and writes, not for grants, because a cached grant would outlive its revocation), and an rkey is
-valid on every queue pair of the protection domain (the per-device Domain), not only on the connection
-that exported it (type 2 windows would bind it to one QP).
+Key scope. Every queue pair of a loop shares the device's protection domain (the per-device Domain), and an
+MR's own rkey works on all of them: rkeys are near-sequential, so any other connection of the process
+could use a grant by guessing its address. A type 2 window's rkey works only through the queue pair it was
+bound on: a key is good on the connection that exported it and refused (a remote access error at the
+requester) on every other. ``export(..., scope="domain")`` asks for the old process-wide grant by name (the
+MR's own rkey with the remote flags); a device without memory windows (``max_mw`` 0, e.g. siw) raises
+:class:`~rdmaio.FeatureNotSupportedError` for the default scope. One MR per grant, not one for many: rxe
+(Linux 6.1) checks a window's accesses against its MR's bounds, not the window's, so the window must cover
+its whole MR.
+
+Binds are synchronous for the caller: ``export()`` posts the bind and returns. The NIC executes a send
+queue in order, so anything posted on the same connection afterwards (``ep.send(bytes(key))``) comes after
+the bind: a peer that got the key over this connection finds the window valid. The bind is signalled
+(kind 2 wr_id, no op slot: the send queue has :data:`MAX_BINDS_IN_FLIGHT` entries of its own for binds);
+its completion is tracked, and a failed bind fails the connection (the NIC moved the QP to the error
+state) with a :class:`~rdmaio.VerbsError` naming ``IBV_WR_BIND_MW``.
 
 Revocation. ``await ep.revoke(key)`` sends the peer a REVOKE control message and waits (at most
-``Options.close_timeout``) for its REVOKE_ACK, then deregisters the MR. The importer marks the key id
-revoked when the REVOKE arrives, before it answers: every later call on that key raises
-:class:`~rdmaio.RemoteKeyRevokedError` without posting. Requests it posted earlier precede the ACK on the
-same reliable connection, so the exporter's NIC has executed them before the exporter deregisters. After
-``revoke`` returns, the NIC refuses the rkey: the memory is never touched through it again.
+``Options.close_timeout``) for its REVOKE_ACK, then deallocates the window and deregisters the MR. The
+importer marks the key id revoked when the REVOKE arrives, before it answers: every later call on that key
+raises :class:`~rdmaio.RemoteKeyRevokedError` without posting, including calls already collected for a
+doorbell that has not rung yet (checked again when it rings). Requests it posted earlier precede the ACK on
+the same reliable connection, so the exporter's NIC has executed them before the exporter deallocates.
+After ``revoke`` returns, the NIC refuses the rkey: the memory is never touched through it again. Key ids
+are dense per connection (1, 2, ...), so the importer keeps revoked ids as ranges
+(:mod:`rdmaio.core.onesided_revoked`, bounded by ``Options.max_revoked_key_ranges``).
 
 Control messages are SENDs *without* immediate data (rdmaio frames always carry one) and write notices are
 RDMA WRITEs *with* immediate data (completion opcode ``IBV_WC_RECV_RDMA_WITH_IMM``); both consume one of the
 peer's posted receives, so both are paid for with a send credit like a frame (:meth:`Session.take_slot`).
 
-Work requests of one-sided operations carry ``wr_id = 2 << 56 | tag << 32 | op index`` (kind 2; kind 0 is
-the send slots of frames, kind 3 is reserved for keepalive; the tag routes the completion through the
-Domain's shared CQ) and are always signalled.
+Work requests of one-sided operations and window binds carry ``wr_id = 2 << 56 | tag << 32 | index``
+(kind 2; kind 0 is the send slots of frames, kind 3 is reserved for keepalive; the tag routes the
+completion through the Domain's shared CQ; ops and binds draw their indexes from one counter, so the index
+tells which) and are always signalled.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from rdmaio import verbs
 from rdmaio._ffi import ffi
 from rdmaio.core.backend import Backend
 from rdmaio.core.onesided_base import (
+    MAX_BINDS_IN_FLIGHT,
     MAX_OP_BYTES,
     WR_KIND_ONESIDED,
+    BindWindow,
     Credits,
     RdmaQueue,
     Region,
     _fresh,
 )
 from rdmaio.core.onesided_batch import Batches
-from rdmaio.core.onesided_grants import CTL_FIRST_EXTERNAL, Exports
+from rdmaio.core.onesided_grants import CTL_FIRST_EXTERNAL, SCOPES, Exports
+from rdmaio.core.onesided_revoked import RevokedKeys
 from rdmaio.core.remotekey import (
     ACCESS_ATOMIC,
     ACCESS_READ,
@@ -74,13 +91,17 @@ from rdmaio.errors import (
 )
 from rdmaio.protocol import FEATURE_ONESIDED
 
+log = logging.getLogger("rdmaio.onesided")
+
 __all__ = [
     "ACCESS_ATOMIC",
     "ACCESS_READ",
     "ACCESS_WRITE",
     "CTL_FIRST_EXTERNAL",
     "KEY_VERSION",
+    "MAX_BINDS_IN_FLIGHT",
     "MAX_OP_BYTES",
+    "SCOPES",
     "WR_KIND_ONESIDED",
     "OneSidedCaps",
     "OneSidedEngine",
@@ -100,6 +121,11 @@ class OneSidedEngine(Exports, Batches):
     access of ``access_bits``; ``cache_get(buffer)`` returns a Domain-cached local registration (with
     ``region``/``release()``). ``fail(exc)`` fails the whole connection (used when a cancelled
     ``rdma_read_into`` must stop the NIC writing into the caller's buffer).
+
+    Connection-scoped grants: ``register_bindable(view, readonly)`` registers with ``IBV_ACCESS_MW_BIND``
+    and no remote flags, ``bind_window(region, wr_id, access)`` allocates a type 2 window and posts its
+    bind on the connection's QP (None: the device has no windows), ``poll()`` polls the completion queue
+    now (to free bind entries). ``max_revoked_ranges`` bounds the peer's revoked key ids kept.
     """
 
     def __init__(
@@ -111,6 +137,10 @@ class OneSidedEngine(Exports, Batches):
         register_local: Callable[[Any], Region],
         register_grant: Callable[[memoryview, int], Region],
         cache_get: Callable[[Any], Any],
+        register_bindable: Callable[[memoryview, bool], Region] | None = None,
+        bind_window: BindWindow | None = None,
+        poll: Callable[[], None] | None = None,
+        max_revoked_ranges: int = 4096,
         fail: Callable[[BaseException], None],
         max_ops: int,
         max_inline: int,
@@ -137,6 +167,12 @@ class OneSidedEngine(Exports, Batches):
         self._credits = credits
         self._register_local = register_local
         self._register_grant = register_grant
+        self._register_bindable = register_bindable or (lambda view, readonly: register_local(view))
+        self._bind_window = bind_window if register_bindable is not None else None
+        self._poll = poll
+        self._binds = {}  # window binds posted, by index, until their completion
+        self._bind_waiters = collections.deque()  # export_for_read() calls waiting for a bind entry
+        self._key_ids = itertools.count(1)
         self._cache_get = cache_get
         self._fail_connection = fail
         self.max_ops = max_ops
@@ -157,7 +193,7 @@ class OneSidedEngine(Exports, Batches):
         self._large_pool = {}  # free large buffers by size class
         self._large_pooled = 0  # bytes in _large_pool
         self.grants = {}  # what we exported, by key id
-        self.revoked_ids = set()  # keys the peer revoked
+        self.revoked_ids = RevokedKeys(max_revoked_ranges)  # keys the peer revoked
         self._pending_acks = collections.deque()
         self._notices = collections.deque()
         self._notice_waiter = None
@@ -183,6 +219,10 @@ class OneSidedEngine(Exports, Batches):
         """
         domain = transport.domain
         register_local, register_grant = _registrars(transport.pd)
+        try:
+            windows = cached_caps(transport.device).max_mw > 0
+        except VerbsError:
+            windows = False
         # A weak reference: a strong one (engine -> connection -> engine) would make every connection a
         # reference cycle, keeping its loop and the loop's Domain (PD, event channel fd) alive until the
         # cyclic GC runs instead of freeing them when the last reference goes.
@@ -215,6 +255,10 @@ class OneSidedEngine(Exports, Batches):
             register_local=register_local,
             register_grant=register_grant,
             cache_get=lambda view: domain.registrations.get(view, 0),
+            register_bindable=_bindable(transport.pd),
+            bind_window=_binder(transport.pd, transport.qp) if windows else None,
+            poll=transport.poll_completions,
+            max_revoked_ranges=options.max_revoked_key_ranges,
             fail=fail,
             max_ops=options.max_rdma_ops,
             max_inline=conn.max_inline,
@@ -246,11 +290,33 @@ class OneSidedEngine(Exports, Batches):
         self._held_slots.clear()  # the QP and its receives are gone
         while self._slot_waiters:
             self._slot_waiters.popleft().set()
-        for grant in list(self.grants.values()):
+        while self._bind_waiters:
+            self._bind_waiters.popleft().set()
+        binds = list(self._binds.values())
+        self._binds.clear()
+        grants = list(self.grants.values())
+        self.grants.clear()
+        failures: list[BaseException] = []
+        for grant in grants:
             if grant.ack is not None:
                 grant.ack.set()
-            grant.mr.close()
-        self.grants.clear()
+            if grant.scoped is not None and grant.scoped.waiter is not None:
+                grant.scoped.waiter.set()
+            try:
+                # The QP is gone: no bind is left to complete, the windows go now.
+                if grant.scoped is not None:
+                    grant.scoped.close_now()
+                else:
+                    grant.mr.close()
+            except Exception as exc:
+                failures.append(exc)
+        for scoped in binds:  # rendezvous buffers whose bind had not completed: it never will now
+            scoped.error = self._error
+            if scoped.close_pending:
+                try:
+                    scoped.close_now()
+                except Exception as exc:
+                    failures.append(exc)
         if self._notice_waiter is not None:
             self._notice_waiter.set()
         if self._staging is not None:
@@ -261,10 +327,15 @@ class OneSidedEngine(Exports, Batches):
                 large.region.close()
         self._large_pool.clear()
         self._large_pooled = 0
+        for failure in failures:
+            # Teardown goes on (the connection is gone either way); the memory stays registered.
+            self._stats["grant_release_failures"] += 1
+            log.error("rdmaio: releasing a grant at the end of the connection failed: %s", failure)
 
     def statistics(self) -> dict[str, int]:
-        """Pending ops, grants, queued notices and revoked keys; requests posted, doorbells (post calls),
-        batch waves and serial calls completed at their post (always present, 0 until counted)."""
+        """Pending ops, grants, queued notices, window binds in flight and the peer's revoked keys (the
+        ranges kept, and the floor below which every id is revoked); requests posted, doorbells (post
+        calls), batch waves and serial calls completed at their post (always present, 0 until counted)."""
         stats = self._stats
         return {
             "rdma_ops_posted": stats["rdma_ops_posted"],
@@ -276,6 +347,8 @@ class OneSidedEngine(Exports, Batches):
             "write_notices_queued": len(self._notices),
             "write_notice_slots_held": len(self._held_slots),
             "keys_revoked_by_peer": len(self.revoked_ids),
+            "revoked_key_floor": self.revoked_ids.floor,
+            "mw_binds_in_flight": len(self._binds),
         }
 
 
@@ -295,3 +368,28 @@ def _registrars(pd: Any) -> tuple[Callable[[Any], Region], Callable[[memoryview,
         )
 
     return register_local, register_grant
+
+
+def _bindable(pd: Any) -> Callable[[memoryview, bool], Region]:
+    """Registration of a connection-scoped grant: ``IBV_ACCESS_MW_BIND`` and no remote flags (its own rkey
+    opens nothing); local write unless read-only (a window granting write or atomics needs it)."""
+
+    def register_bindable(view: memoryview, readonly: bool) -> Region:
+        return verbs.MemoryRegion(pd, view, readonly=readonly, mw_bind=True)
+
+    return register_bindable
+
+
+def _binder(pd: Any, qp: Any) -> BindWindow:
+    """Bind a type 2 window over a whole region on ``qp`` (see :class:`rdmaio.verbs.MemoryWindow`)."""
+
+    def bind_window(region: Region, wr_id: int, access: int) -> verbs.MemoryWindow:
+        window = verbs.MemoryWindow(pd, cast(verbs.MemoryRegion, region), qp)
+        try:
+            window.bind(wr_id, access)
+        except BaseException:
+            window.close()
+            raise
+        return window
+
+    return bind_window

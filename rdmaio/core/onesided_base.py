@@ -20,18 +20,33 @@ from rdmaio.errors import (
     RdmaError,
 )
 
-__all__ = ["MAX_OP_BYTES", "WR_KIND_ONESIDED", "Credits", "EngineCore", "RdmaQueue", "Region"]
+__all__ = [
+    "MAX_BINDS_IN_FLIGHT",
+    "MAX_OP_BYTES",
+    "WR_KIND_ONESIDED",
+    "BindWindow",
+    "Credits",
+    "EngineCore",
+    "RdmaQueue",
+    "Region",
+    "Window",
+]
 
 
 if TYPE_CHECKING:
-    from rdmaio.core.onesided_grants import _Grant
+    from rdmaio.core.onesided_grants import _Grant, _Scoped
     from rdmaio.core.onesided_life import _Large, _Op
+    from rdmaio.core.onesided_revoked import RevokedKeys
     from rdmaio.core.remotekey import WriteNotice
 
 MAX_OP_BYTES = 1 << 30
 """Largest single READ or WRITE (1 GiB; rxe's limit is 2 GiB - 1)."""
 WR_KIND_ONESIDED = verbs.WR_KIND_ONESIDED
 """``wr_id >> 56`` of one-sided work requests (the verbs layer's wr_id layout)."""
+MAX_BINDS_IN_FLIGHT = 16
+"""Memory-window binds (``IBV_WR_BIND_MW``) a connection may have posted and not yet seen complete: the
+send queue and the CQ reservation are enlarged by that many entries (rdmaio.core.transport), apart from
+the ``max_rdma_ops`` of the one-sided requests, so that an ``export()`` never waits for an op slot."""
 
 
 class Region(Protocol):
@@ -43,6 +58,23 @@ class Region(Protocol):
 
     def close(self) -> None:
         """Deregister."""
+
+
+class Window(Protocol):
+    """A memory window bound on the connection's queue pair: its rkey, close() (deallocates it)."""
+
+    rkey: int
+
+    def close(self) -> None:
+        """Deallocate: the NIC refuses the rkey from then on."""
+
+
+class BindWindow(Protocol):
+    """Allocate a type 2 window over all of ``region`` and post its signalled bind (``wr_id``) with the
+    remote ``access`` bits (``IBV_ACCESS_REMOTE_*``) on the connection's queue pair."""
+
+    def __call__(self, region: Region, wr_id: int, access: int) -> Window:
+        """Bind; raises VerbsError if the post fails (nothing was bound then)."""
 
 
 class RdmaQueue(Protocol):
@@ -87,6 +119,12 @@ class EngineCore:
     _credits: Credits
     _register_local: Callable[[Any], Region]
     _register_grant: Callable[[memoryview, int], Region]
+    _register_bindable: Callable[[memoryview, bool], Region]
+    _bind_window: BindWindow | None
+    _poll: Callable[[], None] | None
+    _binds: dict[int, _Scoped]
+    _bind_waiters: collections.deque[Waiter]
+    _key_ids: Iterator[int]
     _cache_get: Callable[[Any], Any]
     _fail_connection: Callable[[BaseException], None]
     max_ops: int
@@ -107,7 +145,7 @@ class EngineCore:
     _large_pool: dict[int, list[_Large]]
     _large_pooled: int
     grants: dict[int, _Grant]
-    revoked_ids: set[int]
+    revoked_ids: RevokedKeys
     _pending_acks: collections.deque[int]
     _notices: collections.deque[WriteNotice]
     _notice_waiter: Waiter | None
@@ -125,6 +163,10 @@ class EngineCore:
 
     def pump(self) -> None:
         """Post what waits for a credit: :meth:`rdmaio.core.onesided_life.OpLifecycle.pump`."""
+        raise NotImplementedError
+
+    def on_bind_completion(self, index: int, status: int, vendor_err: int = 0) -> bool:
+        """A window bind completed: :meth:`rdmaio.core.onesided_grants.Exports.on_bind_completion`."""
         raise NotImplementedError
 
     def _check_open(self) -> None:

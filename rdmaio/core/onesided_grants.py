@@ -1,8 +1,10 @@
 """The exporter side of the one-sided engine, and what arrives without being asked for.
 
-:meth:`Exports.export` registers a range with exactly the remote access asked for and returns its
-:class:`~rdmaio.core.remotekey.RemoteKey`; :meth:`Exports.revoke` tells the peer, waits for its answer and
-deregisters. :meth:`Exports.on_recv` takes receives that are not frames: write notices (queued for
+:meth:`Exports.export` registers a range and grants the peer exactly the remote access asked for, through
+this connection only (a type 2 memory window bound on its queue pair; see :class:`_Scoped`), and returns its
+:class:`~rdmaio.core.remotekey.RemoteKey`; :meth:`Exports.revoke` tells the peer, waits for its answer,
+deallocates the window and deregisters. :meth:`Exports.export_for_read` is the same grant for a rendezvous
+send's buffer. :meth:`Exports.on_recv` takes receives that are not frames: write notices (queued for
 :meth:`Exports.wait_write_notice`, holding their receive beyond a limit) and control messages (REVOKE and its
 ACK, and those of other layers, handed to ``control_handler``).
 """
@@ -10,21 +12,35 @@ ACK, and those of other layers, handed to ``control_handler``).
 from __future__ import annotations
 
 import builtins
-import secrets
+import errno
+import logging
 import struct
 from typing import Any
 
 from rdmaio import verbs
+from rdmaio._ffi import lib
 from rdmaio.core.backend import Waiter
-from rdmaio.core.onesided_base import EngineCore, Region
-from rdmaio.core.remotekey import ACCESS_ATOMIC, KEY_VERSION, RemoteKey, WriteNotice, parse_access
+from rdmaio.core.onesided_base import MAX_BINDS_IN_FLIGHT, EngineCore, Region, Window
+from rdmaio.core.remotekey import (
+    ACCESS_ATOMIC,
+    ACCESS_READ,
+    ACCESS_WRITE,
+    KEY_VERSION,
+    RemoteKey,
+    WriteNotice,
+    parse_access,
+)
 from rdmaio.errors import (
+    BindQueueFullError,
     FeatureNotSupportedError,
     ProtocolError,
     RemoteAccessError,
+    VerbsError,
 )
 
-__all__ = ["CTL_FIRST_EXTERNAL", "Exports"]
+__all__ = ["CTL_FIRST_EXTERNAL", "SCOPES", "Exports"]
+
+log = logging.getLogger("rdmaio.onesided")
 
 
 # control messages: version u8, type u8, 6 bytes padding, key id u64
@@ -34,26 +50,101 @@ _CTL_REVOKE_ACK = 2
 CTL_FIRST_EXTERNAL = 16
 """Control message kinds from here on belong to other layers (:meth:`Exports.send_control`)."""
 _WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
+_WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
+SCOPES = ("connection", "domain")
+"""``export(scope=...)``: ``"connection"`` (the default: a window bound on this connection's queue pair)
+or ``"domain"`` (the region's own rkey, valid on every queue pair of the loop's protection domain)."""
+
+
+def _mw_access(bits: int) -> int:
+    access = 0
+    if bits & ACCESS_READ:
+        access |= lib.IBV_ACCESS_REMOTE_READ
+    if bits & ACCESS_WRITE:
+        access |= lib.IBV_ACCESS_REMOTE_WRITE
+    if bits & ACCESS_ATOMIC:
+        access |= lib.IBV_ACCESS_REMOTE_ATOMIC
+    return access
+
+
+class _Scoped:
+    """Memory granted through one connection: its own region (``IBV_ACCESS_MW_BIND`` and no remote flags,
+    so the region's own rkey opens nothing) and a type 2 window over all of it, bound on the connection's
+    queue pair (rxe checks a window's rkey against its region's bounds, not the window's: one region per
+    grant keeps the grant exact). ``addr``/``rkey`` go to the peer; :meth:`close` deallocates the window,
+    then deregisters (once the bind completed: a window freed under a bind still queued would fail it, and
+    a failed bind moves the queue pair to the error state)."""
+
+    __slots__ = ("addr", "bound", "close_pending", "closed", "error", "region", "rkey", "waiter", "window")
+
+    def __init__(self, region: Region, window: Window) -> None:
+        self.region = region
+        self.window = window
+        self.addr = region.addr
+        self.rkey = window.rkey
+        self.bound = False  # the bind's completion came back successful
+        self.error: BaseException | None = None  # the bind failed (or the connection did first)
+        self.waiter: Waiter | None = None  # a revoke waiting for the bind's completion
+        self.close_pending = False
+        self.closed = False
+
+    @property
+    def settled(self) -> bool:
+        """The bind's completion came back (successful or not)."""
+        return self.bound or self.error is not None
+
+    def close(self) -> None:
+        """Invalidate and deregister now if the bind completed, else as soon as it does (see the class)."""
+        if self.closed:
+            return
+        if not self.settled:
+            self.close_pending = True
+            return
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Deallocate the window and deregister the region at once (the QP is gone, or the bind is done)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.window.close()
+        finally:
+            self.region.close()
 
 
 class _Grant:
-    __slots__ = ("ack", "key", "mr", "revoked")
+    __slots__ = ("ack", "key", "mr", "revoked", "scoped")
 
-    def __init__(self, key: RemoteKey, mr: Region) -> None:
+    def __init__(self, key: RemoteKey, mr: Region, scoped: _Scoped | None) -> None:
         self.key = key
         self.mr = mr
+        self.scoped = scoped
         self.ack: Waiter | None = None
         self.revoked = False
+
+    def close(self) -> None:
+        if self.scoped is not None:
+            self.scoped.close()
+        else:
+            self.mr.close()
 
 
 class Exports(EngineCore):
     """Grants, revocation, write notices and control messages of a one-sided engine (a part of it)."""
 
     def export(
-        self, buffer: Any, offset: int = 0, length: int | None = None, access: str = "rw"
+        self,
+        buffer: Any,
+        offset: int = 0,
+        length: int | None = None,
+        access: str = "rw",
+        scope: str = "connection",
     ) -> RemoteKey:
-        """Register ``buffer[offset:offset+length]`` for the peer with ``access``; see ``Endpoint.export``."""
+        """Grant the peer ``access`` to ``buffer[offset:offset+length]``; see ``Endpoint.export``."""
         self._check_open()
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
         bits = parse_access(access)
         if bits & ACCESS_ATOMIC and not self._atomics:
             raise RemoteAccessError("this device does not support remote atomics (atomic_cap NONE)")
@@ -66,11 +157,106 @@ class Exports(EngineCore):
             length = size - offset
         if not (0 <= offset <= size and 1 <= length <= size - offset):
             raise ValueError(f"export range offset={offset} length={length} outside a buffer of {size} bytes")
-        region = self._register_grant(view[offset : offset + length], bits)
-        key = RemoteKey(region.addr, region.rkey, length, bits, secrets.randbits(64))
-        self.grants[key.key_id] = _Grant(key, region)
+        part = view[offset : offset + length]
+        scoped = None
+        if scope == "domain":
+            region = self._register_grant(part, bits)
+            rkey = region.rkey
+        else:
+            scoped = self._grant_scoped(part, bits, readonly=False)
+            region, rkey = scoped.region, scoped.rkey
+        # Dense per-connection ids: the importer keeps the revoked ones as ranges (onesided_revoked).
+        key = RemoteKey(region.addr, rkey, length, bits, next(self._key_ids))
+        self.grants[key.key_id] = _Grant(key, region, scoped)
         self._stats["exports"] += 1
         return key
+
+    async def export_for_read(self, view: memoryview) -> _Scoped | None:
+        """Grant the peer RDMA READ of all of ``view`` through this connection only (a rendezvous send's
+        buffer; ``view`` may be read-only): an object with ``addr``, ``rkey`` and ``close()`` (which
+        invalidates the grant before it deregisters). None when the device has no memory windows (the
+        caller then sends the message by copy: its memory is never readable by other connections). Waits
+        while :data:`MAX_BINDS_IN_FLIGHT` binds are in flight."""
+        if self._bind_window is None:
+            return None
+        while True:
+            self._check_open()
+            if len(self._binds) < MAX_BINDS_IN_FLIGHT or self._reap_binds():
+                return self._grant_scoped(view, ACCESS_READ, readonly=view.readonly)
+            waiter = self._io.waiter()
+            self._bind_waiters.append(waiter)
+            try:
+                await waiter.wait()
+            finally:
+                if waiter in self._bind_waiters:
+                    self._bind_waiters.remove(waiter)
+
+    def _reap_binds(self) -> bool:
+        """Poll the completion queue now (binds complete at once on the NIC, but only a poll frees their
+        entries); True when a bind entry is free afterwards."""
+        if self._poll is not None:
+            self._poll()
+        return len(self._binds) < MAX_BINDS_IN_FLIGHT
+
+    def _grant_scoped(self, view: memoryview, bits: int, *, readonly: bool) -> _Scoped:
+        """Register ``view`` for window binding only and post the bind of a type 2 window over it on this
+        connection's queue pair (signalled, kind 2: :meth:`on_bind_completion` gets its completion)."""
+        if self._bind_window is None:
+            raise FeatureNotSupportedError(
+                "this device has no memory windows (max_mw 0, e.g. siw): a grant cannot be limited to one "
+                "connection; export(..., scope='domain') grants it to every connection of the loop's device",
+                errno=errno.EOPNOTSUPP,
+                call="ibv_alloc_mw",
+            )
+        if len(self._binds) >= MAX_BINDS_IN_FLIGHT and not self._reap_binds():
+            raise BindQueueFullError(
+                f"{MAX_BINDS_IN_FLIGHT} memory-window binds of this connection have not completed yet: let "
+                "the event loop run (any await) and export again"
+            )
+        region = self._register_bindable(view, readonly)
+        index = next(self._index) & 0xFFFFFFFF
+        try:
+            window = self._bind_window(region, self._wr_base | index, _mw_access(bits))
+        except BaseException:
+            region.close()
+            raise
+        scoped = _Scoped(region, window)
+        self._binds[index] = scoped
+        self._stats["mw_binds"] += 1
+        return scoped
+
+    def on_bind_completion(self, index: int, status: int, vendor_err: int = 0) -> bool:
+        """The completion of a window bind (True), or not one of ours (False). A failed bind fails the
+        connection loudly (the NIC moved the queue pair to the error state: no key of it works)."""
+        scoped = self._binds.pop(index, None)
+        if scoped is None:
+            return False
+        if status == 0:
+            scoped.bound = True
+        else:
+            if status == _WC_FLUSH:
+                error: BaseException = self._error or VerbsError(
+                    "the memory-window bind was flushed: the connection is closing", call="IBV_WR_BIND_MW"
+                )
+            else:
+                error = VerbsError(
+                    f"binding a memory window failed: {verbs.wc_status_str(status)} (vendor {vendor_err}); "
+                    "the key it was for never worked",
+                    errno=errno.EIO,
+                    call="IBV_WR_BIND_MW",
+                )
+                self._stats["mw_bind_failures"] += 1
+                log.error("rdmaio: %s", error)
+            scoped.error = error
+            if status != _WC_FLUSH:
+                self._fail_connection(error)
+        if scoped.waiter is not None:
+            scoped.waiter.set()
+        if scoped.close_pending:
+            scoped.close_now()
+        while self._bind_waiters and len(self._binds) < MAX_BINDS_IN_FLIGHT:
+            self._bind_waiters.popleft().set()
+        return True
 
     async def revoke(self, key: RemoteKey) -> None:
         """Revoke a key this side exported; see ``Endpoint.revoke``."""
@@ -82,20 +268,26 @@ class Exports(EngineCore):
         grant.revoked = True
         try:
             usable = self._error is None and not self.closed and self._credits.flush_error() is None
-            # A peer without FEATURE_ONESIDED would fail on a REVOKE: deregistering alone revokes at the NIC.
-            if usable and self.peer_onesided:
-                grant.ack = waiter = self._io.waiter()
-                self._send_control(_CTL_REVOKE, key.key_id)
-                async with self._io.timeout(self._revoke_timeout):
+            async with self._io.timeout(self._revoke_timeout):
+                # A peer without FEATURE_ONESIDED would fail on a REVOKE: deallocating alone revokes.
+                if usable and self.peer_onesided:
+                    grant.ack = waiter = self._io.waiter()
+                    self._send_control(_CTL_REVOKE, key.key_id)
                     await waiter.wait()
+                scoped = grant.scoped
+                if scoped is not None and not scoped.settled and not self.closed:
+                    # The window can be freed only once its bind completed (see _Scoped).
+                    scoped.waiter = bind_waiter = self._io.waiter()
+                    await bind_waiter.wait()
         except builtins.TimeoutError:
             # The peer did not answer: deregistering alone still makes the NIC refuse the key.
             self._stats["revoke_timeouts"] += 1
         finally:
-            # Always, even when cancelled or the connection failed: after this the NIC refuses the rkey.
+            # Always, even when cancelled or the connection failed: after this the NIC refuses the rkey
+            # (a bind still in flight at a timeout: as soon as it completes). A failing deregistration raises.
             self.grants.pop(key.key_id, None)
-            grant.mr.close()
             self._stats["revokes"] += 1
+            grant.close()
 
     # --- notices and control messages (both sides) --------------------------------------------------------
 
@@ -127,8 +319,9 @@ class Exports(EngineCore):
         if version != KEY_VERSION or kind not in (_CTL_REVOKE, _CTL_REVOKE_ACK):
             raise ProtocolError(f"unknown one-sided control message version {version} type {kind}")
         if kind == _CTL_REVOKE:
-            # Mark first: no request on that key is posted from now on; those posted earlier come before
-            # the ACK on this connection, so the exporter's NIC has run them when the ACK arrives.
+            # Mark first: no request on that key is posted from now on (the doorbell checks again when it
+            # rings); those posted earlier come before the ACK on this connection, so the exporter's NIC
+            # has run them when the ACK arrives. Raises ProtocolError past Options.max_revoked_key_ranges.
             self.revoked_ids.add(key_id)
             self._send_control(_CTL_REVOKE_ACK, key_id)
         else:

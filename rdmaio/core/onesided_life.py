@@ -242,6 +242,21 @@ class OpLifecycle(EngineCore):
         self._doorbell.clear()
         if not ops or self._error is not None or self.closed:
             return
+        revoked = self.revoked_ids
+        if len(revoked) or revoked.floor > 1:
+            # A REVOKE may have arrived since these calls checked their key (its ACK is already queued or
+            # posted): a request posted after the ACK would meet a deallocated window, a remote access
+            # error that ends the connection. Fail such calls as if they had found the key revoked.
+            kept = []
+            for op in ops:
+                if op.key_id is not None and op.key_id in revoked:
+                    self._stats["rdma_revoked_at_post"] += 1
+                    self._complete(op, RemoteKeyRevokedError("the key was revoked by the peer"))
+                else:
+                    kept.append(op)
+            ops = kept
+            if not ops:
+                return
         for i, op in enumerate(ops):
             self._fill(i, op)
         try:
@@ -372,9 +387,11 @@ class OpLifecycle(EngineCore):
         await waiter.wait()
 
     def on_completion(self, wr_id: int, status: int, vendor_err: int = 0) -> None:
-        """A completion of one of our work requests (``wr_id >> 56 == 2``), successful or not."""
+        """A completion of one of our work requests (``wr_id >> 56 == 2``), successful or not: an op's,
+        or a memory-window bind's (:meth:`~rdmaio.core.onesided_grants.Exports.on_bind_completion`)."""
         op = self.ops.get(wr_id & _INDEX_MASK)
         if op is None:
+            self.on_bind_completion(wr_id & _INDEX_MASK, status, vendor_err)
             return
         if status == 0:
             self._complete(op, None)

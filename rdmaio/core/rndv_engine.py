@@ -225,10 +225,15 @@ class RendezvousEngine:
             return False
         start = time.perf_counter_ns()
         try:
-            region = verbs.MemoryRegion(self._pd, view, remote_read=True, readonly=view.readonly)
+            # Readable by the peer through this connection only (a window bound on its queue pair).
+            region = await self._onesided.export_for_read(view)
         except BaseException:
             cache.unreserve(size)
             raise
+        if region is None:  # no memory windows on this device: by copy, never readable by others
+            cache.unreserve(size)
+            self._stats["rndv_fallback_eager"] += 1
+            return False
         self._stats["rndv_register_ns"] += time.perf_counter_ns() - start
         out = self.sends.start(size)
         out.region = region

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import cast
 
 from rdmaio.core.completions import CompletionHandler, CQReservation
+from rdmaio.core.onesided_base import MAX_BINDS_IN_FLIGHT
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.rings import SlotRing
 from rdmaio.core.shared_receive import SharedMember, shared_pool
@@ -105,7 +106,8 @@ class Transport:
     @property
     def cq_entries(self) -> int:
         """CQ entries this connection reserves: every WR it can have outstanding completes at most once."""
-        return self.send_depth + self.max_rdma_ops + 1 + self.recv_depth + CQ_MARGIN  # +1: keepalive probe
+        # +1: keepalive probe; MAX_BINDS_IN_FLIGHT: memory-window binds of exports (rdmaio.core.onesided)
+        return self.send_depth + self.max_rdma_ops + 1 + MAX_BINDS_IN_FLIGHT + self.recv_depth + CQ_MARGIN
 
     def _register(self, view: memoryview) -> MemoryRegion:
         # Local access only: the slot rings are never remotely accessible.
@@ -149,8 +151,9 @@ class Transport:
                     self.pd,
                     self.cq,
                     self.cq,
-                    # + one-sided ops (issue 11), +1 the keepalive probe (rdmaio.core.keepalive)
-                    max_send_wr=self.send_depth + options.max_rdma_ops + 1,
+                    # + one-sided ops (issue 11), +1 the keepalive probe (rdmaio.core.keepalive), + the
+                    # memory-window binds of exports, which take no one-sided op slot
+                    max_send_wr=self.send_depth + options.max_rdma_ops + 1 + MAX_BINDS_IN_FLIGHT,
                     max_recv_wr=self.recv_depth,
                     max_inline_data=inline,
                     srq=self.shared.pool.srq if self.shared is not None else None,

@@ -48,7 +48,7 @@ from rdmaio.verbs.enums import (
     WcStatus,
     wc_status_str,
 )
-from rdmaio.verbs.memory import MemoryRegion, ProtectionDomain
+from rdmaio.verbs.memory import MemoryRegion, MemoryWindow, ProtectionDomain
 from rdmaio.verbs.qp import QueuePair
 from rdmaio.verbs.srq import SharedReceiveQueue
 from rdmaio.verbs.wr import (
@@ -109,6 +109,7 @@ __all__ = [
     "DeviceInfo",
     "EventChannel",
     "MemoryRegion",
+    "MemoryWindow",
     "PortInfo",
     "ProtectionDomain",
     "QueuePair",

@@ -97,8 +97,12 @@ def test_read_write_atomics_and_nothing_else_remote(arun: Runner[Any], rdma_addr
                 staging = ep._conn.onesided._staging
                 if staging is not None:
                     assert not staging.access & REMOTE_FLAGS
-            grant = exp._conn.onesided.grants[key.key_id].mr
-            assert grant.access & REMOTE_FLAGS == REMOTE_FLAGS and grant.length == 8192
+            # The grant's own region has no remote flags (its rkey opens nothing): the access is its
+            # window's, bound on this connection's queue pair, over all of the region.
+            grant = exp._conn.onesided.grants[key.key_id]
+            assert not grant.mr.access & REMOTE_FLAGS and grant.mr.access & lib.IBV_ACCESS_MW_BIND
+            assert grant.mr.length == 8192 and grant.scoped is not None and grant.scoped.bound
+            assert key.rkey == grant.scoped.rkey != grant.mr.rkey
             # the connection still carries messages
             await imp.send(b"ping")
             assert await exp.recv() == b"ping"

@@ -325,3 +325,164 @@ def test_events_read_before_a_failing_read_are_acked(harness: str) -> None:
 def test_normal_drain_acks_rearms_and_polls(harness: str) -> None:
     second = harness.splitlines()[1]
     assert second == "rc=0 acked=3 events=3 notified=1", second
+
+
+# Every post path of the helper with a provider that refuses the work request: the provider's own errno
+# comes back (negative as rxe and siw return it, positive as libibverbs documents it), never EIO, and the
+# memory-window calls pass the bind's fields through and report their provider's errno the same way.
+POST_HARNESS = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include "helper.h"
+
+int ibv_get_cq_event(struct ibv_comp_channel *c, struct ibv_cq **cq, void **ctx)
+{
+    (void)c; (void)cq; (void)ctx; errno = EAGAIN; return -1;
+}
+void ibv_ack_cq_events(struct ibv_cq *cq, unsigned int n) { (void)cq; (void)n; }
+int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event *e)
+{
+    (void)c; (void)e; errno = EAGAIN; return -1;
+}
+void ibv_ack_async_event(struct ibv_async_event *e) { (void)e; }
+int rdma_get_cm_event(struct rdma_event_channel *c, struct rdma_cm_event **e)
+{
+    (void)c; (void)e; errno = EAGAIN; return -1;
+}
+int rdma_ack_cm_event(struct rdma_cm_event *e) { (void)e; return 0; }
+
+static int post_rc;           /* what the fake provider returns */
+static struct ibv_send_wr last_wr;
+static struct ibv_mw_bind_info last_bind;
+static uint32_t last_bind_rkey;
+
+static int fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+{
+    (void)qp;
+    last_wr = *wr;
+    if (wr->opcode == IBV_WR_BIND_MW) {
+        last_bind = wr->bind_mw.bind_info;
+        last_bind_rkey = wr->bind_mw.rkey;
+    }
+    if (post_rc)
+        *bad = wr;
+    return post_rc;
+}
+static int fake_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+{
+    (void)qp;
+    if (post_rc)
+        *bad = wr;
+    return post_rc;
+}
+static struct ibv_mw the_mw;
+static int alloc_errno, dealloc_rc;
+static struct ibv_mw *fake_alloc_mw(struct ibv_pd *pd, enum ibv_mw_type type)
+{
+    (void)pd;
+    if (alloc_errno || type != IBV_MW_TYPE_2) {
+        errno = alloc_errno ? alloc_errno : EINVAL;
+        return NULL;
+    }
+    return &the_mw;
+}
+static int fake_dealloc_mw(struct ibv_mw *mw) { (void)mw; return dealloc_rc; }
+
+int main(void)
+{
+    struct ibv_context ctx;
+    struct ibv_qp qp;
+    struct ibv_pd pd;
+    struct ibv_mr mr;
+    int bad = 99;
+    memset(&ctx, 0, sizeof ctx);
+    memset(&qp, 0, sizeof qp);
+    memset(&pd, 0, sizeof pd);
+    memset(&mr, 0, sizeof mr);
+    ctx.ops.post_send = fake_post_send;
+    ctx.ops.post_recv = fake_post_recv;
+    ctx.ops.alloc_mw = fake_alloc_mw;
+    ctx.ops.dealloc_mw = fake_dealloc_mw;
+    qp.context = &ctx;
+    pd.context = &ctx;
+    the_mw.context = &ctx;
+    the_mw.rkey = 0x1234ff;
+
+    int rcs[] = {-EINVAL, EINVAL, -ENOMEM, ENOMEM, 0};
+    for (int i = 0; i < 5; i++) {
+        post_rc = rcs[i];
+        struct rdmaio_send sends[3];
+        struct rdmaio_rdma_op ops[2];
+        memset(sends, 0, sizeof sends);
+        memset(ops, 0, sizeof ops);
+        ops[0].opcode = IBV_WR_RDMA_READ;
+        ops[1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        int s = rdmaio_post_sends(&qp, sends, 3, &bad);
+        int bs = bad;
+        int r = rdmaio_post_rdma(&qp, ops, 2, &bad);
+        uint64_t remote[2] = {1, 2};
+        struct rdmaio_batch b;
+        memset(&b, 0, sizeof b);
+        b.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+        b.count = 2;
+        b.remote_addr = remote;
+        int t = rdmaio_post_batch(&qp, &b, &bad);
+        uint32_t slots[2] = {0, 1};
+        int v = rdmaio_post_recv_slots(&qp, 1, 0, 64, 0, slots, 2);
+        uint32_t rkey = 0;
+        int w = rdmaio_post_bind_mw(&qp, &the_mw, &mr, 0x1000, 0x2000, 7, 42, &rkey);
+        printf("rc=%d sends=%d bad=%d rdma=%d batch=%d recv=%d bind=%d\n", rcs[i], s, bs, r, t, v, w);
+    }
+    /* a successful bind: the fields reach the work request, the window gets a fresh key */
+    post_rc = 0;
+    uint32_t rkey = 0;
+    int w = rdmaio_post_bind_mw(&qp, &the_mw, &mr, 0x1000, 0x2000, 7, 42, &rkey);
+    printf("bind=%d opcode_ok=%d signalled=%d wr_id=%llu addr=%#llx len=%#llx access=%u mr_ok=%d rkey=%#x "
+           "wr_rkey=%#x\n", w, last_wr.opcode == IBV_WR_BIND_MW, !!(last_wr.send_flags & IBV_SEND_SIGNALED),
+           (unsigned long long)last_wr.wr_id, (unsigned long long)last_bind.addr,
+           (unsigned long long)last_bind.length, last_bind.mw_access_flags, last_bind.mr == &mr, rkey,
+           last_bind_rkey);
+    struct ibv_mw *out = NULL;
+    alloc_errno = 0;
+    int a = rdmaio_alloc_mw(&pd, &out);
+    alloc_errno = EOPNOTSUPP;
+    int a2 = rdmaio_alloc_mw(&pd, &out);
+    dealloc_rc = EBUSY;
+    int d = rdmaio_dealloc_mw(&the_mw);
+    dealloc_rc = 0;
+    int d2 = rdmaio_dealloc_mw(&the_mw);
+    printf("alloc=%d same=%d unsupported=%d dealloc_busy=%d dealloc=%d\n", a, out == &the_mw, a2, d, d2);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def posts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return _build_and_run(tmp_path_factory.mktemp("posts"), "posts", POST_HARNESS).splitlines()
+
+
+@pytest.mark.parametrize(("line", "rc", "errno_"), [(0, -22, -22), (1, 22, -22), (2, -12, -12), (3, 12, -12)])
+def test_every_post_path_reports_the_providers_errno(
+    posts: list[str], line: int, rc: int, errno_: int
+) -> None:
+    # siw returns -EINVAL for an opcode it lacks, libibverbs documents a positive errno: both come back as
+    # -errno (rdmaio.verbs turns it into VerbsError(errno, call="ibv_post_send"/"ibv_post_recv")), not -EIO.
+    e = errno_
+    assert posts[line] == f"rc={rc} sends={e} bad=0 rdma={e} batch={e} recv={e} bind={e}", posts[line]
+
+
+def test_post_paths_succeed_with_their_counts(posts: list[str]) -> None:
+    assert posts[4] == "rc=0 sends=3 bad=-1 rdma=2 batch=2 recv=2 bind=0", posts[4]
+
+
+def test_a_window_bind_carries_its_fields_and_a_fresh_key(posts: list[str]) -> None:
+    assert posts[5] == (
+        "bind=0 opcode_ok=1 signalled=1 wr_id=42 addr=0x1000 len=0x2000 access=7 mr_ok=1 rkey=0x123400 "
+        "wr_rkey=0x123400"
+    ), posts[5]
+
+
+def test_window_allocation_and_release_report_the_providers_errno(posts: list[str]) -> None:
+    assert posts[6] == "alloc=0 same=1 unsupported=-95 dealloc_busy=-16 dealloc=0", posts[6]

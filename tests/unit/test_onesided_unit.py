@@ -37,8 +37,8 @@ RECV = int(rdmaio.verbs.WcOpcode.RECV)
 class FakeRegion:
     next_key = 0x100
 
-    def __init__(self, buffer: Any, access: int = 0) -> None:
-        self.cbuf = ffi.from_buffer(buffer, require_writable=True)
+    def __init__(self, buffer: Any, access: int = 0, readonly: bool = False) -> None:
+        self.cbuf = ffi.from_buffer(buffer, require_writable=not readonly)
         self.addr = int(ffi.cast("uintptr_t", self.cbuf))
         self.length = len(self.cbuf)
         FakeRegion.next_key += 1
@@ -47,6 +47,22 @@ class FakeRegion:
         self.closed = False
 
     def close(self) -> None:
+        self.closed = True
+
+
+class FakeWindow:
+    """A type 2 window bound on the fake QP: its bind is pending until the test completes it."""
+
+    def __init__(self, region: FakeRegion, wr_id: int, access: int) -> None:
+        self.region = region
+        self.wr_id = wr_id
+        self.access = access
+        FakeRegion.next_key += 1
+        self.rkey = FakeRegion.next_key
+        self.closed = False
+
+    def close(self) -> None:
+        assert not self.region.closed, "a window must be freed before its region is deregistered"
         self.closed = True
 
 
@@ -137,6 +153,8 @@ class Rig:
         peer_onesided: bool = True,
         notice_limit: int = 64,
         poll: Callable[[], None] | None = None,
+        windows: bool = True,
+        max_revoked_ranges: int = 4096,
     ) -> None:
         self.qp = FakeQP()
         self.reposted: list[int] = []
@@ -145,6 +163,8 @@ class Rig:
         self.grants: list[FakeRegion] = []
         self.cached: list[FakeRegistration] = []
         self.failures: list[BaseException] = []
+        self.windows: list[FakeWindow] = []
+        self.reaps = 0  # polls asked for by export() to free bind entries
         self.poll = poll
         self.polled_for: list[int] = []
         self.engine = OneSidedEngine(
@@ -163,7 +183,28 @@ class Rig:
             notice_limit=notice_limit,
             repost=self.reposted.append,
             post_polled=None if poll is None else self._post_polled,
+            register_bindable=self._bindable,
+            bind_window=self._bind if windows else None,
+            poll=self._reap,
+            max_revoked_ranges=max_revoked_ranges,
         )
+
+    def _bindable(self, view: memoryview, readonly: bool) -> FakeRegion:
+        region = FakeRegion(view, access=-1, readonly=readonly)  # -1: MW_BIND only, no remote flags
+        self.grants.append(region)
+        return region
+
+    def _bind(self, region: FakeRegion, wr_id: int, access: int) -> FakeWindow:
+        self.windows.append(FakeWindow(region, wr_id, access))
+        return self.windows[-1]
+
+    def _reap(self) -> None:
+        self.reaps += 1
+
+    def complete_binds(self, status: int = 0) -> None:
+        """Complete every window bind posted so far (as their completions would, through the CQ)."""
+        for window in self.windows:
+            self.engine.on_completion(window.wr_id, status)
 
     def _post_polled(self, count: int, wr_id: int) -> bool:
         # Post, then the tests' poll completes what it finds through on_completion, as the dispatcher
@@ -275,12 +316,12 @@ def test_export_registers_exactly_the_range_with_its_access(arun: Run) -> None:
     async def main() -> None:
         rig = Rig()
         buf = bytearray(10000)
-        k = rig.engine.export(buf, 100, 900, access="ra")
+        k = rig.engine.export(buf, 100, 900, access="ra", scope="domain")
         region = rig.grants[-1]
         assert region.length == 900 and region.access == ACCESS_READ | ACCESS_ATOMIC
         assert k.addr == region.addr == int(ffi.cast("uintptr_t", ffi.from_buffer(buf))) + 100
         assert (k.length, k.access, k.rkey) == (900, "ra", region.rkey)
-        k2 = rig.engine.export(buf)  # whole buffer, "rw"
+        k2 = rig.engine.export(buf, scope="domain")  # whole buffer, "rw"
         assert k2.length == 10000 and k2.access == "rw" and k2.key_id != k.key_id
         for bad in ((0, 0), (0, 10001), (10000, 1), (-1, 5)):
             with pytest.raises(ValueError):
@@ -659,6 +700,7 @@ def test_a_peer_without_the_onesided_feature(arun: Run) -> None:
         await writing
         # revoke: no REVOKE message (the peer would fail on it); deregistering alone revokes at the NIC.
         own = rig.engine.export(bytearray(64))
+        rig.complete_binds()
         await asyncio.wait_for(rig.engine.revoke(own), 1)
         assert rig.grants[-1].closed and len(rig.qp.posted) == 1
 
@@ -682,6 +724,7 @@ def test_revoke_handshake_both_sides(arun: Run) -> None:
     async def main() -> None:
         exporter, importer = Rig(), Rig()
         k = exporter.engine.export(bytearray(64))
+        exporter.complete_binds()
         revoking = asyncio.ensure_future(exporter.engine.revoke(k))
         await settle()
         wr = exporter.qp.posted[-1]
@@ -710,6 +753,7 @@ def test_revoke_deregisters_even_when_cancelled(arun: Run) -> None:
     async def main() -> None:
         rig = Rig()
         k = rig.engine.export(bytearray(64))
+        rig.complete_binds()
         t = asyncio.ensure_future(rig.engine.revoke(k))
         await settle()
         t.cancel()
