@@ -112,7 +112,8 @@ class Options:
     a send beyond it is copied (eager), as when the device's budget (half of ``max_pinned``) is used up.
     None: half of what the other connections leave free of the device's budget (``max_pinned // 2``): a
     quarter of ``max_pinned`` on an idle device (64 MiB by default), and peers which hold sends unanswered
-    never take the whole budget from the other connections. 0 turns rendezvous sends off on this connection."""
+    never take the whole budget from the other connections. 0 turns rendezvous sends off on this
+    connection."""
     # --- connection establishment and shared-receive leases (server side) ---
     establish_timeout: float = 10.0
     """Seconds a server keeps a connection it accepted (its receives posted, its QP created, its SRQ lease
