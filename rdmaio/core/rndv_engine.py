@@ -2,11 +2,13 @@
 
 The protocol and the per-message states are :mod:`rdmaio.protocol.rendezvous`'s; this module does the I/O:
 
-* **Send** (:meth:`RendezvousEngine.send`): the caller's buffer is registered for remote READ as its own
-  memory region for this transfer only (never through the registration cache: an rkey is valid on every
-  queue pair of the protection domain, so a remotely readable region must not outlive its transfer), its
-  size is counted against the connection's share (``Options.rndv_send_budget``, by default
-  ``max_pinned // SEND_SHARE``) and the Domain cache's ``max_pinned`` (:meth:`RegistrationCache.try_reserve`;
+* **Send** (:meth:`RendezvousEngine.send`): the caller's buffer is registered as its own memory region for
+  this transfer only (never through the registration cache: a remotely readable region must not outlive
+  its transfer) and made readable through this connection's queue pair only, by a type 2 memory window
+  (:meth:`rdmaio.core.onesided.OneSidedEngine.export_for_read`; on a device without windows the message
+  is copied instead); its size is counted against the connection's share (``Options.rndv_send_budget``,
+  by default half of what the other connections leave free, :data:`SEND_SHARE`) and the Domain cache's
+  ``max_pinned`` (:meth:`RegistrationCache.try_reserve`;
   over either bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in
   the send engine's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's
   DONE, at most ``Options.rndv_timeout``: then it cancels itself as a cancelled ``send()`` does (so the
