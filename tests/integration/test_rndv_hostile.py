@@ -6,8 +6,8 @@ connection's share of the device's rendezvous budget."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from hostile import (
     record_rndv_answers,
 )
 from loops import Runner, arun  # arun is a fixture used by name
+from traffic import endpoint_pair
 
 import rdmaio
 from rdmaio.protocol.rxbuffer import PLACEHOLDER_CHARGE
@@ -29,29 +30,11 @@ OPTIONS: dict[str, Any] = {"rndv_threshold": 64 * 1024, "max_message_size": 80 *
 PATTERN = bytes(range(256)) * 4096  # 1 MiB
 
 
-@asynccontextmanager
-async def pair(
+def pair(
     addr: str, server_options: dict[str, Any] | None = None, **options: Any
-) -> AsyncIterator[tuple[rdmaio.Endpoint, rdmaio.Endpoint]]:
-    """(server side, client side) of one connection on this asyncio loop."""
-    accepted: asyncio.Queue[rdmaio.Endpoint] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def handler(ep: rdmaio.Endpoint) -> None:
-        await accepted.put(ep)
-        await done.wait()
-
-    opts = {**OPTIONS, **options}
-    server = await rdmaio.serve(handler, addr, 0, options={**opts, **(server_options or {})})
-    async with server:
-        client = await rdmaio.connect(addr, server.addresses[0][1], timeout=30, options=opts)
-        served = await asyncio.wait_for(accepted.get(), 30)
-        try:
-            yield served, client
-        finally:
-            client.abort()
-            served.abort()
-            done.set()
+) -> AbstractAsyncContextManager[tuple[rdmaio.Endpoint, rdmaio.Endpoint]]:
+    """(server side, client side) of one connection with this module's options (and ``options``)."""
+    return endpoint_pair(addr, {**OPTIONS, **options}, server_options)
 
 
 async def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:  # noqa: ASYNC109

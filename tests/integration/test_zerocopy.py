@@ -9,8 +9,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ import trio
 from loops import Runner, arun  # arun is a fixture used by name
 from peer_process import peer_process, wait_ready
 from rdma_state import rdma_resources
+from traffic import endpoint_pair
 
 import rdmaio
 from rdmaio._ffi import lib
@@ -32,29 +32,11 @@ def digest(data: Any) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@asynccontextmanager
-async def pair(
+def pair(
     addr: str, server_options: dict[str, Any] | None = None, **options: Any
-) -> AsyncIterator[tuple[rdmaio.Endpoint, rdmaio.Endpoint]]:
-    """(server side, client side) of one connection on this asyncio loop."""
-    accepted: asyncio.Queue[rdmaio.Endpoint] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def handler(ep: rdmaio.Endpoint) -> None:
-        await accepted.put(ep)
-        await done.wait()
-
-    opts = {**OPTIONS, **options}
-    server = await rdmaio.serve(handler, addr, 0, options={**opts, **(server_options or {})})
-    async with server:
-        client = await rdmaio.connect(addr, server.addresses[0][1], timeout=30, options=opts)
-        served = await asyncio.wait_for(accepted.get(), 30)
-        try:
-            yield served, client
-        finally:
-            client.abort()
-            served.abort()
-            done.set()
+) -> AbstractAsyncContextManager[tuple[rdmaio.Endpoint, rdmaio.Endpoint]]:
+    """(server side, client side) of one connection with this module's options (and ``options``)."""
+    return endpoint_pair(addr, {**OPTIONS, **options}, server_options)
 
 
 def sizes(rng: random.Random, count: int, largest: int) -> list[int]:
