@@ -1,6 +1,6 @@
 """Endpoint: one RDMA connection with a message API and an asyncio-streams-style byte API.
 
-This class is the public front; the work is done below it (issue 10: one job per class):
+This class is the public front; the work is done below it, one job per class:
 :class:`rdmaio.core.connection.Connection` owns the verbs resources, the protocol session, the send engine,
 the receive buffer and the one-sided and rendezvous engines, processes completions, posts, and handles the
 connection's lifetime and events; :class:`rdmaio.core.writer.Writer` does the send calls and
@@ -247,7 +247,7 @@ class Endpoint:
         # A strong reference to this endpoint, dropped at teardown (as the reactor's to the endpoint was).
         self._conn.add_close_callback(lambda: callback(self))
 
-    # --- one-sided RDMA (issue 11; the work is rdmaio.core.onesided.OneSidedEngine's) -----------------
+    # --- one-sided RDMA (the work is rdmaio.core.onesided.OneSidedEngine's) ---------------------------
 
     def export(
         self,

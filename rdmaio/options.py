@@ -93,7 +93,7 @@ class Options:
     detected within ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (23.8 s
     with the defaults). A busy connection sends no probes."""
     shared_receive_queue: bool = False
-    """Take receives from one shared receive queue per device and loop (issue 10) instead of a receive
+    """Take receives from one shared receive queue per device and loop instead of a receive
     ring per connection: idle connections pin no receive buffers of their own, and credits are lent from
     the shared pool so that a SEND still never meets an empty queue (docs/protocol.md, "Shared receive
     queue and credits"). Every connection of a device must then use the same ``slot_size``."""

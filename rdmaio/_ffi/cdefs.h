@@ -43,7 +43,7 @@ int ibv_query_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask,
                  struct ibv_qp_init_attr *init_attr);
 int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask);
 
-/* shared receive queues (issue 10; rdmaio/verbs/srq.py) */
+/* shared receive queues (rdmaio/verbs/srq.py) */
 struct ibv_srq_attr { uint32_t max_wr; uint32_t max_sge; uint32_t srq_limit; };
 struct ibv_srq_init_attr { void *srq_context; struct ibv_srq_attr attr; };
 #define IBV_SRQ_MAX_WR ...
@@ -198,7 +198,7 @@ int rdmaio_get_async_event(struct ibv_context *context, int *event_type, uint32_
 int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_storage *out);
 int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port);
 
-/* ---- one-sided operations (issue 11; helper.c's last section) ------------------------------------ */
+/* ---- one-sided operations (helper.c's last section) ---------------------------------------------- */
 static const int IBV_ACCESS_REMOTE_ATOMIC;
 static const int IBV_ACCESS_MW_BIND;
 static const int IBV_WR_ATOMIC_CMP_AND_SWP;

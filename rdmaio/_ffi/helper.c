@@ -267,7 +267,7 @@ static int post_recvs(struct ibv_qp *qp, const uint32_t *lkeys, uint32_t lkey, u
     return post_recvs_to(qp, NULL, lkeys, lkey, base, slot_size, wr_id_base, slots, count);
 }
 
-/* Shared receive queue (issue 10): one receive per slot of a ring registered chunk by chunk
+/* Shared receive queue: one receive per slot of a ring registered chunk by chunk
  * (lkeys[slot]); ibv_post_srq_recv is static inline in verbs.h, hence this wrapper. */
 int rdmaio_post_srq_recv_ring(struct ibv_srq *srq, const uint32_t *lkeys, uint64_t base,
                               uint32_t slot_size, uint64_t wr_id_base, const uint32_t *slots, int count)
@@ -460,7 +460,7 @@ int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen
     return -EAFNOSUPPORT;
 }
 
-/* ---- one-sided operations (issue 11) ------------------------------------------------------------ */
+/* ---- one-sided operations ----------------------------------------------------------------------- */
 
 static void fill_rdma(const void *requests, int index, struct ibv_send_wr *wr, struct ibv_sge *sge)
 {

@@ -95,7 +95,7 @@ int rdmaio_sockaddr_from_string(const char *ip, uint16_t port, struct sockaddr_s
 int rdmaio_sockaddr_to_string(const struct sockaddr *addr, char *buf, int buflen, uint16_t *port);
 int rdmaio_req_notify(struct ibv_cq *cq);
 
-/* ---- one-sided operations (issue 11) ------------------------------------------------------------
+/* ---- one-sided operations -----------------------------------------------------------------------
  * Kept apart from the SEND path above: one-sided work requests have their own scratch array in Python
  * (so they never clobber frames the send engine has staged but not yet posted) and carry the fields
  * only READ/WRITE/atomics need. */

@@ -1,4 +1,4 @@
-/* rdmaio one-sided helpers (issue 11): device and QP queries that call exported libibverbs functions.
+/* rdmaio one-sided helpers: device and QP queries that call exported libibverbs functions.
  * Kept out of helper.c so that helper.c links against the few stubs of tests/unit/test_helper_c.py.
  * Return convention as helper.c: 0 success, -errno on failure. */
 #include <errno.h>

@@ -351,7 +351,7 @@ class Bench:
         coro: Coroutine[Any, Any, Sample]
         if workload is Workload.MEMORY:
             coro = self._memory(int(port), run.amount)
-        elif workload in ONESIDED_WORKLOADS:  # issue 11: rdmaio.bench.onesided
+        elif workload in ONESIDED_WORKLOADS:  # one-sided: rdmaio.bench.onesided
             coro = measure_onesided(
                 self.s.host, int(port), workload, run.size, run.amount, self.s.budget.time_cap
             )

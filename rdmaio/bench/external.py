@@ -388,7 +388,7 @@ def run_external(
         time.sleep(1.0)
     assert last is not None
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # Both processes of the pair were waited for: their CPU time is in RUSAGE_CHILDREN (zero-copy, issue 12).
+    # Both processes of the pair were waited for: their CPU time is in RUSAGE_CHILDREN (zero-copy).
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if not last.ok:
         failure = Sample.failure("; ".join(errors), raw=_tail(last.client_out + last.server_out))
@@ -462,7 +462,7 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
             ),
             raw=raw,
         )
-    elif contender in ONESIDED_TOOLS:  # issue 11: ib_read_bw, ib_atomic_bw, ib_read_lat
+    elif contender in ONESIDED_TOOLS:  # one-sided: ib_read_bw, ib_atomic_bw, ib_read_lat
         parsed = parse_onesided_tool(contender, size, out, raw)
         missing = [str(w) for w in workloads if w not in parsed]
         if missing:

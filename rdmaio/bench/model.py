@@ -60,7 +60,7 @@ class Workload(StrEnum):
     MEMORY = "memory"
     """Registered bytes and RSS growth per idle connection, server and client side (lower is better)."""
     RDMA_WRITE = "rdma_write"
-    """One-sided RDMA WRITE bandwidth, several in flight (issue 11; :mod:`rdmaio.bench.onesided`): bytes/s."""
+    """One-sided RDMA WRITE bandwidth, several in flight (:mod:`rdmaio.bench.onesided`): bytes/s."""
     RDMA_READ = "rdma_read"
     """One-sided RDMA READ bandwidth, several in flight: bytes/s."""
     FETCH_ADD = "fetch_add"

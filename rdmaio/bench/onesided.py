@@ -1,4 +1,4 @@
-"""The one-sided workloads of ``python -m rdmaio bench`` (issue 11): ``--only onesided``.
+"""The one-sided workloads of ``python -m rdmaio bench``: ``--only onesided``.
 
 Four workloads, each compared in the same run with the perftest tool that does the same thing:
 
@@ -91,7 +91,7 @@ ONESIDED_TARGETS: tuple[tuple[str, str, Workload, int, str, str, float], ...] = 
     ("read_lat_64b_vs_ib_read_lat", "rdma_read 64 B p50 round trip", Workload.READ_LAT, READ_LAT_SIZE,
      "ib_read_lat", "<=", 3.0),
 )  # fmt: skip
-"""(key, description, workload, size, perftest tool, op, target) of issue 11."""
+"""(key, description, workload, size, perftest tool, op, target) of each one-sided ratio."""
 
 
 _ATOMIC = (Workload.FETCH_ADD, Workload.FETCH_ADD_MANY)
@@ -364,7 +364,7 @@ def perftest_bw_sample(out: str, size: int, raw: str) -> Sample:
 
 
 def onesided_ratios(figures: Mapping[tuple[str, Workload, int], Any], loops: Sequence[str]) -> list[Any]:
-    """The issue 11 targets for rdmaio on each of ``loops``: rdmaio's figure over the perftest tool's."""
+    """The one-sided targets for rdmaio on each of ``loops``: rdmaio's figure over the perftest tool's."""
     from rdmaio.bench.report import _pair_ratio  # report imports this module lazily, in key_ratios
 
     ratios = []

@@ -71,7 +71,7 @@ __all__ = [
 READ_SIZE = 1 << 20
 """Bytes asked for per ``read()`` by the stream receivers (rdmaio and TCP alike)."""
 ZERO_COPY_SIZE = 64 * 1024
-"""The message workload's server receives messages of at least this size with ``recv_into`` (issue 12)."""
+"""The message workload's server receives messages of at least this size with ``recv_into`` (zero-copy)."""
 SEND_WINDOW = int(os.environ.get("RDMAIO_BENCH_SEND_WINDOW", "4"))
 """``send()`` calls (``RDMAIO_BENCH_SEND_WINDOW``, default 4) the message workload's rdmaio client keeps in
 flight for messages that go by rendezvous (at least ``Options.rndv_threshold``): such a ``send()`` returns
@@ -165,7 +165,7 @@ async def _rdmaio_handler(ep: rdmaio.Endpoint) -> None:
                 await send(message)
                 count += 1
             result["messages"] = count
-        elif workload in ONESIDED_WORKLOADS:  # issue 11; imported here: that module imports this one
+        elif workload in ONESIDED_WORKLOADS:  # one-sided; imported here: that module imports this one
             from rdmaio.bench.onesided import serve_onesided
 
             result.update(await serve_onesided(ep, spec))

@@ -44,11 +44,11 @@ KiB = 1024
 MiB = 1024 * KiB
 LOOPS = ("asyncio", "uvloop")
 SETUP_TARGET = 0.5
-"""rdmaio's setup rate over the native rdma_cm loop's (issue 10)."""
+"""rdmaio's setup rate over the native rdma_cm loop's, at least."""
 MEMORY_TARGET_KIB = 256.0
-"""Registered memory per idle connection and side, at most (issue 10)."""
+"""Registered memory per idle connection and side, at most."""
 MEMORY_RSS_TARGET_KIB = 512.0
-"""RSS growth per idle connection and side, at most (issue 10)."""
+"""RSS growth per idle connection and side, at most."""
 
 FigureKey = tuple[str, Workload, int]
 Figures = Mapping[FigureKey, Figure]
@@ -252,7 +252,7 @@ def uvloop_speedups(figures: Figures) -> list[dict[str, Any]]:
 
 
 def key_ratios(figures: Figures) -> list[Ratio]:
-    """The headline ratios of the issue, each with its target, for both loops."""
+    """The headline ratios, each with its target, for both loops."""
     ratios: list[Ratio] = []
     S, M, E = Workload.STREAM, Workload.MESSAGE, Workload.ECHO
     ib_bw = ("ib_send_bw", "ib_write_bw", "ib_read_bw")
@@ -272,7 +272,7 @@ def key_ratios(figures: Figures) -> list[Ratio]:
                     0.95,
                 )
             )
-        for size, tag in ((MiB, "1m"), (16 * MiB, "16m")):  # zero-copy (issue 12): rendezvous messages
+        for size, tag in ((MiB, "1m"), (16 * MiB, "16m")):  # zero-copy: rendezvous messages
             ratios.append(
                 _pair_ratio(
                     figures,
@@ -374,7 +374,7 @@ def key_ratios(figures: Figures) -> list[Ratio]:
             )
         )
         ratios.extend(memory_ratios(figures, loop))
-    # Issue 11's one-sided targets; imported here because that module uses this one's _pair_ratio.
+    # The one-sided targets; imported here because that module uses this one's _pair_ratio.
     from rdmaio.bench.onesided import onesided_ratios
 
     ratios.extend(onesided_ratios(figures, LOOPS))

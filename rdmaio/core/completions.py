@@ -187,7 +187,7 @@ class CompletionDispatcher:
         self._next_tag = 1
         self._stash: dict[int, list[Any]] = {}  # key -> copies of records that came before the handler
         self._replay: set[int] = set()  # keys whose handler is set and whose stash is not delivered yet
-        # Shared receive queue (issue 10): a receive posted on an SRQ carries the SRQ's tag, not a
+        # Shared receive queue: a receive posted on an SRQ carries the SRQ's tag, not a
         # connection's, so each QP on it registers an alias key (qp_num, srq tag); completions of a key
         # without a live handler go to the tag's orphan handler (their buffers must go back to the SRQ).
         self._aliases: set[int] = set()

@@ -125,8 +125,8 @@ class Connection:
             stats=self.stats,
             tag=transport.tag or 0,  # sharedcq: the connection tag of the send wr_ids
         )
-        self.onesided = OneSidedEngine.for_connection(self, transport, session, options)  # issue 11
-        self.rndv = RendezvousEngine.for_connection(self, transport, options)  # issue 12 (None: not used)
+        self.onesided = OneSidedEngine.for_connection(self, transport, session, options)  # one-sided RDMA
+        self.rndv = RendezvousEngine.for_connection(self, transport, options)  # zero-copy (None: not used)
         self.flush_handle: Handle | None = None  # the end-of-iteration flush of coalesced writes
         self._post_handle: Handle | None = None
         self._close_timer: Handle | None = None  # bounds a graceful close (Options.close_timeout)
@@ -185,10 +185,10 @@ class Connection:
         stats["send_waiters"] = len(self.tx_waiters)
         stats["send_buffered"] = self.tx.buffered
         stats["keepalive_probes"] = self._keepalive.probes_sent
-        stats.update(self.onesided.statistics())  # issue 11: pending ops, grants, queued notices
+        stats.update(self.onesided.statistics())  # one-sided: pending ops, grants, queued notices
         for key, value in self.session.statistics().items():
             stats[f"protocol_{key}"] = value
-        if self.rndv is not None:  # zero-copy (issue 12)
+        if self.rndv is not None:  # zero-copy
             stats.update(self.rndv.statistics())
         return stats
 
@@ -416,8 +416,8 @@ class Connection:
         if self.generation == verbs.fork_generation():  # not forked
             self._release_verbs()
         self.session.mark_closed()
-        self.onesided.close(self.session.flush_error())  # one-sided (issue 11): the QP is gone now
-        if self.rndv is not None:  # zero-copy (issue 12): after the QP, so no READ runs any more
+        self.onesided.close(self.session.flush_error())  # one-sided: the QP is gone now
+        if self.rndv is not None:  # zero-copy: after the QP, so no READ runs any more
             self.rndv.close(self.session.flush_error())
         self.wake_reader()
         self.wake_writers()

@@ -34,9 +34,9 @@ _DATA_MORE = FrameKind.DATA_MORE
 _DATA_END = FrameKind.DATA_END
 _DATA_BATCH = FrameKind.DATA_BATCH
 _EOF = FrameKind.EOF
-_RNDV = FrameKind.RNDV  # zero-copy (issue 12): a rendezvous descriptor, handled by rdmaio.core.rndv_engine
-_RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided (issue 11): a write notice
-_WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided (issue 11): a receive without it is a control message
+_RNDV = FrameKind.RNDV  # zero-copy: a rendezvous descriptor, handled by rdmaio.core.rndv_engine
+_RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided: a write notice
+_WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided: a receive without it is a control message
 # What _on_receive() reports about one receive completion (bits).
 _GOT_DATA = 1  # a reader may have something new: wake it
 _DATA_FRAME = 2  # a data frame consumed a credit (counts towards growing the receive window)
@@ -88,7 +88,7 @@ class CompletionProcessor:
             wc = records[i]
             if wc.status:
                 only_onesided = False
-                if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided (issue 11)
+                if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided
                     self._onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
                 self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
                 if self._conn.torn_down:
@@ -103,7 +103,7 @@ class CompletionProcessor:
                     data_frames += 1
             else:
                 op_kind = wc.wr_id >> WR_KIND_SHIFT
-                if op_kind == WR_KIND_ONESIDED:  # one-sided (issue 11)
+                if op_kind == WR_KIND_ONESIDED:  # one-sided
                     self._onesided.on_completion(int(wc.wr_id), 0)
                     continue
                 only_onesided = False
@@ -126,7 +126,7 @@ class CompletionProcessor:
         length = wc.byte_len
         off = slot * self._slot_size
         recv_view = self._recv_view
-        if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided (issue 11)
+        if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided
             view = recv_view[off : off + length]
             if self._onesided.on_recv(wc.opcode, wc.imm_data, length, view, slot):
                 repost.append(slot)  # else held: write-notice back-pressure
@@ -150,7 +150,7 @@ class CompletionProcessor:
             outcome |= _GOT_DATA
         elif kind == _DATA_MORE:
             rxbuf.add_fragment(bytes(recv_view[off : off + length]))
-        elif kind == _RNDV:  # zero-copy (issue 12): a placeholder now, the data is pulled later
+        elif kind == _RNDV:  # zero-copy: a placeholder now, the data is pulled later
             assert self._rndv is not None  # on_frame refuses RNDV frames unless negotiated
             self._rndv.on_request(recv_view[off : off + length])
             # The announced bytes count against the limit: past it the slot is held as a data frame's
@@ -174,7 +174,7 @@ class CompletionProcessor:
         if repost:
             self._transport.post_receives(repost)
             session.on_recv_reposted(len(repost))
-        self._onesided.pump()  # one-sided (issue 11): credits may have arrived
+        self._onesided.pump()  # one-sided: credits may have arrived
         if (
             data_frames
             and session.can_grow

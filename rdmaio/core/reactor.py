@@ -278,7 +278,7 @@ class Reactor:
         elif etype == verbs.EVENT_DEVICE_FATAL:
             self.device_removed(device)
             return
-        elif etype == verbs.EVENT_SRQ_LIMIT_REACHED:  # shared receive queue (issue 10): a growth hint
+        elif etype == verbs.EVENT_SRQ_LIMIT_REACHED:  # shared receive queue: a growth hint
             domain = self._domains.get(device.handle)
             pool = domain.shared_receive if domain is not None else None
             if pool is not None and not pool.closed and pool.srq.handle == event.obj:

@@ -3,7 +3,7 @@
 The peer's messages form an ordered sequence in the connection's receive buffer
 (:mod:`rdmaio.protocol.rxbuffer`); ``recv()`` returns the next one and the stream reads see the same data as
 one byte stream. Every read call takes its data only once it can return: a cancelled read consumes nothing.
-Rendezvous messages (issue 12) are placeholders until pulled by :mod:`rdmaio.core.rndv_engine`. The public
+Rendezvous (zero-copy) messages are placeholders until pulled by :mod:`rdmaio.core.rndv_engine`. The public
 docstrings are :class:`rdmaio.Endpoint`'s; this class is internal.
 """
 
@@ -47,7 +47,7 @@ class Reader:
             if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
                 break
             assert self._conn.rndv is not None
-            await self._conn.rndv.take_head(None)  # zero-copy (issue 12): pulled, then popped as any message
+            await self._conn.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
         data = rxbuf.pop_message()
         self._after_read()
         return data
@@ -62,7 +62,7 @@ class Reader:
             if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
                 break
             assert self._conn.rndv is not None
-            n = await self._conn.rndv.take_head(target)  # zero-copy (issue 12): READ straight into target
+            n = await self._conn.rndv.take_head(target)  # zero-copy: READ straight into target
             if n is not None:
                 self._after_read()
                 return n
@@ -93,7 +93,7 @@ class Reader:
         buffer's limit), else wait for more data. False if no more will ever come (EOF)."""
         if self._rxbuf.pending:
             assert self._conn.rndv is not None
-            await self._conn.rndv.pull_for(need)  # zero-copy (issue 12)
+            await self._conn.rndv.pull_for(need)  # zero-copy
             return True
         return await self._wait_more()
 
@@ -102,7 +102,7 @@ class Reader:
         if self._rxbuf.held:
             self._conn.repost_released()
         if self._rxbuf.pending and self._conn.rndv is not None:
-            self._conn.rndv.kick()  # zero-copy (issue 12): pulls held back by the buffer's limit may go now
+            self._conn.rndv.kick()  # zero-copy: pulls held back by the buffer's limit may go now
 
     # --- the byte stream ----------------------------------------------------------------------------
     # The stream reads see the bytes before the first message announced and not pulled yet (rxbuf.ready);

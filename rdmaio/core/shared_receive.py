@@ -1,4 +1,4 @@
-"""The shared receive queue of a Domain (``Options(shared_receive_queue=True)``, issue 10).
+"""The shared receive queue of a Domain (``Options(shared_receive_queue=True)``).
 
 One :class:`SharedReceivePool` per Domain (device and loop), created by the first connection that asks for
 it (:func:`shared_pool`): an SRQ, one :class:`~rdmaio.core.rings.SlotRing` of receive buffers registered

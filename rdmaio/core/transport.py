@@ -56,7 +56,7 @@ class Transport:
         self.slot_size = options.slot_size
         self.recv_depth = options.recv_depth
         self.send_depth = options.send_depth
-        self.max_rdma_ops = options.max_rdma_ops  # one-sided ops in flight (issue 11)
+        self.max_rdma_ops = options.max_rdma_ops  # one-sided ops in flight
         self.domain = reactor.domain(device)
         self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
         # --- shared CQ (sharedcq): the CQ is the domain's; this connection reserves its entries on it.
@@ -68,7 +68,7 @@ class Transport:
         # The rings' memory comes from (and goes back to) the domain's pool: no registration per connection
         # while connections come and go (rdmaio.core.rings).
         pool = self.domain.rings
-        # Shared receive queue (issue 10): receives come from the Domain's SRQ; the ring is the pool's.
+        # Shared receive queue: receives come from the Domain's SRQ; the ring is the pool's.
         self.shared: SharedMember | None = None
         if options.shared_receive_queue:
             shared = shared_pool(self.domain, options, reactor.backend.call_later)
@@ -151,7 +151,7 @@ class Transport:
                     self.pd,
                     self.cq,
                     self.cq,
-                    # + one-sided ops (issue 11), +1 the keepalive probe (rdmaio.core.keepalive), + the
+                    # + one-sided ops, +1 the keepalive probe (rdmaio.core.keepalive), + the
                     # memory-window binds of exports, which take no one-sided op slot
                     max_send_wr=self.send_depth + options.max_rdma_ops + 1 + MAX_BINDS_IN_FLIGHT,
                     max_recv_wr=self.recv_depth,

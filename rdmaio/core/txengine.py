@@ -107,7 +107,7 @@ class SendEngine:
         tag: int = 0,
     ) -> None:
         self.session = session
-        # Shared receive queues (issue 10): a session that answers RECLAIM, or sends it, stages those frames.
+        # Shared receive queues: a session that answers RECLAIM, or sends it, stages those frames.
         self._reclaim = session if isinstance(session, ReclaimSession) and session.reclaim else None
         self._qp = qp
         self._sends = qp.send_array
@@ -385,7 +385,7 @@ class SendEngine:
             self._fill_slotless(wr, count, b"", session.take_credit_frame())
             self._stats["credit_frames"] += 1
         elif self._reclaim is not None and (imm := self._reclaim_frame()) is not None:
-            self._fill_slotless(wr, count, b"", imm)  # shared receive queues (issue 10): RETURN or RECLAIM
+            self._fill_slotless(wr, count, b"", imm)  # shared receive queues: RETURN or RECLAIM
         else:
             return count
         return count + 1

@@ -56,7 +56,7 @@ class Writer:
         conn = self._conn
         size = view.nbytes
         if conn.rndv is not None and size >= conn.rndv.threshold and await conn.rndv.send(view):
-            return  # zero-copy (issue 12): the peer pulled it; False: no room to pin it, sent eagerly
+            return  # zero-copy: the peer pulled it; False: no room to pin it, sent eagerly
         tx = self._tx
         if size <= tx.batch_limit:
             if self._queue_batched(view, size):

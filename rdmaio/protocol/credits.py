@@ -250,7 +250,7 @@ class SendCredits(CloseState):
         # The last credit is reserved so that a CREDIT/EOF frame can always be sent.
         raise RuntimeError(f"no credit for a DATA frame (send_credits={self._send_credits}, need {needed})")
 
-    # -- one-sided operations (issue 11) ------------------------------------------------------------------
+    # -- one-sided operations -----------------------------------------------------------------------------
     # An RDMA WRITE with immediate data and a one-sided control message (a SEND without immediate data)
     # consume one of the peer's posted receives exactly as a frame does, so they are paid for with a
     # credit like one. They grant nothing (their immediate value belongs to the user, or there is none), and

@@ -1,6 +1,6 @@
 """Sans-IO rendezvous: the descriptor of a large message and the per-message states of both sides.
 
-Zero-copy large messages (issue 12). When both handshakes announce :data:`~rdmaio.protocol.FEATURE_RNDV`, a
+Zero-copy large messages. When both handshakes announce :data:`~rdmaio.protocol.FEATURE_RNDV`, a
 ``send()`` of at least ``Options.rndv_threshold`` bytes does not copy the message into send slots. The
 sender registers the caller's buffer for remote READ (its own memory region, for this transfer only) and
 sends one RNDV frame whose payload is a :class:`Descriptor` (address, length, rkey, message id). The frame

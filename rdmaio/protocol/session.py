@@ -1,8 +1,8 @@
 """The :class:`Session` of one established connection: credit flow control, fragmentation accounting,
 the close state machine and the one-sided credit hooks (sans-IO).
 
-The work is split by job (issue 10): :mod:`rdmaio.protocol.credits` (sending: credits taken and granted),
-:mod:`rdmaio.protocol.intake` (receiving: frames validated and counted) and
+The work is split by job, one module each: :mod:`rdmaio.protocol.credits` (sending: credits taken and
+granted), :mod:`rdmaio.protocol.intake` (receiving: frames validated and counted) and
 :mod:`rdmaio.protocol.closestate` (the close state machine, as tables); this module assembles them with the
 fields, the properties and the statistics.
 """
@@ -97,7 +97,7 @@ class Session(SendCredits, FrameIntake):
         self._batch_frames_received = 0
         self._batched_messages_sent = 0
         self._batched_messages_received = 0
-        self._onesided_sent = 0  # peer receives consumed by our one-sided requests (issue 11)
+        self._onesided_sent = 0  # peer receives consumed by our one-sided requests
         self._onesided_received = 0
         self._min_send_credits = self._send_credits
 

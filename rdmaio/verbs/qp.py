@@ -90,7 +90,7 @@ class QueuePair(_Resource):
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"request {self._bad[0]} of {count}")
 
-    # one-sided operations (issue 11): a scratch array of their own, so that posting one never clobbers
+    # one-sided operations: a scratch array of their own, so that posting one never clobbers
     # the frames the send engine staged in send_array but has not posted yet.
     @property
     def rdma_array(self) -> Any:

@@ -129,7 +129,7 @@ def test_vanished_peer_on_trio(pair: Pair, record_property: Callable[[str, objec
 @pytest.mark.long
 @pytest.mark.timeout(180)
 def test_without_keepalive_idle_recv_stays_pending(pair: Pair) -> None:
-    """The control: keepalive off, the same fault goes unnoticed (what the issue reported)."""
+    """The control: keepalive off, the same fault goes unnoticed (the failure keepalive exists to catch)."""
     opts = rdmaio.Options(keepalive_interval=None, ack_timeout=16, retry_count=5)
     proc = peer(ECHO_SERVER, pair.b.addr)
     try:

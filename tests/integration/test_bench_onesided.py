@@ -1,6 +1,6 @@
 """``python -m rdmaio bench --only onesided`` end to end in the test host (a quick, one-repetition run).
 
-It checks that every one-sided workload runs against its perftest tool and that the issue 11 ratios are
+It checks that every one-sided workload runs against its perftest tool and that the one-sided ratios are
 computed from figures of the same run; it asserts no figure's value (the VM is noisy and shared).
 """
 

@@ -1,4 +1,4 @@
-"""Issue 9: the confirmed defects of the core, each as a program a user would write.
+"""The confirmed defects of the core, each as a program a user would write.
 
 Where the same program behaves well over TCP, it runs over TCP too (``transport="tcp"``) and must end the
 same way over RDMA. An Endpoint is its own reader and writer (``read*``/``write``/``drain``/``write_eof``),

@@ -1,4 +1,4 @@
-"""The per-device Domain and the per-loop event channel, on a real device (issue 10, first part)."""
+"""The per-device Domain and the per-loop event channel, on a real device."""
 
 from __future__ import annotations
 

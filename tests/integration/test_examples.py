@@ -54,7 +54,7 @@ def test_streams_echo_example_over_rdma(rdma_addr: str, loop_flag: list[str]) ->
 
 @pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
 def test_onesided_kv_example(rdma_addr: str, loop_flag: list[str]) -> None:
-    """One-sided KV store (issue 11): puts with compare_swap/fetch_add/rdma_write, gets with rdma_read, and
+    """One-sided KV store: puts with compare_swap/fetch_add/rdma_write, gets with rdma_read, and
     batched gets with rdma_read_many counting hits with fetch_add_many."""
     result = run_example(str(EXAMPLES / "onesided_kv.py"), rdma_addr, "--clients", "4", *loop_flag)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -77,7 +77,7 @@ def test_key_scope_example(rdma_addr: str, loop_flag: list[str]) -> None:
 
 @pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
 def test_zerocopy_transfer_example(rdma_addr: str, loop_flag: list[str]) -> None:
-    """Zero-copy (issue 12): large messages go by rendezvous into the receiver's buffer, digests match."""
+    """Zero-copy: large messages go by rendezvous into the receiver's buffer, digests match."""
     result = run_example(
         str(EXAMPLES / "zerocopy_transfer.py"), rdma_addr, "--sizes", "64K,1M,4M", *loop_flag
     )
@@ -90,7 +90,7 @@ def test_zerocopy_transfer_example(rdma_addr: str, loop_flag: list[str]) -> None
 
 
 def test_shared_receive_queue_example(rdma_addr: str) -> None:
-    """Shared receive queue (issue 10): 10 connections' echoes over one SRQ per device, digests match."""
+    """Shared receive queue: 10 connections' echoes over one SRQ per device, digests match."""
     result = run_example(
         str(EXAMPLES / "shared_receive_queue.py"), rdma_addr, "--clients", "10", "--messages", "60"
     )

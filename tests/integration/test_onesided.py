@@ -1,4 +1,4 @@
-"""One-sided RDMA (issue 11) in the test host: READ / WRITE / atomics, bounds, revocation, failures."""
+"""One-sided RDMA in the test host: READ / WRITE / atomics, bounds, revocation, failures."""
 
 from __future__ import annotations
 
@@ -562,7 +562,7 @@ def test_one_sided_on_trio(rdma_addr: str) -> None:
                 for _ in range(10):
                     nursery.start_soon(ep.fetch_add, key, 0, 3)
             assert int.from_bytes(buf[:8], sys.byteorder) == 30
-            # batches (issue 11) on trio: several tasks, waves of max_rdma_ops
+            # batches on trio: several tasks, waves of max_rdma_ops
             async with trio.open_nursery() as nursery:
                 for _ in range(4):
                     nursery.start_soon(ep.fetch_add_many, key, [0] * 40, 1)

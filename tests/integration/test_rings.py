@@ -1,4 +1,4 @@
-"""Growing slot rings on a real device: idle connections pin little, busy ones grow (issue 10, part 3)."""
+"""Growing slot rings on a real device: idle connections pin little, busy ones grow."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Many idle connections to one server, then all closed: nothing may be left behind (issue 10).
+"""Many idle connections to one server, then all closed: nothing may be left behind.
 
 The server runs in its own process (on uvloop; the client is on asyncio), so that each side's file
 descriptors and resident memory are its own. ``RDMAIO_SCALE_CONNS`` sets how many connections are held
-at once: 100 by default (CI's bounded form); the issue's acceptance figure is 1,000
+at once: 100 by default (CI's bounded form); the acceptance figure is 1,000
 (``RDMAIO_SCALE_CONNS=1000``), which the growing rings (256 KiB registered per idle connection and side)
 made fit the test host's memory; docs/benchmarks.md has that run's figures. The test refuses (fails,
 never skips) a count whose rings cannot fit in the machine's available memory, naming the figures.
@@ -287,7 +287,8 @@ def test_idle_connections_leak_no_memory(
         grown = after[f"{side}_rss"] - before[f"{side}_rss"]
         record_testsuite_property(f"{side}_rss_per_connection_kib", peak // CONNS >> 10)
         assert peak > CONNS * 64 * 1024  # the connections did cost memory: the check can see a leak
-        # The issue's bound: an idle connection grows its process's RSS by at most 512 KiB.
+        # The acceptance bound (the bench's MEMORY_RSS_TARGET_KIB): an idle connection grows its process's
+        # RSS by at most 512 KiB.
         assert peak <= CONNS * 512 * 1024, f"{side}: {peak // CONNS >> 10} KiB RSS per idle connection"
         # The first round may leave the allocators' retention behind, which grows with the peak (at
         # 1,000 connections the client kept 19 MiB of a 352 MiB peak); the second round must add nothing

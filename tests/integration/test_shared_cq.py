@@ -1,4 +1,4 @@
-"""Issue 10: the shared CQ of a Domain. Many connections on one loop share ONE completion channel fd and a
+"""The shared CQ of a Domain. Many connections on one loop share ONE completion channel fd and a
 pool of CQs; completions are dispatched by (qp_num << 24) | tag; a closed connection's late completions
 are dropped, never delivered to a new connection."""
 

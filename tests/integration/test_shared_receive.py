@@ -1,4 +1,4 @@
-"""Issue 10: Options(shared_receive_queue=True): every connection of a device and loop takes its receives
+"""Options(shared_receive_queue=True): every connection of a device and loop takes its receives
 from one SRQ, with credits lent from the shared pool (rdmaio.core.shared_receive). Both ends of each
 connection run in this process, so both draw from the same pool: 100 endpoints on one SRQ.
 

@@ -1,4 +1,4 @@
-"""Shared receive queues in the verbs layer (issue 10), run inside the test host on rxe.
+"""Shared receive queues in the verbs layer, run inside the test host on rxe.
 
 Two clients connect to one server whose two QPs take their receives from one SRQ; the SRQ's low-watermark
 event (``IBV_EVENT_SRQ_LIMIT_REACHED``) arrives on the device's async fd once the queue drains below the

@@ -1,4 +1,4 @@
-"""Zero-copy large messages (issue 12) in the test host: rendezvous send/recv/recv_into, cancellation,
+"""Zero-copy large messages in the test host: rendezvous send/recv/recv_into, cancellation,
 peer death, the registration bound and MR leaks."""
 
 from __future__ import annotations

@@ -517,7 +517,7 @@ def test_releasing_after_close_is_harmless() -> None:
     assert r.released
 
 
-# --- shared receive queue aliases (issue 10) ----------------------------------------------------------
+# --- shared receive queue aliases ---------------------------------------------------------------------
 
 
 def test_srq_alias_keeps_until_the_handler_is_set_and_orphans_go_to_the_tag_handler() -> None:

@@ -271,7 +271,7 @@ def test_write_eof_is_read_as_eof_and_close_tears_both_sides_down(
 def test_close_needs_no_task_and_a_close_the_peer_never_acknowledges_ends_at_close_timeout(
     arun: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 10 (cheap connections): a graceful close is driven by completion processing (its EOF's send
+    """Cheap connections: a graceful close is driven by completion processing (its EOF's send
     completion tears it down) and bounded by a timer, with no task per closing connection."""
 
     async def main() -> None:
@@ -389,8 +389,8 @@ def test_the_receive_window_grows_for_full_frames_arriving_one_per_wake_up(
 ) -> None:
     """A bulk sender whose frames each arrive in a wake-up of their own (a loaded host, the test host's VM)
     never shows more than half of a 4-slot window at once, so the window never grew and the sender stayed
-    at 3 frames per round trip (message 64 KiB at 0.54-0.58x of before issue 10). Full frames worth two
-    windows now grow it; small messages do not."""
+    at 3 frames per round trip (message 64 KiB at 0.54-0.58x of commit 3443ee5, before the growing rings).
+    Full frames worth two windows now grow it; small messages do not."""
 
     async def main() -> None:
         monkeypatch.setattr(rdmaio.core.onesided, "cached_caps", _no_device)
@@ -424,7 +424,8 @@ def test_request_reply_sends_no_credit_frame_per_message(arun: Run, monkeypatch:
     """With a 4-slot window the credit threshold is 2: the slot a CREDIT frame consumes at the peer plus
     one request made the next CREDIT frame due there before the reply could carry the credits, so once one
     extra message put the two sides out of step (the bench's header), every request and every reply cost a
-    CREDIT frame too (2 frames and twice the wake-ups per echo, 1.4x the round trip of before issue 10).
+    CREDIT frame too (2 frames and twice the wake-ups per echo, 1.4x the round trip of commit 3443ee5,
+    before the growing rings).
     Credits owed for CREDIT-frame slots no longer count towards the threshold: the replies carry them."""
 
     async def main() -> None:

@@ -100,7 +100,7 @@ def test_negative_bound_is_refused() -> None:
 
 
 def test_a_waiter_for_room_is_called_once_when_room_is_made() -> None:
-    """Rendezvous pulls that found no room wait for this call instead of polling (issue 12)."""
+    """Rendezvous pulls that found no room wait for this call instead of polling."""
     cache, _ = make(1000)
     held = cache.get(bytearray(1000))
     other = bytearray(600)

@@ -265,7 +265,7 @@ def test_probe_now_probes_once_even_with_the_interval_off() -> None:
 
 
 def test_keepalives_of_one_interval_share_one_timer() -> None:
-    """Issue 10 (many cheap connections): a thousand idle connections cost one timer per interval, not a
+    """Many cheap connections: a thousand idle connections cost one timer per interval, not a
     task each, and stopping a keepalive (every connection's close) wakes nothing."""
     clock = ManualTimers()
     backend: Any = clock

@@ -81,7 +81,7 @@ def test_a_module_imports_only_what_its_layer_may(path: Path, layer: str) -> Non
     assert not bad, f"{path.relative_to(ROOT)} ({layer}) imports {bad}"
 
 
-# Within a layer, the parts of a split class import only what their job needs (docs/index.md, issue 10):
+# Within a layer, the parts of a split class import only what their job needs (docs/index.md):
 # the close state machine knows nothing of frames or credits, an endpoint's read and write sides only its
 # connection, the remote keys nothing of the engine.
 NARROW: dict[str, set[str]] = {

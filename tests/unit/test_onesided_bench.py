@@ -1,4 +1,4 @@
-"""Unit tests of the one-sided bench workloads (issue 11): plan, perftest commands and parsing, ratios,
+"""Unit tests of the one-sided bench workloads: plan, perftest commands and parsing, ratios,
 table and JSON. No RDMA device needed."""
 
 from __future__ import annotations

@@ -1647,7 +1647,8 @@ def test_simulation_two_way_backpressure(
     data: st.DataObject,
 ) -> None:
     """One side reads nothing until it has sent everything (holding slots as its buffer fills), while the
-    other side sends too and reads: both directions must complete, as over TCP (issue 9, defect 1)."""
+    other side sends too and reads: both directions must complete, as over TCP (the device-level program is
+    test_two_way_backpressure_completes in tests/integration/test_correctness.py)."""
     thresholds = (
         data.draw(st.one_of(st.none(), st.integers(2, depths[0] - 1)), label="threshold_a"),
         data.draw(st.one_of(st.none(), st.integers(2, depths[1] - 1)), label="threshold_b"),
@@ -1669,7 +1670,7 @@ def test_simulation_two_way_backpressure(
 
 @pytest.mark.parametrize("seed", range(8))
 def test_simulation_two_way_backpressure_large(seed: int) -> None:
-    """The issue's case at small scale: the reader has much to send, the writer-first side holds slots."""
+    """Two-way backpressure at small scale: the reader has much to send, the writer-first side holds slots."""
     rnd = random.Random(seed)
     sizes = ([rnd.randrange(1, 300) for _ in range(30)], [rnd.randrange(1, 300) for _ in range(200)])
     weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}

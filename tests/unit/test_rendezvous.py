@@ -1,4 +1,4 @@
-"""The sans-IO rendezvous pieces (issue 12): descriptor encoding, both sides' state machines, the receive
+"""The sans-IO rendezvous pieces (zero-copy): descriptor encoding, both sides' state machines, the receive
 buffer's placeholders and the registration cache's hard bound."""
 
 from __future__ import annotations

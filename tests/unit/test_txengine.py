@@ -161,7 +161,8 @@ def test_a_small_ring_is_not_signalled_on_every_post() -> None:
     """An idle connection's send ring starts with 4 slots, below the default interval of 8: the "short of
     slots" rule signalled every post, so a request/reply connection woke its loop once more per message
     for the send completion (echo: 4 wake-ups per round trip instead of 2, the before/after bench of
-    issue 10). The interval is now at most half the ring; slots are still recycled before they run out."""
+    the growing rings, against commit 3443ee5). The interval is now at most half the ring; slots are still
+    recycled before they run out."""
     engine, qp, _peer = make(depth=8, peer_depth=64, signal_interval=8, initial=4)
     signalled = []
     for i in range(12):  # one message per post, as a request/reply connection sends
