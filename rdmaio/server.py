@@ -280,6 +280,9 @@ class StreamServer:
             self._reactor.release_id(pending.cm_id)
 
     def _establish_timed_out(self, handle: int) -> None:
+        # A busy loop handles one rdma_cm event per wake-up: the ESTABLISHED event may be waiting in the
+        # channel already (the client then believes it is connected). Handle what is there first.
+        self._reactor.drain_cm_events()
         pending = self._take_pending(handle)
         if pending is None:
             return

@@ -170,7 +170,19 @@ class Reactor:
         if self._removed:
             self._release_removed()
 
+    def drain_cm_events(self, limit: int = 4096) -> None:
+        """Handle every event waiting on the rdma_cm event channel now (at most ``limit``), instead of one
+        per loop wake-up: before a deadline concludes that an event did not come, it must not still be
+        waiting in the channel behind a busy loop."""
+        for _ in range(limit):
+            if not self._handle_cm_event():
+                return
+
     def _on_cm_readable(self) -> None:
+        self._handle_cm_event()
+
+    def _handle_cm_event(self) -> bool:
+        """Handle one event of the rdma_cm event channel; False if there was none."""
         # One event per wake-up. The channel's fd is watched level-triggered on every backend (epoll
         # without EPOLLET in asyncio's selector and libuv; trio re-arms each wait), so another pending
         # event wakes us again on the next loop iteration, while reading until EAGAIN would cost one
@@ -178,14 +190,14 @@ class Reactor:
         # connection's setup, so that was up to half of the calls.
         channel = self._channel
         if channel is None or channel.closed:
-            return
+            return False
         try:
             event = channel.get_event()
         except Exception:
             log.exception("rdmaio: reading the rdma_cm event channel failed")
-            return
+            return False
         if event is None:
-            return
+            return False
         self.cm_events += 1
         key = event.listen_id_handle if event.event == CMEventType.CONNECT_REQUEST else event.id_handle
         # Found before the handler runs: it may release the id.
@@ -202,6 +214,7 @@ class Reactor:
                 log.exception("rdmaio: CM event handler failed for %s", event.event.name)
         if removed is not None:
             self.device_removed(removed)
+        return True
 
     # --- completion channels -------------------------------------------------------------------------
 

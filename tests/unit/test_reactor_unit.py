@@ -169,3 +169,9 @@ def test_cm_events_are_read_one_per_wake_up() -> None:
     assert (seen, channel.calls) == ([1], 1)
     reactor._on_cm_readable()
     assert (seen, channel.calls) == ([1, 2], 2)
+
+    # A deadline drains what is waiting before concluding an event did not come (a busy loop handles one
+    # per wake-up: a server dropped 50 connections whose ESTABLISHED waited in the channel).
+    channel.events.extend([event(1), event(2), event(1)])
+    reactor.drain_cm_events()
+    assert (seen, channel.calls) == ([1, 2, 1, 2, 1], 6)
