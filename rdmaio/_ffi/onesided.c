@@ -45,35 +45,23 @@ int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, i
     return 0;
 }
 
-/* Memory-window probe (tools/probe_onesided.py only; grants are still one MR each). Allocates a type 2
- * window and posts IBV_WR_BIND_MW binding it to [addr, addr + length) of `mr` (registered with
- * IBV_ACCESS_MW_BIND) with `access`, on `qp`, signalled with `wr_id` (its completion tells whether the
- * bind worked). On success *out is the window and *rkey the rkey the peer must use. 0 or -errno. */
+/* Memory-window probe (tools/probe_onesided.py only; grants allocate and bind their windows through
+ * rdmaio.verbs.MemoryWindow). Allocates a type 2 window and binds it to [addr, addr + length) of `mr`
+ * (registered with IBV_ACCESS_MW_BIND) with `access`, on `qp`, signalled with `wr_id` (its completion tells
+ * whether the bind worked), by the helper's rdmaio_post_bind_mw. On success *out is the window and *rkey
+ * the rkey the peer must use. 0 or -errno. */
 int rdmaio_probe_bind_mw(struct ibv_qp *qp, struct ibv_pd *pd, struct ibv_mr *mr, uint64_t addr,
                          uint64_t length, int access, uint64_t wr_id, struct ibv_mw **out, uint32_t *rkey)
 {
-    struct ibv_send_wr wr, *bad = NULL;
     struct ibv_mw *mw = ibv_alloc_mw(pd, IBV_MW_TYPE_2);
     if (!mw)
         return -(errno ? errno : EOPNOTSUPP);
-    memset(&wr, 0, sizeof(wr));
-    wr.wr_id = wr_id;
-    wr.opcode = IBV_WR_BIND_MW;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    wr.bind_mw.mw = mw;
-    /* A type 2 window gets a fresh key on every bind: the low byte is the consumer's to change. */
-    wr.bind_mw.rkey = ibv_inc_rkey(mw->rkey);
-    wr.bind_mw.bind_info.mr = mr;
-    wr.bind_mw.bind_info.addr = addr;
-    wr.bind_mw.bind_info.length = length;
-    wr.bind_mw.bind_info.mw_access_flags = (unsigned int)access;
-    int rc = ibv_post_send(qp, &wr, &bad);
+    int rc = rdmaio_post_bind_mw(qp, mw, mr, addr, length, (unsigned int)access, wr_id, rkey);
     if (rc) {
         ibv_dealloc_mw(mw);
-        return rdmaio_neg_errno(rc);
+        return rc;
     }
     *out = mw;
-    *rkey = wr.bind_mw.rkey;
     return 0;
 }
 
