@@ -1,6 +1,7 @@
 """Endpoint: one RDMA connection with a message API and an asyncio-streams-style byte API.
 
-This class is the public front; the work is done below it, one job per class:
+This class is the public front of one started connection (set up by :mod:`rdmaio.core.dial` or
+:mod:`rdmaio.core.acceptor`); the work is done below it, one job per class:
 :class:`rdmaio.core.connection.Connection` owns the verbs resources, the protocol session, the send engine,
 the receive buffer and the one-sided and rendezvous engines, processes completions, posts, and handles the
 connection's lifetime and events; :class:`rdmaio.core.writer.Writer` does the send calls and
@@ -27,14 +28,10 @@ from typing import Any, Self
 
 from rdmaio.core.connection import Connection
 from rdmaio.core.onesided import RemoteKey, WriteNotice
-from rdmaio.core.reactor import Reactor
 from rdmaio.core.reader import Reader
-from rdmaio.core.transport import Transport
 from rdmaio.core.writer import Writer
 from rdmaio.errors import VerbsError
 from rdmaio.options import Options
-from rdmaio.protocol import Session
-from rdmaio.verbs import CMId
 
 __all__ = ["Endpoint"]
 
@@ -51,13 +48,19 @@ class Endpoint:
     tasks are allowed and are queued in call order.
     """
 
-    def __init__(
-        self, reactor: Reactor, cm_id: CMId, transport: Transport, session: Session, options: Options
-    ) -> None:
-        conn = Connection(reactor, cm_id, transport, session, options)
-        self._conn = conn  # internal: the connection core (tests and tools reach the resources through it)
-        self._reader = Reader(conn)
-        self._writer = Writer(conn)
+    def __init__(self, connection: Connection) -> None:
+        """The front of ``connection``, a started connection (:func:`rdmaio.core.dial.dial`, or a server's
+        :class:`~rdmaio.core.acceptor.Acceptor`); applications get endpoints from :func:`rdmaio.connect`
+        and servers, they do not make them."""
+        # Every part of the connection this front calls is taken here, once: the read side, the write
+        # side, the one-sided engine and the verbs resources.
+        self._conn = (
+            connection  # internal: the connection core (tests and tools reach the resources through it)
+        )
+        self._reader = Reader(connection)
+        self._writer = Writer(connection)
+        self._onesided = connection.onesided
+        self._transport = connection.transport
 
     # --- information -------------------------------------------------------------------------------
 
@@ -69,7 +72,7 @@ class Endpoint:
             # Queried on first use, not in every connection's setup (ibv_query_port is a system call; the
             # device context is rdma_cm's, open as long as the process).
             try:
-                extra["mtu"] = self._conn.transport.device.query_port(extra["port"]).active_mtu
+                extra["mtu"] = self._transport.device.query_port(extra["port"]).active_mtu
             except VerbsError:
                 return default
         return extra.get(name, default)
@@ -275,7 +278,7 @@ class Endpoint:
         rkey), as one must ask for by name. See docs/one-sided.md, "Key scope".
         """
         self._conn.check_fork()
-        return self._conn.onesided.export(buffer, offset, length, access, scope)
+        return self._onesided.export(buffer, offset, length, access, scope)
 
     async def revoke(self, key: RemoteKey) -> None:
         """Revoke a key this side exported: when this returns, the peer can no longer touch that memory.
@@ -286,13 +289,13 @@ class Endpoint:
         ``Options.close_timeout`` for the answer; cancelled or failed, it still deregisters.
         """
         self._conn.check_fork()
-        await self._conn.onesided.revoke(key)
+        await self._onesided.revoke(key)
 
     async def wait_write_notice(self) -> WriteNotice:
         """Wait for the next :class:`~rdmaio.WriteNotice`: the peer did ``rdma_write(..., imm=...)`` into
         memory we exported (the data is in place when the notice arrives)."""
         self._conn.check_fork()
-        return await self._conn.onesided.wait_write_notice()
+        return await self._onesided.wait_write_notice()
 
     async def rdma_read(self, key: RemoteKey, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset`` of the peer's exported memory (RDMA READ).
@@ -302,7 +305,7 @@ class Endpoint:
         leaves the endpoint usable.
         """
         self._conn.check_fork()
-        return await self._conn.onesided.read(key, offset, length)
+        return await self._onesided.read(key, offset, length)
 
     async def rdma_read_into(self, key: RemoteKey, offset: int, buffer: Any) -> int:
         """Read ``len(buffer)`` bytes at ``offset`` of the peer's memory straight into ``buffer``.
@@ -313,7 +316,7 @@ class Endpoint:
         propagates; use :meth:`rdma_read` where cancellation must leave the connection usable.
         """
         self._conn.check_fork()
-        return await self._conn.onesided.read_into(key, offset, buffer)
+        return await self._onesided.read_into(key, offset, buffer)
 
     async def rdma_write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
         """Write ``data`` at ``offset`` of the peer's exported memory (RDMA WRITE); returns once it is done.
@@ -324,19 +327,19 @@ class Endpoint:
         still perform the write.
         """
         self._conn.check_fork()
-        await self._conn.onesided.write(key, offset, data, imm)
+        await self._onesided.write(key, offset, data, imm)
 
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomically add ``add`` (modulo 2**64) to the u64 at ``offset`` (8-byte aligned, in the
         exporter's byte order); return the old value. The key needs ``"a"``."""
         self._conn.check_fork()
-        return await self._conn.onesided.fetch_add(key, offset, add)
+        return await self._onesided.fetch_add(key, offset, add)
 
     async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
         """Atomically store ``desired`` in the u64 at ``offset`` if it equals ``expected``; return the old
         value (the swap happened if it equals ``expected``). 8-byte aligned; the key needs ``"a"``."""
         self._conn.check_fork()
-        return await self._conn.onesided.compare_swap(key, offset, expected, desired)
+        return await self._onesided.compare_swap(key, offset, expected, desired)
 
     async def fetch_add_many(
         self, key: RemoteKey, offsets: Iterable[int], add: int | Iterable[int] = 1
@@ -353,7 +356,7 @@ class Endpoint:
         :meth:`fetch_add`'s would be.
         """
         self._conn.check_fork()
-        return await self._conn.onesided.fetch_add_many(key, offsets, add)
+        return await self._onesided.fetch_add_many(key, offsets, add)
 
     async def rdma_read_many(self, key: RemoteKey, ranges: Iterable[tuple[int, int]]) -> list[bytes]:
         """Read many ``(offset, length)`` ranges of one key; return their bytes, in order (RDMA READs).
@@ -365,7 +368,7 @@ class Endpoint:
         cancelled call is safe and leaves the endpoint usable.
         """
         self._conn.check_fork()
-        return await self._conn.onesided.read_many(key, ranges)
+        return await self._onesided.read_many(key, ranges)
 
     def __repr__(self) -> str:
         conn = self._conn

@@ -72,9 +72,11 @@ class Options:
     "Large messages"); 0 turns rendezvous off (and is not announced in the handshake)."""
     max_pinned: int | None = None
     """Bound of the bytes the device's registration cache pins (in use and cached), shared by every
-    connection of the loop on that device; None keeps the current bound (256 MiB by default). Applied when
-    a connection with this option is created (the last one wins). A rendezvous send that would exceed it
-    falls back to copying; a rendezvous receive waits for room."""
+    connection of the loop on that device: a setting of the device's Domain, taken from the first
+    connection on that device and loop, which creates the Domain (None there: 256 MiB). A later
+    connection does not change it: one asking for another value gets the device's (a warning is logged
+    once per value), so no connection alters the bound the others rely on. A rendezvous send that would
+    exceed it falls back to copying; a rendezvous receive waits for room."""
     max_rdma_ops: int = 16
     """One-sided operations (READ, WRITE, atomics) in flight per connection; further calls wait. Added to
     the send queue and CQ sizes, and used as the READ/atomic depth negotiated with the peer."""

@@ -1,26 +1,25 @@
-"""``rdmaio.serve()`` and :class:`StreamServer`: accept RDMA connections and run a handler for each."""
+"""``rdmaio.serve()``, ``rdmaio.listen()`` and :class:`StreamServer`: the ``asyncio.Server``-like surface
+of a listening RDMA endpoint, which runs a handler for each connection or hands them to ``accept()``.
+
+Connection setup (listeners, admission, pending connections, handshake) is
+:class:`rdmaio.core.acceptor.Acceptor`'s; this module serves the connections it establishes."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self
 
-from rdmaio.client import local_handshake, resolve_host
-from rdmaio.core.backend import AsyncioBackend, Handle, Waiter
-from rdmaio.core.onesided import rd_atomic_depth
+from rdmaio.core.acceptor import Acceptor
+from rdmaio.core.backend import AsyncioBackend, Waiter
+from rdmaio.core.connection import Connection
 from rdmaio.core.reactor import Reactor
-from rdmaio.core.shared_receive import new_session
-from rdmaio.core.transport import Transport
+from rdmaio.core.resolver import resolve_host
 from rdmaio.endpoint import Endpoint
-from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
+from rdmaio.errors import EndpointClosedError
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
-from rdmaio.protocol.shared_credits import MIN_WINDOW
-from rdmaio.verbs import CMEvent, CMEventType, CMId
 
 __all__ = ["Handler", "StreamServer", "listen", "serve"]
 
@@ -28,48 +27,6 @@ log = logging.getLogger("rdmaio")
 
 Handler = Callable[[Endpoint], Awaitable[None]]
 """A connection handler: called with each new :class:`Endpoint`, in its own task."""
-
-
-class _Pending:
-    """A connection accepted but not yet ESTABLISHED: its resources, its source address and its deadline."""
-
-    __slots__ = ("cm_id", "deadline", "session", "source", "transport")
-
-    def __init__(
-        self, cm_id: CMId, transport: Transport, session: Session, source: str, deadline: Handle
-    ) -> None:
-        self.cm_id = cm_id
-        self.transport = transport
-        self.session = session
-        self.source = source
-        self.deadline = deadline
-
-
-def accepting_handshake(handshake: Handshake, peer: Handshake, options: Options) -> Handshake:
-    """``handshake`` (this side's, from :func:`~rdmaio.client.local_handshake`) with the receive window a
-    server may grant ``peer``.
-
-    The receives a peer may use must be posted before rdma_accept (it may send as soon as it is connected),
-    so they are what an accepted but never established request holds. A peer that announced
-    ``FEATURE_GROW`` starts with ``initial_depth`` and is grown once it is established and sends. A peer
-    without it cannot be grown later (it reads only ``recv_depth``), so it gets a *fixed* window of
-    ``initial_depth`` receives rather than ``recv_depth`` (announced as ``recv_depth``, without the bit):
-    what a half-open request pins is then the same for every peer. On a shared receive queue a peer that
-    does not answer RECLAIM keeps its lease for life, so it gets the reserve (:data:`MIN_WINDOW`): what
-    the documented capacity (a quarter of ``srq_max_buffers`` connections) assumes.
-    """
-    if options.shared_receive_queue and not peer.features & FEATURE_RECLAIM:
-        fixed = MIN_WINDOW
-    elif not peer.features & FEATURE_GROW:
-        fixed = options.initial_depth
-    else:
-        return handshake
-    fixed = min(fixed, handshake.recv_depth)
-    if handshake.recv_depth == fixed and not handshake.features & FEATURE_GROW:
-        return handshake
-    return dataclasses.replace(
-        handshake, recv_depth=fixed, features=handshake.features & ~FEATURE_GROW, initial_depth=0
-    )
 
 
 class StreamServer:
@@ -91,6 +48,9 @@ class StreamServer:
     receives, QP and shared-receive lease released, its cm id destroyed), and one peer address may hold
     at most ``Options.max_pending_per_source`` of them at once (further requests are rejected), so a
     client that never completes the exchange cannot keep the backlog, or the memory it pins, for itself.
+
+    The connection setup itself (listeners, admission, pending connections and their deadline, the
+    handshake) is :class:`rdmaio.core.acceptor.Acceptor`'s; this class serves what it establishes.
     """
 
     def __init__(
@@ -98,54 +58,59 @@ class StreamServer:
     ) -> None:
         self._handler = handler
         self._options = options
-        self._backlog = backlog
         self._reactor = Reactor.current()
         self._io = self._reactor.backend
-        self._listeners: list[CMId] = []
-        self._open = False  # listening (until close())
         self._serving = False  # handing connections to the handler (start_serving(); False once closed)
         self._start_serving = start_serving
-        self._pending: dict[int, _Pending] = {}
-        self._pending_by_source: collections.Counter[str] = collections.Counter()
         self._clients: set[Endpoint] = set()
         self._handlers_running = 0
         self._accepted: collections.deque[Endpoint] = collections.deque()  # listen(): not yet accepted
         self._accept_waiter: Waiter | None = None
         self._state_waiters: dict[Waiter, None] = {}  # wait_closed() and serve_forever(); ordered set
         self._serve_forever_running = False
-        #: The ``(host, port)`` the server listens on (the port chosen when 0 was asked).
-        self.addresses: list[tuple[str, int]] = []
-        #: Connections established and handed to the handler or to accept().
-        self.connections_accepted = 0
-        #: Connection requests rejected (server closed, bad handshake, no resources, backlog full).
-        self.connections_rejected = 0
-        #: Of those, rejected because the backlog was full.
-        self.connections_refused_backlog = 0
-        #: Of those, rejected because their source address had ``max_pending_per_source`` pending.
-        self.connections_refused_source = 0
-        #: Connections accepted but dropped for not being established within ``establish_timeout``.
-        self.connections_timed_out = 0
-        self._peak_waiting = 0
+        self._acceptor = Acceptor(
+            self._reactor,
+            options,
+            backlog,
+            queued=self._accepted,
+            on_connection=self._on_connection,
+            on_device_removal=self.close,
+            on_timed_out=self._state_changed,
+        )
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """The ``(host, port)`` the server listens on (the port chosen when 0 was asked)."""
+        return self._acceptor.addresses
+
+    @property
+    def connections_accepted(self) -> int:
+        """Connections established and handed to the handler or to accept()."""
+        return self._acceptor.accepted
+
+    @property
+    def connections_rejected(self) -> int:
+        """Connection requests rejected (server closed, bad handshake, no resources, backlog full)."""
+        return self._acceptor.rejected
+
+    @property
+    def connections_refused_backlog(self) -> int:
+        """Of those, rejected because the backlog was full."""
+        return self._acceptor.refused_backlog
+
+    @property
+    def connections_refused_source(self) -> int:
+        """Of those, rejected because their source address had ``max_pending_per_source`` pending."""
+        return self._acceptor.refused_source
+
+    @property
+    def connections_timed_out(self) -> int:
+        """Connections accepted but dropped for not being established within ``establish_timeout``."""
+        return self._acceptor.timed_out
 
     def _listen(self, hosts: list[str], port: int) -> None:
         """Listen on every address of ``hosts`` (numeric) at ``port``; on failure none stays open."""
-        try:
-            for host in hosts:
-                listener = self._reactor.create_id(self._on_listener_event)
-                self._listeners.append(listener)
-                listener.set_reuseaddr()
-                listener.bind_addr(host, port)
-                listener.listen(self._backlog)
-                address = listener.local_address
-                if address:
-                    self.addresses.append(address)
-        except BaseException:
-            listeners, self._listeners = self._listeners, []
-            for listener in listeners:
-                self._reactor.release_id(listener)
-            self.addresses = []
-            raise
-        self._open = True
+        self._acceptor.listen(hosts, port)
         self._serving = self._start_serving
 
     def _state_changed(self) -> None:
@@ -161,10 +126,6 @@ class StreamServer:
         finally:
             self._state_waiters.pop(waiter, None)  # cancelled: do not pile up until the next change
 
-    def _waiting(self) -> int:
-        """Connections holding resources without being served: pending, or established and not accepted."""
-        return len(self._pending) + len(self._accepted)
-
     def statistics(self) -> dict[str, int]:
         """Counters: connections accepted and rejected (and how many for a full backlog, and for a source
         address at its ``max_pending_per_source``), those now pending (not yet established), what they
@@ -172,148 +133,27 @@ class StreamServer:
         shared receive queue) and how many were dropped at ``establish_timeout``, those established but
         not yet taken by accept(), the most that ever waited at once, the backlog, and the clients open
         now."""
-        registered = shared = 0
-        for pending in self._pending.values():
-            transport = pending.transport
-            registered += transport.registered_bytes
-            if transport.shared is not None:
-                shared += transport.shared.pool.ledger.window(transport.shared.key)
+        acceptor = self._acceptor
+        registered, shared = acceptor.pending_held()
         return {
-            "accepted": self.connections_accepted,
-            "rejected": self.connections_rejected,
-            "rejected_backlog_full": self.connections_refused_backlog,
-            "rejected_source_limit": self.connections_refused_source,
-            "pending": len(self._pending),
+            "accepted": acceptor.accepted,
+            "rejected": acceptor.rejected,
+            "rejected_backlog_full": acceptor.refused_backlog,
+            "rejected_source_limit": acceptor.refused_source,
+            "pending": acceptor.pending,
             "pending_registered_bytes": registered,
             "pending_shared_receives": shared,
-            "pending_timed_out": self.connections_timed_out,
+            "pending_timed_out": acceptor.timed_out,
             "unaccepted": len(self._accepted),
-            "peak_waiting": self._peak_waiting,
-            "backlog": self._backlog,
+            "peak_waiting": acceptor.peak_waiting,
+            "backlog": acceptor.backlog,
             "clients": len(self._clients),
         }
 
-    # --- accepting --------------------------------------------------------------------------------
+    # --- serving ----------------------------------------------------------------------------------
 
-    def _on_listener_event(self, event: CMEvent) -> None:
-        if event.event == CMEventType.CONNECT_REQUEST:
-            self._on_connect_request(event)
-        elif event.event == CMEventType.DEVICE_REMOVAL:
-            log.error("rdmaio: RDMA device removed under the listener %s; closing it", self.addresses)
-            self.close()
-        else:
-            log.debug("rdmaio: listener ignores %s", event.event.name)
-
-    def _on_connect_request(self, event: CMEvent) -> None:
-        cm_id = self._reactor.adopt_id(event, self._on_pending_event)
-        if not self._open:
-            self._reject(cm_id, "server is closed")
-            return
-        if self._waiting() >= self._backlog:
-            # Before any resource is created: a flood costs a cm id and a REJ per request, nothing pinned.
-            self.connections_refused_backlog += 1
-            self._reject(cm_id, f"backlog of {self._backlog} connections is full")
-            return
-        peer_address = cm_id.peer_address
-        source = peer_address[0] if peer_address else ""
-        if self._pending_by_source[source] >= self._options.max_pending_per_source:
-            self.connections_refused_source += 1
-            self._reject(
-                cm_id,
-                f"{source} already has {self._pending_by_source[source]} connections pending "
-                f"(Options.max_pending_per_source)",
-            )
-            return
-        try:
-            peer = Handshake.decode(event.private_data)
-        except HandshakeError as exc:
-            self._reject(cm_id, f"bad handshake: {exc}")
-            return
-        transport = None
-        try:
-            handshake = accepting_handshake(
-                local_handshake(self._options, grow=bool(peer.features & FEATURE_GROW)), peer, self._options
-            )
-            transport = Transport(self._reactor, cm_id, self._options, handshake.initial_depth)
-            # One-sided READs/atomics in flight: what we allow, capped by what the request offers (rdma_cm
-            # reports the request's values from our side's point of view).
-            depth = rd_atomic_depth(transport.device, self._options.max_rdma_ops)
-            cm_id.accept(
-                handshake.encode(),
-                rnr_retry_count=self._options.rnr_retry_count,
-                responder_resources=max(1, min(depth, event.responder_resources)),
-                initiator_depth=max(1, min(depth, event.initiator_depth)),
-            )
-        except Exception as exc:
-            log.warning("rdmaio: cannot accept a connection: %s", exc)
-            if transport is not None:
-                transport.close()
-            self._reject(cm_id, str(exc))
-            return
-        handle = cm_id.handle
-        deadline = self._io.call_later(
-            self._options.establish_timeout, lambda: self._establish_timed_out(handle)
-        )
-        self._pending[handle] = _Pending(
-            cm_id, transport, new_session(handshake, peer, transport), source, deadline
-        )
-        self._pending_by_source[source] += 1
-        self._peak_waiting = max(self._peak_waiting, self._waiting())
-
-    def _take_pending(self, handle: int) -> _Pending | None:
-        """Remove a pending connection from the books (its deadline cancelled); None if it is not there."""
-        pending = self._pending.pop(handle, None)
-        if pending is not None:
-            pending.deadline.cancel()
-            count = self._pending_by_source[pending.source] - 1
-            if count > 0:
-                self._pending_by_source[pending.source] = count
-            else:
-                del self._pending_by_source[pending.source]
-        return pending
-
-    def _drop_pending(self, pending: _Pending) -> None:
-        """Release what a pending connection holds: QP, receives (or shared-receive lease), cm id."""
-        try:
-            pending.transport.close()
-        finally:
-            self._reactor.release_id(pending.cm_id)
-
-    def _establish_timed_out(self, handle: int) -> None:
-        # A busy loop handles one rdma_cm event per wake-up: the ESTABLISHED event may be waiting in the
-        # channel already (the client then believes it is connected). Handle what is there first.
-        self._reactor.drain_cm_events()
-        pending = self._take_pending(handle)
-        if pending is None:
-            return
-        self.connections_timed_out += 1
-        log.info(
-            "rdmaio: dropping a connection from %s not established within %s s (Options.establish_timeout)",
-            pending.source,
-            self._options.establish_timeout,
-        )
-        self._drop_pending(pending)
-        self._state_changed()
-
-    def _reject(self, cm_id: CMId, why: str) -> None:
-        self.connections_rejected += 1
-        log.info("rdmaio: rejecting a connection request: %s", why)
-        try:
-            cm_id.reject()
-        except VerbsError as exc:
-            log.debug("rdmaio: rdma_reject failed: %s", exc)
-        self._reactor.release_id(cm_id)
-
-    def _on_pending_event(self, event: CMEvent) -> None:
-        pending = self._take_pending(event.id_handle)
-        if pending is None:
-            return
-        if event.event != CMEventType.ESTABLISHED:
-            log.info("rdmaio: connection attempt failed before it was established: %s", event.event.name)
-            self._drop_pending(pending)
-            return
-        endpoint = Endpoint(self._reactor, pending.cm_id, pending.transport, pending.session, self._options)
-        self.connections_accepted += 1
+    def _on_connection(self, connection: Connection) -> None:
+        endpoint = Endpoint(connection)
         self._clients.add(endpoint)
         endpoint._add_close_callback(self._forget)
         if self._handler is None or not self._serving:
@@ -357,7 +197,7 @@ class StreamServer:
         if self._handler is not None:
             raise RuntimeError("accept() is for servers made by rdmaio.listen(); this one runs a handler")
         while not self._accepted:
-            if not self._open:
+            if not self._acceptor.listening:
                 raise EndpointClosedError(f"server {self!r} is closed")
             if self._accept_waiter is not None and not self._accept_waiter.is_set():
                 raise RuntimeError("another task is already waiting in accept()")
@@ -374,7 +214,7 @@ class StreamServer:
     @property
     def listening(self) -> bool:
         """True from the first listener until :meth:`close` (serving or not)."""
-        return self._open
+        return self._acceptor.listening
 
     def is_serving(self) -> bool:
         """True while the server hands new connections to its handler (or to accept()): from :func:`serve`
@@ -392,16 +232,10 @@ class StreamServer:
 
         Connections of a :func:`listen` server that were established but never accepted are aborted.
         """
-        if not self._open:
+        if not self._acceptor.listening:
             return
-        self._open = self._serving = False
-        listeners, self._listeners = self._listeners, []
-        for listener in listeners:
-            self._reactor.release_id(listener)
-        for handle in list(self._pending):
-            pending = self._take_pending(handle)
-            if pending is not None:
-                self._drop_pending(pending)
+        self._serving = False
+        self._acceptor.close()  # the listeners and the pending connections
         while self._accepted:
             self._accepted.popleft().abort()
         if self._accept_waiter is not None:
@@ -420,7 +254,7 @@ class StreamServer:
 
     async def wait_closed(self) -> None:
         """Wait until the server is closed and every connection and handler has finished."""
-        while self._open or self._handlers_running or self._clients:
+        while self._acceptor.listening or self._handlers_running or self._clients:
             await self._wait_state_change()
 
     async def start_serving(self) -> None:
@@ -430,7 +264,7 @@ class StreamServer:
         self._begin_serving()
 
     def _begin_serving(self) -> None:
-        if self._serving or not self._open:
+        if self._serving or not self._acceptor.listening:
             return
         self._serving = True
         if self._handler is not None:
@@ -442,12 +276,12 @@ class StreamServer:
         """Serve until :meth:`close` is called (then return) or the caller is cancelled (then close)."""
         if self._serve_forever_running:
             raise RuntimeError(f"server {self!r} is already being awaited on serve_forever()")
-        if not self._open:
+        if not self._acceptor.listening:
             raise EndpointClosedError(f"server {self!r} is closed")
         self._begin_serving()
         self._serve_forever_running = True
         try:
-            while self._open:
+            while self._acceptor.listening:
                 await self._wait_state_change()
         except BaseException:  # cancelled: close, and wait for the handlers where the backend allows it
             try:
@@ -473,7 +307,7 @@ class StreamServer:
         await self.wait_closed()
 
     def __repr__(self) -> str:
-        state = "serving" if self._serving else "listening" if self._open else "closed"
+        state = "serving" if self._serving else "listening" if self._acceptor.listening else "closed"
         return f"<rdmaio.StreamServer {state} {self.addresses} clients={len(self._clients)}>"
 
 

@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import rdmaio
-from rdmaio import client as client_mod
-from rdmaio import endpoint as endpoint_mod
-from rdmaio import server as server_mod
 from rdmaio import verbs
+from rdmaio.core import acceptor as acceptor_mod
 from rdmaio.core import connection as connection_mod
+from rdmaio.core import dial as dial_mod
 from rdmaio.core import transport as transport_mod
 
 # (object, attribute, label): the synchronous calls whose time is accounted separately.
@@ -66,7 +65,7 @@ _TIMED: list[tuple[Any, str, str]] = [
     (verbs.EventChannel, "get_event", "rdma_get_cm_event+ack"),
     (transport_mod.Transport, "__init__", "Transport() total"),
     (transport_mod.Transport, "close", "Transport.close() total"),
-    (endpoint_mod.Endpoint, "__init__", "Endpoint() total"),
+    (connection_mod.Connection, "__init__", "Connection() total"),
     (connection_mod.Connection, "teardown", "Connection.teardown() total"),
 ]
 
@@ -88,7 +87,7 @@ def _timed(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
             entry = _sync[label]
             entry[0] += time.perf_counter() - t0
             entry[1] += 1
-            if label.endswith("(call)") or label in ("Transport() total", "Endpoint() total"):
+            if label.endswith("(call)") or label in ("Transport() total", "Connection() total"):
                 _mark(label.removesuffix(" (call)"))
 
     return wrapper
@@ -99,13 +98,13 @@ def _instrument() -> None:
         original = getattr(owner, name, None)
         if original is not None:  # the core changes: time what exists
             setattr(owner, name, _timed(original, label))
-    put = client_mod.CMEventQueue.put
+    put = dial_mod.CMEventQueue.put
 
     def put_marked(self: Any, event: verbs.CMEvent) -> None:
         _mark(f"event {event.event.name}")
         put(self, event)
 
-    client_mod.CMEventQueue.put = put_marked  # type: ignore[method-assign]
+    dial_mod.CMEventQueue.put = put_marked  # type: ignore[method-assign]
 
 
 # --- server (subprocess) --------------------------------------------------------------------------------
@@ -132,8 +131,8 @@ async def _serve(host: str, out: Path, options: dict[str, Any]) -> None:
 def server_main(host: str, out: Path, cprofile: Path | None, options: dict[str, Any]) -> None:
     """The echo server: print the port, serve until a line arrives on stdin, write the timings."""
     _instrument()
-    original = server_mod.StreamServer._on_connect_request
-    server_mod.StreamServer._on_connect_request = _timed(  # type: ignore[method-assign]
+    original = acceptor_mod.Acceptor._on_connect_request
+    acceptor_mod.Acceptor._on_connect_request = _timed(  # type: ignore[method-assign]
         original, "server: CONNECT_REQUEST handling total"
     )
     profiler = cProfile.Profile() if cprofile else None

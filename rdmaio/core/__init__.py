@@ -4,15 +4,22 @@ and the public API.
 * :mod:`~rdmaio.core.backend`: the event-loop backends (asyncio and uvloop; trio).
 * :mod:`~rdmaio.core.reactor`: per loop, the rdma_cm event channel and async-event routing; the domains.
 * :mod:`~rdmaio.core.domain`: per device and loop, the protection domain, the registration cache, the
-  ring-memory pool and the completion dispatcher.
+  ring-memory pool and the completion dispatcher; the device's settings (``max_pinned``).
 * :mod:`~rdmaio.core.completions`: the shared CQs on one completion channel, dispatched per connection.
 * :mod:`~rdmaio.core.rings`: slot rings registered chunk by chunk, and their pool.
 * :mod:`~rdmaio.core.transport`: one connection's verbs resources (QP, rings, CQ reservation) and their
   teardown order.
+* :mod:`~rdmaio.core.dial`: connection setup on the connecting side: resolve, resources, depths,
+  handshake, session choice, to a started Connection.
+* :mod:`~rdmaio.core.acceptor`: connection setup on the listening side: listeners, admission (backlog,
+  per-source limit), pending connections and their establishment deadline, handshake, session choice.
+* :mod:`~rdmaio.core.negotiation`: the handshakes both sides of setup announce.
+* :mod:`~rdmaio.core.resolver`: host names to the numeric addresses rdma_cm takes.
 * :mod:`~rdmaio.core.txengine`: the send engine (queue, coalescing, send slots, work requests).
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
 * :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
 
-The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`; nothing in
-it imports the public API.
+The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`, and reaches
+C only through the verbs layer (``ffi``/``lib`` from :mod:`rdmaio.verbs.native`); nothing in it imports the
+public API.
 """

@@ -13,6 +13,11 @@ system call plus a page walk, as UCX's rcache notes) until the pinned total exce
 the least recently used unused ones are deregistered. A cached registration keeps its Python buffer alive,
 so the memory cannot be freed (and its address reused by another buffer) while it is registered.
 
+``max_pinned`` is a per-device setting, and per-device settings belong to the Domain: it takes them when
+it is created (from the Options of the loop's first connection on the device, ``Reactor.domain``), and
+no connection's Options change them afterwards, since every connection on the device shares them. A
+later connection that asks for another value gets the device's (a warning is logged once per value).
+
 The ring pool (:class:`~rdmaio.core.rings.ArenaPool`) keeps the slot-ring memory of closed connections
 registered for the next ones, bounded in bytes and released after a short idle time.
 """
@@ -20,6 +25,7 @@ registered for the next ones, bounded in bytes and released after a short idle t
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -33,6 +39,7 @@ from rdmaio.verbs import (
     MemoryRegion,
     ProtectionDomain,
 )
+from rdmaio.verbs.native import ffi
 
 __all__ = [
     "ACCESS_REMOTE_READ",
@@ -49,6 +56,8 @@ ACCESS_REMOTE_WRITE = 0x2
 """Registration access flag: the peer may RDMA WRITE the buffer."""
 DEFAULT_MAX_PINNED = 256 * 1024 * 1024
 """Bytes of unused registrations a cache keeps pinned before it evicts (in-use ones always stay)."""
+
+log = logging.getLogger("rdmaio")
 
 
 class Region(Protocol):
@@ -240,8 +249,6 @@ class RegistrationCache:
 
 
 def _buffer_address(buffer: Any) -> tuple[int, int]:
-    from rdmaio._ffi import ffi
-
     cbuf = ffi.from_buffer(buffer, require_writable=True)
     return int(ffi.cast("uintptr_t", cbuf)), len(cbuf)
 
@@ -255,14 +262,16 @@ class Domain:
     cache and its completion dispatcher.
 
     ``watch(fd, callback)`` and ``unwatch(fd)`` put the completion channel's fd on the loop and take it off
-    (``Reactor.watch``/``Reactor.unwatch``); ``cq_capacity`` is the size of a pooled CQ.
+    (``Reactor.watch``/``Reactor.unwatch``); ``cq_capacity`` is the size of a pooled CQ. ``max_pinned``
+    (None: :data:`DEFAULT_MAX_PINNED`) is the registration cache's bound, a setting of the device fixed
+    here (see the module docstring).
     """
 
     def __init__(
         self,
         device: DeviceContext,
         *,
-        max_pinned: int = DEFAULT_MAX_PINNED,
+        max_pinned: int | None = None,
         watch: Callable[[int, Callable[[], None]], None] = _unwatched,
         unwatch: Callable[[int], None] | None = None,
         cq_capacity: int = DEFAULT_CQ_CAPACITY,
@@ -270,7 +279,10 @@ class Domain:
     ) -> None:
         self.device = device
         self.pd = ProtectionDomain(device)
-        self.registrations = RegistrationCache(self._register, _buffer_address, max_pinned)
+        self.registrations = RegistrationCache(
+            self._register, _buffer_address, DEFAULT_MAX_PINNED if max_pinned is None else max_pinned
+        )
+        self._settings_refused: set[int] = set()  # max_pinned values later connections asked for, logged
         # Slot-ring memory of closed connections, kept registered (local access only) for the next ones:
         # registration is the dearest step of a connection's setup (rdmaio.core.rings). Without a timer to
         # release it when idle (no loop), the pool keeps nothing.
@@ -301,6 +313,25 @@ class Domain:
                 cq_capacity=self._cq_capacity,
             )
         return self._completions
+
+    @property
+    def max_pinned(self) -> int:
+        """The device's bound of pinned registration bytes (fixed when the Domain was created)."""
+        return int(self.registrations.max_pinned)
+
+    def asked(self, max_pinned: int) -> None:
+        """A connection created after this Domain asked for ``max_pinned`` (its ``Options.max_pinned``):
+        the device's setting stays (every connection on it shares it); a different value is logged once."""
+        current = self.registrations.max_pinned
+        if max_pinned != current and max_pinned not in self._settings_refused:
+            self._settings_refused.add(max_pinned)
+            log.warning(
+                "rdmaio: Options.max_pinned=%d ignored for a connection on %s: the device's registration "
+                "bound was set to %d when its first connection on this loop was created",
+                max_pinned,
+                self.device.name,
+                current,
+            )
 
     def _register_local(self, view: memoryview) -> MemoryRegion:
         return MemoryRegion(self.pd, view)

@@ -38,6 +38,7 @@ from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend, current_ba
 from rdmaio.core.domain import Domain
 from rdmaio.core.keepalive import KeepaliveTimers
 from rdmaio.errors import DeviceError
+from rdmaio.options import Options
 from rdmaio.verbs import CMEvent, CMEventType, CMId, DeviceContext, EventChannel
 
 __all__ = ["CMHandler", "Reactor"]
@@ -105,15 +106,25 @@ class Reactor:
             backend.at_run_end(functools.partial(reactor._close_at_loop_end, True))
         return reactor
 
-    def domain(self, device: DeviceContext) -> Domain:
-        """The :class:`~rdmaio.core.domain.Domain` of ``device`` on this loop (created on first use)."""
+    def domain(self, device: DeviceContext, options: Options | None = None) -> Domain:
+        """The :class:`~rdmaio.core.domain.Domain` of ``device`` on this loop (created on first use).
+
+        The per-device settings of ``options`` (a connection's: ``max_pinned``) are taken when the Domain
+        is created; a Domain that exists keeps its own, whatever a later connection asks for (see
+        :meth:`Domain.asked <rdmaio.core.domain.Domain.asked>`)."""
         if device.handle in self._removed:
             raise DeviceError(f"RDMA device {device.name} was removed", errno=errno.ENODEV, call="Domain")
         domain = self._domains.get(device.handle)
         if domain is None or domain.closed:
             domain = self._domains[device.handle] = Domain(
-                device, watch=self.watch, unwatch=self.unwatch, call_later=self.backend.call_later
+                device,
+                max_pinned=None if options is None else options.max_pinned,
+                watch=self.watch,
+                unwatch=self.unwatch,
+                call_later=self.backend.call_later,
             )
+        elif options is not None and options.max_pinned is not None:
+            domain.asked(options.max_pinned)
         return domain
 
     def _close_at_loop_end(self, loop_alive: bool) -> None:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rdmaio._ffi import ffi
+from rdmaio.verbs.native import ffi
 
 __all__ = ["POOL_LINGER", "POOL_MAX_BYTES", "ArenaPool", "RingArena", "SlotRing"]
 

@@ -169,8 +169,6 @@ class RendezvousEngine:
         if not options.rndv_threshold or not session.rendezvous:
             return None
         cache = transport.domain.registrations
-        if options.max_pinned is not None:
-            cache.max_pinned = options.max_pinned
         return cls(
             conn,
             onesided=conn.onesided,

@@ -57,7 +57,7 @@ class Transport:
         self.recv_depth = options.recv_depth
         self.send_depth = options.send_depth
         self.max_rdma_ops = options.max_rdma_ops  # one-sided ops in flight
-        self.domain = reactor.domain(device)
+        self.domain = reactor.domain(device, options)  # created with options' per-device settings
         self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
         # --- shared CQ (sharedcq): the CQ is the domain's; this connection reserves its entries on it.
         self.completions = self.domain.completions

@@ -20,7 +20,7 @@ from peer_process import peer_process, wait_ready
 from rdma_state import open_fds, rdma_resources
 
 import rdmaio
-import rdmaio.client
+import rdmaio.core.dial
 from rdmaio.core.rings import POOL_LINGER
 from rdmaio.protocol import Handshake
 
@@ -371,7 +371,7 @@ def test_max_message_size_enforced_both_sides(
                     real = Handshake.decode(data)
                     return Handshake(real.recv_depth, real.slot_size, 2**40)
 
-            monkeypatch.setattr(rdmaio.client, "Handshake", LyingHandshake)
+            monkeypatch.setattr(rdmaio.core.dial, "Handshake", LyingHandshake)
             ep = await rdmaio.connect(rdma_addr, port, timeout=10)
             monkeypatch.undo()
             await ep.send(b"z" * 100_001)

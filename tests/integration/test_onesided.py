@@ -371,14 +371,15 @@ def test_unconsumed_write_notices_stop_the_writer(rdma_addr: str) -> None:
 def test_a_server_without_the_onesided_feature(rdma_addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server side plays an older rdmaio (no FEATURE_ONESIDED in its handshake): the client refuses
     write notices locally, and everything that needs nothing of the peer's software still works."""
-    import rdmaio.server
+    import rdmaio.core.acceptor
+    import rdmaio.core.negotiation
     from rdmaio.protocol import FEATURE_ONESIDED
 
     def older(options: rdmaio.Options, *, grow: bool = True) -> Any:
-        handshake = rdmaio.client.local_handshake(options, grow=grow)
+        handshake = rdmaio.core.negotiation.local_handshake(options, grow=grow)
         return dataclasses.replace(handshake, features=handshake.features & ~FEATURE_ONESIDED)
 
-    monkeypatch.setattr(rdmaio.server, "local_handshake", older)
+    monkeypatch.setattr(rdmaio.core.acceptor, "local_handshake", older)
 
     async def main() -> None:
         async with pair(rdma_addr) as (exp, imp):

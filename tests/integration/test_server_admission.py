@@ -23,7 +23,7 @@ import trio
 from loops import Runner, arun
 
 import rdmaio
-import rdmaio.client
+import rdmaio.core.dial
 from rdmaio import verbs
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.shared_receive import SharedReceivePool
@@ -128,7 +128,7 @@ def shared_pool() -> SharedReceivePool:
 def pending_receives(server: rdmaio.StreamServer) -> list[int]:
     """Receives each pending connection of ``server`` holds: slots registered for it, or its lease."""
     held = []
-    for pending in server._pending.values():
+    for pending in server._acceptor._pending.values():
         transport = pending.transport
         if transport.shared is not None:
             held.append(transport.shared.pool.ledger.window(transport.shared.key))
@@ -274,7 +274,7 @@ def test_peers_that_cannot_be_reclaimed_get_the_reserve_of_the_srq(
     Before the fix: a peer without FEATURE_GROW was lent its whole 32 receives for life, so two of them
     took the whole pool and the third connection was refused."""
     server_options = rdmaio.Options(shared_receive_queue=True, srq_max_buffers=64)
-    original = rdmaio.client.local_handshake
+    original = rdmaio.core.dial.local_handshake
 
     def handshake_for(options: rdmaio.Options, *, grow: bool = True) -> Handshake:
         if options.initial_depth == options.recv_depth:  # the "fixed ring" clients: no FEATURE_GROW
@@ -283,7 +283,7 @@ def test_peers_that_cannot_be_reclaimed_get_the_reserve_of_the_srq(
             return handshake
         return original(options, grow=grow)
 
-    monkeypatch.setattr(rdmaio.client, "local_handshake", handshake_for)
+    monkeypatch.setattr(rdmaio.core.dial, "local_handshake", handshake_for)
     fixed = rdmaio.Options(initial_depth=32, recv_depth=32)
 
     async def main() -> None:
@@ -342,7 +342,7 @@ def test_a_peer_that_never_answers_reclaim_is_failed_and_its_lease_reclaimed(
     server_options = rdmaio.Options(
         shared_receive_queue=True, srq_max_buffers=256, reclaim_timeout=2.0, slot_size=8192, recv_depth=32
     )
-    original = rdmaio.client.local_handshake
+    original = rdmaio.core.dial.local_handshake
 
     def reclaiming(options: rdmaio.Options, *, grow: bool = True) -> Handshake:
         handshake = original(options, grow=grow)
@@ -354,9 +354,11 @@ def test_a_peer_that_never_answers_reclaim_is_failed_and_its_lease_reclaimed(
         server = await rdmaio.listen(rdma_addr, 0, options=server_options)
         try:
             port = server.addresses[0][1]
-            monkeypatch.setattr(rdmaio.client, "local_handshake", reclaiming)
+            monkeypatch.setattr(rdmaio.core.dial, "local_handshake", reclaiming)
             monkeypatch.setattr(
-                rdmaio.client, "new_session", lambda local, peer, transport: SilentReclaimSession(local, peer)
+                rdmaio.core.dial,
+                "new_session",
+                lambda local, peer, transport: SilentReclaimSession(local, peer),
             )
             bad = await rdmaio.connect(rdma_addr, port, options=silent, timeout=60)
             monkeypatch.undo()

@@ -196,7 +196,10 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Endpoint, Endpoint]:
         transports[a].qp.wire = _wire(transports[a], transports[b])
     ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
     reactor: Any = FakeReactor()
-    endpoints = [Endpoint(reactor, ids[i], transports[i], Session(hs, hs), OPTIONS) for i in (0, 1)]  # type: ignore[arg-type]
+    endpoints = [
+        Endpoint(Connection(reactor, ids[i], transports[i], Session(hs, hs), OPTIONS))  # type: ignore[arg-type]
+        for i in (0, 1)
+    ]
     event: Any = SimpleNamespace(event=CMEventType.DISCONNECTED)
     for i in (0, 1):
         # Our disconnect reaches the peer as DISCONNECTED one loop iteration later.
@@ -407,7 +410,10 @@ def test_the_receive_window_grows_for_full_frames_arriving_one_per_wake_up(
         ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
         reactor: Any = FakeReactor()
         options = dataclasses.replace(OPTIONS, initial_depth=GrowingTransport.INITIAL)
-        a, b = (Endpoint(reactor, ids[i], transports[i], Session(hs, hs), options) for i in (0, 1))  # type: ignore[arg-type]
+        a, b = (
+            Endpoint(Connection(reactor, ids[i], transports[i], Session(hs, hs), options))  # type: ignore[arg-type]
+            for i in (0, 1)
+        )
         for i in range(40):  # small messages, one per wake-up: no growth
             await a.send(bytes([i]) * 100)
             assert await b.recv() == bytes([i]) * 100
@@ -439,7 +445,10 @@ def test_request_reply_sends_no_credit_frame_per_message(arun: Run, monkeypatch:
         ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
         reactor: Any = FakeReactor()
         options = dataclasses.replace(OPTIONS, initial_depth=initial)
-        a, b = (Endpoint(reactor, ids[i], transports[i], Session(hs, hs), options) for i in (0, 1))  # type: ignore[arg-type]
+        a, b = (
+            Endpoint(Connection(reactor, ids[i], transports[i], Session(hs, hs), options))  # type: ignore[arg-type]
+            for i in (0, 1)
+        )
 
         async def server() -> None:
             assert await b.recv() == b"header"

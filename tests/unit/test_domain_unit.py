@@ -1,12 +1,22 @@
-"""Unit tests of the registration cache (rdmaio.core.domain.RegistrationCache) with a fake registrar."""
+"""Unit tests of the registration cache (rdmaio.core.domain.RegistrationCache) with a fake registrar, and
+of the Domain's per-device settings (with a fake protection domain)."""
 
 from __future__ import annotations
 
+import collections
+import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from rdmaio.core.domain import RegistrationCache
+from rdmaio.core import domain as domain_module
+from rdmaio.core.domain import DEFAULT_MAX_PINNED, RegistrationCache
+from rdmaio.core.reactor import Reactor
+from rdmaio.core.rndv_engine import RendezvousEngine
+from rdmaio.options import Options
+from rdmaio.protocol import FEATURE_RNDV, Handshake, Session
+from rdmaio.protocol.rxbuffer import ReceiveBuffer
 
 
 class FakeRegion:
@@ -128,3 +138,86 @@ def test_giving_back_a_reservation_or_closing_calls_the_room_waiters() -> None:
     cache.call_when_room(lambda: calls.append(2))
     cache.close()
     assert calls == [1, 2]
+
+
+# --- per-device settings: the Domain's, not a connection's ------------------------------------------
+
+
+class FakePD:
+    """What a Domain asks of its protection domain here: closed, close()."""
+
+    def __init__(self, device: Any) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeBackend:
+    def call_later(self, delay: float, callback: Any) -> Any:
+        return SimpleNamespace(cancel=lambda: None)
+
+
+class FakeOneSided:
+    control_handler: Any = None
+
+
+class FakeConnection:
+    """What the rendezvous engine reads of its connection when it is created (held weakly)."""
+
+    def __init__(self) -> None:
+        hs = Handshake(8, 4096, 1 << 20, features=FEATURE_RNDV)
+        self.session = Session(hs, hs)  # both announced rendezvous: the engine is made
+        self.io = FakeBackend()
+        self.rxbuf = ReceiveBuffer(1 << 20)
+        self.onesided = FakeOneSided()
+        self.stats: collections.Counter[str] = collections.Counter()
+
+
+@pytest.fixture
+def reactor(monkeypatch: pytest.MonkeyPatch) -> Reactor:
+    monkeypatch.setattr(domain_module, "ProtectionDomain", FakePD)
+    return Reactor(FakeBackend())  # type: ignore[arg-type]
+
+
+DEVICE: Any = SimpleNamespace(handle=1, name="fake0")
+
+
+def test_a_connections_options_do_not_change_the_devices_registration_bound(reactor: Reactor) -> None:
+    """A second connection on a device asks for a smaller ``max_pinned``; its setup (with rendezvous, the
+    engine that uses the shared cache) must leave the bound every other connection on the device relies on.
+
+    Before: ``RendezvousEngine.for_connection`` wrote the connection's value into the Domain's shared
+    RegistrationCache (``assert 1048576 == 268435456``): the last connection made set every connection's
+    bound."""
+    domain = reactor.domain(DEVICE)  # made by the first connection, with the default bound
+    options = Options(max_pinned=1 << 20)
+    transport = SimpleNamespace(domain=domain, pd=domain.pd)
+    engine = RendezvousEngine.for_connection(FakeConnection(), transport, options)
+    assert engine is not None  # rendezvous is on: the engine shares the device's cache
+    assert domain.registrations.max_pinned == DEFAULT_MAX_PINNED
+    assert domain.max_pinned == DEFAULT_MAX_PINNED
+
+
+def test_the_domain_takes_the_per_device_settings_of_the_connection_that_creates_it(
+    reactor: Reactor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first connection's ``max_pinned`` is the device's; a later connection asking for another
+    value gets the same Domain with its bound unchanged (a warning, once per value), and one that asks
+    for nothing (None) or the same value changes and logs nothing."""
+    first = reactor.domain(DEVICE, Options(max_pinned=8 << 20))
+    assert first.max_pinned == 8 << 20
+    with caplog.at_level(logging.WARNING, logger="rdmaio"):
+        for options in (
+            Options(max_pinned=1 << 20),
+            Options(max_pinned=1 << 20),
+            Options(),
+            Options(max_pinned=8 << 20),
+        ):
+            assert reactor.domain(DEVICE, options) is first
+    assert first.max_pinned == 8 << 20 and first.registrations.max_pinned == 8 << 20
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "max_pinned=1048576 ignored" in warnings[0], warnings
+    # A Domain made after the device's was closed takes the settings of the connection that makes it.
+    first.close()
+    assert reactor.domain(DEVICE, Options()).max_pinned == DEFAULT_MAX_PINNED

@@ -708,7 +708,7 @@ def test_a_peer_without_the_onesided_feature(arun: Run) -> None:
 
 
 def test_the_handshake_announces_and_reads_the_onesided_feature() -> None:
-    from rdmaio.client import local_handshake
+    from rdmaio.core.negotiation import local_handshake
     from rdmaio.protocol import FEATURE_ONESIDED, KNOWN_FEATURES
 
     ours = local_handshake(rdmaio.Options())

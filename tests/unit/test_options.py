@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from rdmaio import Options
-from rdmaio.client import local_handshake
+from rdmaio.core.negotiation import local_handshake
 from rdmaio.protocol import FEATURE_BATCH, Handshake, Session
 
 

@@ -1,16 +1,15 @@
-"""The window a server grants in its handshake (rdmaio.server.accepting_handshake): what an accepted but
-not yet established connection holds is ``initial_depth`` receives whatever the peer announces, and a
-peer that cannot answer RECLAIM gets the reserve of a shared receive queue."""
+"""The window a server grants in its handshake (rdmaio.core.negotiation.accepting_handshake): what an
+accepted but not yet established connection holds is ``initial_depth`` receives whatever the peer
+announces, and a peer that cannot answer RECLAIM gets the reserve of a shared receive queue."""
 
 from __future__ import annotations
 
 import pytest
 
 from rdmaio import Options
-from rdmaio.client import local_handshake
+from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
 from rdmaio.protocol.shared_credits import MIN_WINDOW
-from rdmaio.server import accepting_handshake
 
 NO_GROW = Handshake(recv_depth=32, slot_size=65536, max_message_size=1 << 20)
 

@@ -1,0 +1,144 @@
+"""Dialing: the connecting side of connection setup, from a host and port to a started Connection.
+
+:func:`dial` resolves the host, creates a cm id on the loop's event channel, resolves the RDMA address
+and route, creates the connection's verbs resources (:class:`~rdmaio.core.transport.Transport`) with
+the receive window of :func:`~rdmaio.core.negotiation.local_handshake`, offers the one-sided READ/atomic
+depth the device allows, sends the connect request with the handshake, reads the peer's handshake from
+ESTABLISHED, picks the session class (:func:`~rdmaio.core.shared_receive.new_session`) and returns the
+started :class:`~rdmaio.core.connection.Connection`. On any failure (a typed error for each rdma_cm
+failure event: :func:`connect_error`), or when cancelled, what it created is released.
+
+The public :func:`rdmaio.connect` wraps it with its timeout and the Endpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.connection import Connection
+from rdmaio.core.negotiation import local_handshake
+from rdmaio.core.onesided import rd_atomic_depth
+from rdmaio.core.reactor import Reactor
+from rdmaio.core.resolver import resolve_host
+from rdmaio.core.shared_receive import new_session
+from rdmaio.core.transport import Transport
+from rdmaio.errors import (
+    AddressError,
+    ConnectionRefusedError,
+    HandshakeError,
+    UnreachableError,
+)
+from rdmaio.options import Options
+from rdmaio.protocol import Handshake
+from rdmaio.verbs import CMEvent, CMEventType
+
+__all__ = ["CMEventQueue", "connect_error", "dial"]
+
+# rdma_cm reports "no listener on that port" as REJECTED with IB CM reason 8 (invalid service id).
+_REJECT_NO_LISTENER = 8
+
+
+class CMEventQueue:
+    """Collects the CM events of a cm id that is still being set up, for one coroutine to await."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._events: collections.deque[CMEvent] = collections.deque()
+        self._waiter: Waiter | None = None
+
+    def put(self, event: CMEvent) -> None:
+        """Reactor handler: queue one event."""
+        self._events.append(event)
+        if self._waiter is not None:
+            self._waiter.set()
+
+    async def get(self) -> CMEvent:
+        """Next event of the id."""
+        while not self._events:
+            self._waiter = self._backend.waiter()
+            try:
+                await self._waiter.wait()
+            finally:
+                self._waiter = None
+        return self._events.popleft()
+
+
+def connect_error(event: CMEvent, where: str) -> Exception:
+    """The typed error of an rdma_cm event that ends a connection attempt to ``where`` (a description of
+    the peer): refused (no listener, or rejected), address or route not resolved, or unreachable."""
+    name = event.event.name
+    if event.event == CMEventType.REJECTED:
+        if event.status == _REJECT_NO_LISTENER:
+            return ConnectionRefusedError(
+                f"connection refused by {where}: no listener on that port", errno=111, call="rdma_connect"
+            )
+        return ConnectionRefusedError(
+            f"connection rejected by {where} (status {event.status})", errno=111, call="rdma_connect"
+        )
+    if event.event == CMEventType.ADDR_ERROR:
+        return AddressError(
+            f"cannot resolve {where} to an RDMA device (status {event.status})",
+            errno=-event.status if event.status < 0 else None,
+            call="rdma_resolve_addr",
+        )
+    if event.event == CMEventType.ROUTE_ERROR:
+        return UnreachableError(
+            f"no route to {where} (status {event.status})",
+            errno=-event.status if event.status < 0 else None,
+            call="rdma_resolve_route",
+        )
+    return UnreachableError(
+        f"{where} unreachable: {name} (status {event.status})",
+        errno=-event.status if event.status < 0 else 113,
+        call="rdma_connect",
+    )
+
+
+async def dial(
+    reactor: Reactor, host: str, port: int, local_addr: tuple[str, int] | None, opts: Options
+) -> Connection:
+    """Connect to ``host``:``port`` (``local_addr``: bind the local side) on ``reactor``'s loop and return
+    the started connection. Raises :class:`~rdmaio.ConnectionRefusedError`, :class:`~rdmaio.AddressError`,
+    :class:`~rdmaio.UnreachableError` or :class:`~rdmaio.HandshakeError` (see :func:`rdmaio.connect`);
+    unbounded in time: the caller sets the deadline."""
+    address = await resolve_host(host, port)
+    src = None
+    if local_addr is not None:
+        src = (await resolve_host(local_addr[0], local_addr[1]), local_addr[1])
+    events = CMEventQueue(reactor.backend)
+    cm_id = reactor.create_id(events.put)
+    transport: Transport | None = None
+    try:
+        cm_id.resolve_addr(address, port, src=src, timeout_ms=opts.cm_timeout_ms)
+        event = await events.get()
+        if event.event != CMEventType.ADDR_RESOLVED:
+            raise connect_error(event, f"{host} port {port}")
+        cm_id.resolve_route(opts.cm_timeout_ms)
+        event = await events.get()
+        if event.event != CMEventType.ROUTE_RESOLVED:
+            raise connect_error(event, f"{host} port {port}")
+        handshake = local_handshake(opts)
+        transport = Transport(reactor, cm_id, opts, handshake.initial_depth)
+        depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
+        cm_id.connect(
+            handshake.encode(),
+            retry_count=opts.retry_count,
+            rnr_retry_count=opts.rnr_retry_count,
+            responder_resources=depth,
+            initiator_depth=depth,
+        )
+        event = await events.get()
+        if event.event != CMEventType.ESTABLISHED:
+            raise connect_error(event, f"{host} port {port}")
+        try:
+            peer = Handshake.decode(event.private_data)
+        except HandshakeError:
+            cm_id.disconnect()
+            raise
+        return Connection(reactor, cm_id, transport, new_session(handshake, peer, transport), opts)
+    except BaseException:
+        if transport is not None:
+            transport.close()
+        reactor.release_id(cm_id)
+        raise
