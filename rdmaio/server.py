@@ -57,9 +57,8 @@ class StreamServer:
         self, handler: Handler | None, options: Options, backlog: int, *, start_serving: bool = True
     ) -> None:
         self._handler = handler
-        self._options = options
-        self._reactor = Reactor.current()
-        self._io = self._reactor.backend
+        reactor = Reactor.current()
+        self._io = reactor.backend
         self._serving = False  # handing connections to the handler (start_serving(); False once closed)
         self._start_serving = start_serving
         self._clients: set[Endpoint] = set()
@@ -69,7 +68,7 @@ class StreamServer:
         self._state_waiters: dict[Waiter, None] = {}  # wait_closed() and serve_forever(); ordered set
         self._serve_forever_running = False
         self._acceptor = Acceptor(
-            self._reactor,
+            reactor,
             options,
             backlog,
             queued=self._accepted,

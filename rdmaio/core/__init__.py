@@ -20,6 +20,6 @@ and the public API.
 * :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
 
 The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`, and reaches
-C only through the verbs layer (``ffi``/``lib`` from :mod:`rdmaio.verbs.native`); nothing in it imports the
-public API.
+C through the verbs layer (``ffi``/``lib`` from :mod:`rdmaio.verbs.native`; tests/unit/test_layers.py lists
+the modules that still import :mod:`rdmaio._ffi` directly); nothing in it imports the public API.
 """
