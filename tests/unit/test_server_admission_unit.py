@@ -1,15 +1,24 @@
 """The window a server grants in its handshake (rdmaio.core.negotiation.accepting_handshake): what an
 accepted but not yet established connection holds is ``initial_depth`` receives whatever the peer
-announces, and a peer that cannot answer RECLAIM gets the reserve of a shared receive queue."""
+announces, and a peer that cannot answer RECLAIM gets the reserve of a shared receive queue. And the
+admission of rdmaio.core.acceptor.Acceptor, with fakes: what it refuses before creating anything."""
 
 from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import pytest
 
 from rdmaio import Options
+from rdmaio.core import acceptor as acceptor_module
+from rdmaio.core.acceptor import Acceptor
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
 from rdmaio.protocol.shared_credits import MIN_WINDOW
+from rdmaio.verbs import CMEventType
 
 NO_GROW = Handshake(recv_depth=32, slot_size=65536, max_message_size=1 << 20)
 
@@ -49,3 +58,146 @@ def test_on_a_shared_receive_queue_a_peer_without_reclaim_gets_the_reserve(peer_
     reclaiming = local_handshake(Options(shared_receive_queue=True))
     ours = answer(options, reclaiming)
     assert (ours.initial_depth, ours.recv_depth) == (16, 32) and ours.features & FEATURE_GROW
+
+
+# --- the acceptor's admission, with fakes: what is refused before anything is created ---------------
+
+
+class FakeCMId:
+    def __init__(self, handle: int, source: str) -> None:
+        self.handle = handle
+        self.peer_address = (source, 40000 + handle)
+        self.rejected = False
+        self.accepted: dict[str, Any] | None = None
+
+    def reject(self) -> None:
+        self.rejected = True
+
+    def accept(self, private_data: bytes, **params: int) -> None:
+        self.accepted = params
+
+
+class FakeTimer:
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeReactor:
+    """What an Acceptor asks of its reactor: ids adopted and released, timers, the CM events drained."""
+
+    def __init__(self) -> None:
+        self.backend = self
+        self.handlers: dict[int, Callable[[Any], None]] = {}
+        self.released: list[FakeCMId] = []
+        self.timers: list[FakeTimer] = []
+        self.drained = 0
+
+    def adopt_id(self, event: Any, handler: Callable[[Any], None]) -> FakeCMId:
+        self.handlers[event.id_handle] = handler
+        return FakeCMId(event.id_handle, event.source)
+
+    def release_id(self, cm_id: FakeCMId) -> None:
+        self.released.append(cm_id)
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> FakeTimer:
+        self.timers.append(FakeTimer(callback))
+        return self.timers[-1]
+
+    def drain_cm_events(self) -> None:
+        self.drained += 1
+
+
+class FakeTransport:
+    made: ClassVar[list[FakeTransport]] = []
+
+    def __init__(self, reactor: Any, cm_id: FakeCMId, options: Options, initial: int) -> None:
+        self.cm_id = cm_id
+        self.initial = initial
+        self.device = None
+        self.shared = None
+        self.registered_bytes = initial * options.slot_size
+        self.closed = False
+        FakeTransport.made.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def request(handle: int, source: str = "198.18.0.2", data: bytes | None = None) -> Any:
+    hello = local_handshake(Options()).encode() if data is None else data
+    return SimpleNamespace(
+        event=CMEventType.CONNECT_REQUEST,
+        id_handle=handle,
+        source=source,
+        private_data=hello,
+        responder_resources=16,
+        initiator_depth=16,
+    )
+
+
+@pytest.fixture
+def acceptor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[Acceptor, FakeReactor, list[Any], collections.deque[Any]]:
+    FakeTransport.made = []
+    monkeypatch.setattr(acceptor_module, "Transport", FakeTransport)
+    monkeypatch.setattr(acceptor_module, "rd_atomic_depth", lambda device, wanted: 4)
+    monkeypatch.setattr(acceptor_module, "Connection", lambda *args: SimpleNamespace(args=args))
+    reactor = FakeReactor()
+    started: list[Any] = []
+    queued: collections.deque[Any] = collections.deque()
+    timed_out: list[None] = []
+    options = Options(max_pending_per_source=2, initial_depth=4)
+    acc = Acceptor(
+        reactor,  # type: ignore[arg-type]
+        options,
+        3,
+        queued=queued,
+        on_connection=started.append,
+        on_device_removal=lambda: None,
+        on_timed_out=lambda: timed_out.append(None),
+    )
+    acc.listening = True  # as after listen(): no listener ids in these tests
+    return acc, reactor, started, queued
+
+
+def test_the_acceptor_refuses_before_creating_anything(
+    acceptor: tuple[Acceptor, FakeReactor, list[Any], collections.deque[Any]],
+) -> None:
+    """Backlog (pending + the owner's queue), per-source limit and bad handshakes are refused with a REJ
+    and their id released, no transport made; an admitted request is accepted with the depths both
+    sides allow, becomes pending under a deadline, and starts a Connection on ESTABLISHED."""
+    acc, reactor, started, queued = acceptor
+    acc._on_listener_event(request(1))
+    acc._on_listener_event(request(2))
+    assert acc.pending == 2 and len(FakeTransport.made) == 2
+    assert FakeTransport.made[0].initial == 4  # the window a half-open request holds
+    assert FakeTransport.made[0].cm_id.accepted == {
+        "rnr_retry_count": Options().rnr_retry_count,
+        "responder_resources": 4,
+        "initiator_depth": 4,
+    }
+    acc._on_listener_event(request(3))  # a third from the same source: its limit is 2
+    assert acc.refused_source == 1 and acc.rejected == 1 and reactor.released[-1].rejected
+    acc._on_listener_event(request(4, source="198.18.0.4", data=b"\x00garbage"))
+    assert acc.rejected == 2 and acc.refused_source == 1 and reactor.released[-1].handle == 4
+    queued.append(object())  # one established, not served yet: with 2 pending the backlog of 3 is full
+    acc._on_listener_event(request(5, source="198.18.0.3"))
+    assert acc.refused_backlog == 1 and acc.rejected == 3
+    assert len(FakeTransport.made) == 2  # nothing was created for a refused request
+    assert acc.peak_waiting == 2
+    # ESTABLISHED: the connection starts and goes to the owner; its deadline is cancelled.
+    reactor.handlers[1](SimpleNamespace(event=CMEventType.ESTABLISHED, id_handle=1))
+    assert len(started) == 1 and acc.accepted == 1 and acc.pending == 1 and reactor.timers[0].cancelled
+    # The other one never completes: at its deadline the waiting CM events are handled first, then it
+    # is dropped with what it held.
+    reactor.timers[1].callback()
+    assert reactor.drained == 1 and acc.timed_out == 1 and acc.pending == 0
+    assert FakeTransport.made[1].closed and reactor.released[-1].handle == 2
+    acc.close()
+    acc._on_listener_event(request(6))
+    assert acc.rejected == 4 and len(FakeTransport.made) == 2  # closed: refused
