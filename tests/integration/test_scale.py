@@ -36,7 +36,7 @@ import pytest
 from rdma_state import rdma_resources
 
 import rdmaio
-from rdmaio.bench.memory import mem_available, rss_bytes, trim_heap
+from bench.memory import mem_available, rss_bytes, trim_heap
 from rdmaio.core.rings import POOL_LINGER
 from rdmaio.core.transport import Transport
 
@@ -62,7 +62,7 @@ SERVER = textwrap.dedent(
     import asyncio, gc, json, os, resource, sys
     import uvloop
     import rdmaio
-    from rdmaio.bench.memory import trim_heap
+    from bench.memory import trim_heap
     from rdmaio.core.transport import Transport
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
