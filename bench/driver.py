@@ -467,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
             "asyncio/uvloop TCP streams: one-way stream throughput, pipelined message rate and echo "
             "round-trip latency; on request (--only) connection setup rate against a native rdma_cm "
             "loop, and registered memory and RSS per idle connection. "
-            "Run it where an RDMA device exists, e.g. inside the test host: "
-            "python -m rdmaio.testing.host -- .venv/bin/python -m bench --json reports/bench.json"
+            "Run it from a checkout of rdmaio where an RDMA device exists, e.g. inside the test host: "
+            "tools/dev bench [HOST-OPTIONS --] --json reports/bench.json"
         ),
     )
     mode = parser.add_mutually_exclusive_group()
