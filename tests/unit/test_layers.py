@@ -1,4 +1,4 @@
-"""The layering of docs/index.md, checked: each layer imports only what the table says it may.
+"""The layering of docs/architecture.md, checked: each layer imports only what the table says it may.
 
 The rules: the FFI imports nothing of rdmaio; the verbs layer the FFI and ``errors``; the protocol only
 ``errors``; the core the verbs layer, the protocol, ``options`` and ``errors``, and reaches C only through
@@ -159,7 +159,7 @@ def test_the_gateway_is_the_verbs_layers_and_exposes_ffi_and_lib() -> None:
     assert gateway.__doc__ and "core" in gateway.__doc__
 
 
-# Within a layer, the parts of a split class import only what their job needs (docs/index.md):
+# Within a layer, the parts of a split class import only what their job needs (docs/architecture.md):
 # the close state machine knows nothing of frames or credits, an endpoint's read and write sides only its
 # connection, the remote keys nothing of the engine.
 NARROW: dict[str, set[str]] = {
