@@ -319,7 +319,7 @@ class Domain:
         """The device's bound of pinned registration bytes (fixed when the Domain was created)."""
         return int(self.registrations.max_pinned)
 
-    def asked(self, max_pinned: int) -> None:
+    def check_max_pinned(self, max_pinned: int) -> None:
         """A connection created after this Domain asked for ``max_pinned`` (its ``Options.max_pinned``):
         the device's setting stays (every connection on it shares it); a different value is logged once."""
         current = self.registrations.max_pinned

@@ -111,7 +111,7 @@ class Reactor:
 
         The per-device settings of ``options`` (a connection's: ``max_pinned``) are taken when the Domain
         is created; a Domain that exists keeps its own, whatever a later connection asks for (see
-        :meth:`Domain.asked <rdmaio.core.domain.Domain.asked>`)."""
+        :meth:`Domain.check_max_pinned <rdmaio.core.domain.Domain.check_max_pinned>`)."""
         if device.handle in self._removed:
             raise DeviceError(f"RDMA device {device.name} was removed", errno=errno.ENODEV, call="Domain")
         domain = self._domains.get(device.handle)
@@ -124,7 +124,7 @@ class Reactor:
                 call_later=self.backend.call_later,
             )
         elif options is not None and options.max_pinned is not None:
-            domain.asked(options.max_pinned)
+            domain.check_max_pinned(options.max_pinned)
         return domain
 
     def _close_at_loop_end(self, loop_alive: bool) -> None:
