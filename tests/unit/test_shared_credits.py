@@ -21,9 +21,10 @@ from rdmaio.protocol import (
     decode_imm,
     encode_imm,
 )
+from rdmaio.protocol.credit_ledger import SharedCreditLedger
 from rdmaio.protocol.frames import MAX_RETURN, encode_return_imm, returned_credits
 from rdmaio.protocol.handshake import FEATURE_RECLAIM
-from rdmaio.protocol.shared_credits import MIN_WINDOW, RETURN_KEEP, ReclaimSession, SharedCreditLedger
+from rdmaio.protocol.reclaim import MIN_WINDOW, RETURN_KEEP, ReclaimSession
 
 # -- frames and handshake ---------------------------------------------------------------------------------
 
