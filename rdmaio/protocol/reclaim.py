@@ -16,7 +16,6 @@ from typing import Final, NoReturn
 
 from rdmaio.errors import FrameError
 from rdmaio.protocol.frames import (
-    _CREDIT_MASK,
     _IMM_RECLAIM,
     _KIND_SHIFT,
     _RESERVED_MASK,
@@ -83,7 +82,7 @@ class ReclaimSession(Session):
         if shared and credit_threshold is not None:
             raise ValueError("a window drawn from a shared pool shrinks: its credit threshold must follow it")
         super().__init__(local, peer, credit_threshold=credit_threshold)
-        if shared and self._recv_depth < MIN_WINDOW:  # pragma: no cover - MIN_RECV_DEPTH enforces it
+        if shared and self.recv_depth < MIN_WINDOW:  # pragma: no cover - MIN_RECV_DEPTH enforces it
             raise ValueError(f"a shared window starts at {MIN_WINDOW} receives at least")
         self._shared = shared
         self._reclaim = bool(local.features & peer.features & FEATURE_RECLAIM)
@@ -104,20 +103,20 @@ class ReclaimSession(Session):
     @property
     def unreturned(self) -> int:
         """Receives of this window consumed by frames and not yet reposted or released."""
-        return self._recv_depth - self._posted
+        return self.recv_depth - self.posted
 
     def release_receives(self, n: int) -> None:
         """``n`` consumed receives of this window go back to the shared pool, not to this connection: the
         window shrinks by ``n``. It may not shrink below :data:`MIN_WINDOW`."""
         if not self._shared:
             raise RuntimeError("only a session drawing from a shared pool releases receives")
-        if not 0 <= n <= self._recv_depth - self._posted:
-            raise ValueError(f"cannot release {n}: {self._recv_depth - self._posted} consumed and unreturned")
-        if self._recv_depth - n < MIN_WINDOW:
-            raise ValueError(f"cannot shrink the window {self._recv_depth} by {n} below {MIN_WINDOW}")
-        self._recv_depth -= n
+        window = self.recv_depth
+        if not 0 <= n <= window - self.posted:
+            raise ValueError(f"cannot release {n}: {window - self.posted} consumed and unreturned")
+        if window - n < MIN_WINDOW:
+            raise ValueError(f"cannot shrink the window {window} by {n} below {MIN_WINDOW}")
+        self.shrink_receives(n)  # the threshold follows: a shared window keeps the default one
         self._released += n
-        self._threshold = self._recv_depth // 2
 
     def request_reclaim(self) -> None:
         """Ask the peer for its unused credits back (a RECLAIM frame, once :meth:`reclaim_frame_due`).
@@ -134,17 +133,17 @@ class ReclaimSession(Session):
     def reclaim_frame_due(self) -> bool:
         """True if a RECLAIM frame should be posted now. It follows the DATA rule (two credits), so it never
         takes the credit kept for CREDIT and EOF frames."""
-        return self._reclaim_wanted and self._send_credits >= 2 and not self._wire_down
+        return self._reclaim_wanted and self.can_take_slot()  # the DATA rule, as for a one-sided request
 
     def take_reclaim_frame(self) -> int:
         """Account for the RECLAIM frame about to be posted; return its immediate value (it grants every
         credit owed, like every frame)."""
         if not self.reclaim_frame_due():
-            self._raise_wire_error()
+            self.check_wire()
             raise RuntimeError("no RECLAIM frame is due")
         self._reclaim_wanted = False
         self._reclaim_pending = True
-        return self._take(_IMM_RECLAIM)
+        return self.take_control_frame(_IMM_RECLAIM)
 
     # -- answering side -------------------------------------------------------------------------------------
 
@@ -156,27 +155,19 @@ class ReclaimSession(Session):
     def return_frame_due(self) -> bool:
         """True if the RETURN frame answering a RECLAIM may be posted now (the last credit only if the frame
         also grants one, the rule EOF follows)."""
-        return (
-            self._return_due
-            and not self._wire_down
-            and (self._send_credits >= 2 or (self._send_credits == 1 and self._ungranted >= 1))
-        )
+        return self._return_due and self.can_send_control()
 
     def take_return_frame(self) -> int:
         """Account for the RETURN frame about to be posted and return its immediate value: it gives back every
         credit above :data:`RETURN_KEEP` (at most :data:`~rdmaio.protocol.frames.MAX_RETURN`; the rest stay
         ours) and grants every credit owed."""
         if not self.return_frame_due():
-            self._raise_wire_error()
+            self.check_wire()
             raise RuntimeError("no RETURN frame is due")
-        returned = min(max(0, self._send_credits - 1 - RETURN_KEEP), MAX_RETURN)
-        grant = self._grant_owed(_CREDIT_MASK)
-        self._send_credits -= 1 + returned
-        self._min_send_credits = min(self._min_send_credits, self._send_credits)
-        self._frames_sent += 1
+        returned = min(max(0, self.send_credits - 1 - RETURN_KEEP), MAX_RETURN)
         self._return_due = False
         self._returned_out += returned
-        return encode_return_imm(returned, grant)
+        return self.take_control_frame(encode_return_imm(returned, 0), give_back=returned)
 
     # -- receiving ------------------------------------------------------------------------------------------
 
@@ -192,44 +183,26 @@ class ReclaimSession(Session):
         return super().on_frame(imm, byte_len)
 
     def _on_reclaim_frame(self, kind: int, imm: int, byte_len: int) -> FrameKind:
-        send_credits = self._send_credits + (imm & _CREDIT_MASK)
-        returned = returned_credits(imm)
-        name = "RECLAIM" if kind == _K_RECLAIM else "RETURN"
         # The checks of a control frame, in Session's order; the reserved bits carry the count in RETURN.
-        if self._posted <= self._ungranted:
-            self._fail(f"{name} frame arrived although the peer held no credit for it")
-        if byte_len:
-            self._fail(f"{name} frame carries {byte_len} payload bytes, it must carry none")
-        if send_credits > self._peer_depth:
-            self._fail(
-                f"peer granted {imm & _CREDIT_MASK} credits, more than its recv_depth {self._peer_depth}"
-            )
+        self.check_control_frame(imm, byte_len, "RECLAIM" if kind == _K_RECLAIM else "RETURN")
         if kind == _K_RECLAIM:
             if imm & _RESERVED_MASK:
                 self._fail(f"immediate value {imm:#010x} has reserved bits set")
             self._return_due = True
-            result = FrameKind.RECLAIM
-        else:
-            # The peer cannot give back more than it may hold: what we count as its credits and frames in
-            # flight, less this frame itself.
-            if not self._reclaim_pending:
-                self._fail("RETURN frame without a RECLAIM")
-            if returned > self._posted - self._ungranted - 1:
-                self._fail(
-                    f"RETURN frame gives back {returned} credits, the peer holds at most "
-                    f"{self._posted - self._ungranted - 1}"
-                )
-            self._reclaim_pending = False
-            self._posted -= returned
-            self._recv_depth -= returned
-            self._returned_in += returned
-            if self._default_threshold:
-                self._threshold = self._recv_depth // 2
-            result = FrameKind.RETURN
-        self._posted -= 1
-        self._send_credits = send_credits
-        self._frames_received += 1
-        return result
+            self.count_control_frame(imm)
+            return FrameKind.RECLAIM
+        # The peer cannot give back more than it may hold: what we count as its credits and frames in
+        # flight, less this frame itself.
+        returned = returned_credits(imm)
+        if not self._reclaim_pending:
+            self._fail("RETURN frame without a RECLAIM")
+        held = self.posted - self.ungranted - 1
+        if returned > held:
+            self._fail(f"RETURN frame gives back {returned} credits, the peer holds at most {held}")
+        self._reclaim_pending = False
+        self._returned_in += returned
+        self.count_control_frame(imm, returned)  # the returned receives leave the window
+        return FrameKind.RETURN
 
     def _fail(self, message: str) -> NoReturn:
         exc = FrameError(message)

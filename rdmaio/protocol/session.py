@@ -296,8 +296,9 @@ class Session:
         close.mark_closed()
         self._wire_down = close.wire_down
 
-    def _raise_wire_error(self) -> None:
-        """Raise what taking a frame raises once no frame may be sent (nothing while the wire is up)."""
+    def check_wire(self) -> None:
+        """Raise the connection's error if no frame may be sent any more (aborted, transport lost or torn
+        down): what taking a frame raises then. Nothing while the transport is usable."""
         error = self._close.wire_error()
         if error is not None:
             raise error
@@ -498,7 +499,7 @@ class Session:
         grant = self._ungranted
         send_credits = self._send_credits - 1
         if self._wire_down or send_credits < 0 or grant < 1:
-            self._raise_wire_error()
+            self.check_wire()
             if send_credits < 0:
                 raise RuntimeError("no credit left for a CREDIT frame")
             raise RuntimeError("a CREDIT frame must grant at least one credit (ungranted is 0)")
@@ -540,7 +541,7 @@ class Session:
 
     def take_eof_frame(self) -> int:
         """Account for the EOF frame about to be posted and return its immediate value (once only)."""
-        self._raise_wire_error()
+        self.check_wire()
         if self._eof_sent:
             raise RuntimeError("EOF was already sent")
         if self._send_in_message:
@@ -574,7 +575,7 @@ class Session:
 
     def _raise_send_error(self, nbytes: int, needed: int) -> NoReturn:
         """Raise what a DATA/DATA_BATCH take must raise, in the order of the checks (slow path only)."""
-        self._raise_wire_error()
+        self.check_wire()
         if self._eof_sent:
             raise EndpointClosedError("cannot send data: EOF was already sent (write_eof() was called)")
         if not 0 <= nbytes <= self._max_fragment:
@@ -598,7 +599,7 @@ class Session:
         Raises the connection's error if the transport is unusable, RuntimeError without two credits.
         """
         if self._wire_down:
-            self._raise_wire_error()
+            self.check_wire()
         if self._send_credits < 2:
             raise RuntimeError(f"no credit for a one-sided request (send_credits={self._send_credits})")
         self._send_credits -= 1
@@ -820,3 +821,66 @@ class Session:
             raise exc
         self._posted -= 1
         self._onesided_received += 1
+
+    # -- control frames of protocol extensions ------------------------------------------------------------
+    # The reclaim protocol (rdmaio.protocol.reclaim) adds two control frames and a window that shrinks.
+    # These are the accounting steps it is built from: its rules stay in its module, the fields in this one.
+
+    def can_send_control(self) -> bool:
+        """True if a control frame that grants every credit owed may be posted now: the transport is usable
+        and two credits are held, or only the last one if the frame grants one back (the rule of EOF)."""
+        return not self._wire_down and (
+            self._send_credits >= 2 or (self._send_credits == 1 and self._ungranted >= 1)
+        )
+
+    def take_control_frame(self, imm_bits: int, give_back: int = 0) -> int:
+        """Account for a control frame about to be posted and return its immediate value: ``imm_bits`` (its
+        kind and fields of its own) with every credit owed granted. It costs one credit, plus ``give_back``
+        credits it hands back to the peer. The caller has checked that the frame may be sent."""
+        grant = self._grant_owed(MAX_CREDITS)
+        self._send_credits -= 1 + give_back
+        self._min_send_credits = min(self._min_send_credits, self._send_credits)
+        self._frames_sent += 1
+        return imm_bits | grant
+
+    def check_control_frame(self, imm: int, byte_len: int, name: str) -> None:
+        """The checks every received control frame of an extension passes, in :meth:`on_frame`'s order: the
+        peer held a credit for it, it carries no payload, its grant stays within the peer's recv_depth. A
+        failure aborts the session and raises :class:`FrameError` (``name`` is the frame's, for the message).
+        """
+        if self._posted <= self._ungranted:
+            self._abort_frame(f"{name} frame arrived although the peer held no credit for it")
+        if byte_len:
+            self._abort_frame(f"{name} frame carries {byte_len} payload bytes, it must carry none")
+        if self._send_credits + (imm & _CREDIT_MASK) > self._peer_depth:
+            self._abort_frame(
+                f"peer granted {imm & _CREDIT_MASK} credits, more than its recv_depth {self._peer_depth}"
+            )
+
+    def count_control_frame(self, imm: int, given_back: int = 0) -> None:
+        """Apply a received control frame that passed every check: its receive was consumed, its grant is
+        ours, and ``given_back`` posted receives the peer held credits for leave the window (the default
+        threshold follows the window)."""
+        self._posted -= given_back + 1
+        if given_back:
+            self._recv_depth -= given_back
+            if self._default_threshold:
+                self._threshold = self._recv_depth // 2
+        self._send_credits += imm & _CREDIT_MASK
+        self._frames_received += 1
+
+    def shrink_receives(self, n: int) -> None:
+        """``n`` consumed receives leave the window instead of being reposted (the inverse of
+        :meth:`grow_receives`, for a window lent from a shared pool); the default threshold follows."""
+        if not 0 <= n <= self._recv_depth - self._posted:
+            raise ValueError(
+                f"cannot shrink by {n}: {self._recv_depth - self._posted} consumed and unreposted"
+            )
+        self._recv_depth -= n
+        if self._default_threshold:
+            self._threshold = self._recv_depth // 2
+
+    def _abort_frame(self, message: str) -> NoReturn:
+        exc = FrameError(message)
+        self.abort(exc)
+        raise exc
