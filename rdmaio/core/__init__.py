@@ -12,6 +12,8 @@ and the public API.
 * :mod:`~rdmaio.core.txengine`: the send engine (queue, coalescing, send slots, work requests).
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
 * :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
+* :mod:`~rdmaio.core.shared_receive`: per device and loop, the optional shared receive queue (its buffers,
+  its credit ledger) and each connection's place on it.
 
 The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`; nothing in
 it imports the public API.
