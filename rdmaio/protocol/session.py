@@ -119,9 +119,14 @@ class Session:
         "send_error",
     )
 
-    # The close state's answers (bound methods of the CloseState, set by __init__; see CloseState).
+    # The close state's answers: bound methods of the Session's CloseState, set once by __init__, so that a
+    # send or an empty read asks the close state with one call, as when they were the Session's own methods.
+    #: The exception a send/write/drain must raise now, or None (:meth:`CloseState.send_error`).
     send_error: Callable[[], BaseException | None]
+    #: The exception a wait for accepted data must raise now, or None (:meth:`CloseState.flush_error`).
     flush_error: Callable[[], BaseException | None]
+    #: What a read that finds no buffered data gets: None, :data:`EOF` or an exception
+    #: (:meth:`CloseState.recv_outcome`).
     recv_outcome: Callable[[], BaseException | EOFType | None]
 
     def __init__(self, local: Handshake, peer: Handshake, *, credit_threshold: int | None = None) -> None:
