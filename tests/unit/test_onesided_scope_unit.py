@@ -16,7 +16,7 @@ from test_onesided_unit import RECV, Rig, key, settle
 import rdmaio
 from rdmaio._ffi import ffi, lib
 from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT, RemoteKey
-from rdmaio.core.onesided_revoked import RevokedKeys
+from rdmaio.core.onesided.revoked import RevokedKeys
 from rdmaio.verbs import memory
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -41,7 +41,7 @@ def test_export_binds_a_window_over_a_region_without_remote_flags(arun: Run) -> 
         assert window.access == lib.IBV_ACCESS_REMOTE_READ | lib.IBV_ACCESS_REMOTE_WRITE
         assert k.rkey == window.rkey != region.rkey and k.addr == region.addr
         # The bind is a signalled kind 2 request without an op slot, routed back by its index.
-        assert window.wr_id >> 56 == 2 and rig.engine._in_flight == 0
+        assert window.wr_id >> 56 == 2 and rig.engine.operations.in_flight == 0
         assert rig.engine.statistics()["mw_binds_in_flight"] == 1
         rig.complete_binds()
         assert rig.engine.statistics()["mw_binds_in_flight"] == 0 and rig.failures == []
@@ -96,11 +96,11 @@ def test_binds_in_flight_are_bounded_and_polled_for(arun: Run) -> None:
         assert rig.reaps == 1 and len(rig.windows) == MAX_BINDS_IN_FLIGHT  # polled, nothing registered
         # A poll that finds the binds done frees their entries: export goes on.
         rig._reap = rig.complete_binds  # type: ignore[method-assign]
-        rig.engine._poll = rig.complete_binds
+        rig.engine.exporter._poll = rig.complete_binds
         rig.engine.export(buf)
         assert len(rig.windows) == MAX_BINDS_IN_FLIGHT + 1
         # export_for_read (rendezvous) waits for a bind entry instead of raising.
-        rig.engine._poll = None
+        rig.engine.exporter._poll = None
         for _ in range(MAX_BINDS_IN_FLIGHT - 1):
             rig.engine.export(buf)
         waiting = asyncio.ensure_future(rig.engine.export_for_read(memoryview(bytes(64))))
@@ -152,13 +152,13 @@ def test_requests_waiting_for_the_doorbell_fail_when_their_key_was_revoked_meanw
         rig = Rig(max_ops=8)
         k = key()
         other = RemoteKey(0x20000, 0x78, 4096, 0x3, 43)
-        real_ring = rig.engine._ring
+        real_ring = rig.engine.operations._ring
         rang: list[int] = []
-        rig.engine._ring = lambda: rang.append(1)  # type: ignore[method-assign]  # the loop is busy
+        rig.engine.operations._ring = lambda: rang.append(1)  # type: ignore[method-assign]  # the loop is busy
         reads = [asyncio.ensure_future(rig.engine.read(k, 0, 8)) for _ in range(3)]
         kept = asyncio.ensure_future(rig.engine.read(other, 0, 8))
         await settle()  # every call ran its checks; the doorbell has not rung yet
-        assert len(rig.qp.posted) == 1 and len(rig.engine._doorbell) == 3 and rang == [1]
+        assert len(rig.qp.posted) == 1 and len(rig.engine.operations._doorbell) == 3 and rang == [1]
         rig.engine.on_recv(RECV, 0, 16, control(1, k.key_id))  # REVOKE
         ack = rig.qp.posted[-1]
         assert ack["opcode"] == lib.IBV_WR_SEND  # the REVOKE_ACK, posted at once
