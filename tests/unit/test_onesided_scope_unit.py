@@ -17,6 +17,7 @@ import rdmaio
 from rdmaio._ffi import ffi, lib
 from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT, RemoteKey
 from rdmaio.core.onesided.revoked import RevokedKeys
+from rdmaio.testing.fakes import FakeMemoryLib
 from rdmaio.verbs import memory
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -237,27 +238,6 @@ def test_a_peer_revoking_ids_it_never_issued_is_stopped_at_the_bound(arun: Run) 
 # --- verbs: a failing deregistration or window allocation is reported ----------------------------------
 
 
-class _FakeLib:
-    """The few C functions the memory objects call, with scripted results."""
-
-    def __init__(self, dereg_rc: int = 0, alloc_rc: int = 0, dealloc_rc: int = 0) -> None:
-        self.dereg_rc = dereg_rc
-        self.alloc_rc = alloc_rc
-        self.dealloc_rc = dealloc_rc
-        self.calls: list[str] = []
-
-    def ibv_dereg_mr(self, ptr: Any) -> int:
-        self.calls.append("ibv_dereg_mr")
-        return self.dereg_rc
-
-    def rdmaio_alloc_mw(self, pd: Any, out: Any) -> int:
-        return self.alloc_rc
-
-    def rdmaio_dealloc_mw(self, ptr: Any) -> int:
-        self.calls.append("ibv_dealloc_mw")
-        return self.dealloc_rc
-
-
 def _fake_region(buffer: bytearray) -> memory.MemoryRegion:
     region = memory.MemoryRegion.__new__(memory.MemoryRegion)
     memory._Resource.__init__(region)
@@ -269,7 +249,7 @@ def _fake_region(buffer: bytearray) -> memory.MemoryRegion:
 
 
 def test_a_failed_deregistration_raises_and_keeps_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = _FakeLib(dereg_rc=errno.EBUSY)
+    fake = FakeMemoryLib(dereg_rc=errno.EBUSY)
     monkeypatch.setattr(memory, "lib", fake)
     buffer = bytearray(4096)
     region = _fake_region(buffer)
@@ -286,7 +266,7 @@ def test_a_failed_deregistration_raises_and_keeps_the_buffer(monkeypatch: pytest
 def test_memory_windows_report_a_device_without_them_and_a_failed_release(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fake = _FakeLib(alloc_rc=-errno.EOPNOTSUPP)
+    fake = FakeMemoryLib(alloc_rc=-errno.EOPNOTSUPP)
     monkeypatch.setattr(memory, "lib", fake)
     pd = SimpleNamespace(_ptr=ffi.NULL, _check_usable=lambda: None, _dependents={})
     region = _fake_region(bytearray(64))
@@ -309,7 +289,7 @@ def test_memory_windows_report_a_device_without_them_and_a_failed_release(
 def test_closing_a_queue_pair_deallocates_its_windows_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bound type 2 window holds its QP: rxe's QP destroy waits (seconds) for every such hold, so the
     windows bound on a QP go before it (a dead peer was detected 50 s late otherwise)."""
-    fake = _FakeLib()
+    fake = FakeMemoryLib()
     monkeypatch.setattr(memory, "lib", fake)
 
     class FakeQueuePair(memory._Resource):

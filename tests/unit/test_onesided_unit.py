@@ -25,6 +25,7 @@ from rdmaio.core.onesided import (
 )
 from rdmaio.core.onesided import operations as onesided_operations
 from rdmaio.protocol import Handshake, Session
+from rdmaio.testing.fakes import FakeQP, FakeRegion, FakeRegistration, FakeWindow
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 WR_ONESIDED = 2 << 56
@@ -34,93 +35,6 @@ RECV = int(rdmaio.verbs.WcOpcode.RECV)
 
 
 # --- fakes ---------------------------------------------------------------------------------------------
-
-
-class FakeRegion:
-    next_key = 0x100
-
-    def __init__(self, buffer: Any, access: int = 0, readonly: bool = False) -> None:
-        self.cbuf = ffi.from_buffer(buffer, require_writable=not readonly)
-        self.addr = int(ffi.cast("uintptr_t", self.cbuf))
-        self.length = len(self.cbuf)
-        FakeRegion.next_key += 1
-        self.lkey = self.rkey = FakeRegion.next_key
-        self.access = access
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeWindow:
-    """A type 2 window bound on the fake QP: its bind is pending until the test completes it."""
-
-    def __init__(self, region: FakeRegion, wr_id: int, access: int) -> None:
-        self.region = region
-        self.wr_id = wr_id
-        self.access = access
-        FakeRegion.next_key += 1
-        self.rkey = FakeRegion.next_key
-        self.closed = False
-
-    def close(self) -> None:
-        assert not self.region.closed, "a window must be freed before its region is deregistered"
-        self.closed = True
-
-
-class FakeRegistration:
-    def __init__(self, buffer: Any) -> None:
-        self.region = FakeRegion(buffer)
-        self.addr, self.lkey = self.region.addr, self.region.lkey
-        self.released = False
-
-    def release(self) -> None:
-        self.released = True
-
-
-class FakeQP:
-    def __init__(self) -> None:
-        self.rdma_array = ffi.new("struct rdmaio_rdma_op[]", 16)
-        self.posted: list[dict[str, int]] = []
-        self.fail_next = False
-        self.calls: list[int] = []  # requests per post_rdma call (per doorbell)
-
-    def post_rdma(self, count: int) -> None:
-        if self.fail_next:
-            raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
-        self.calls.append(count)
-        for i in range(count):
-            wr = self.rdma_array[i]
-            fields = ("wr_id", "local_addr", "length", "lkey", "opcode", "send_flags", "imm_data", "rkey")
-            entry = {name: int(getattr(wr, name)) for name in fields}
-            entry.update(remote_addr=int(wr.remote_addr), compare_add=int(wr.compare_add), swap=int(wr.swap))
-            self.posted.append(entry)
-
-    def post_batch(
-        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
-    ) -> None:
-        """As the C helper fills a batch: request i at local_addr + local_offset[i] (8 * i), only the last
-        signalled; each request is one entry of ``posted``, the batch one entry of ``calls``."""
-        if self.fail_next:
-            raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
-        count = len(remote_addr)
-        self.calls.append(count)
-        lengths, offsets = arrays.get("length"), arrays.get("local_offset")
-        compare_add = arrays.get("compare_add")
-        for i in range(count):
-            self.posted.append(
-                {
-                    "wr_id": wr_id,
-                    "local_addr": local_addr + (offsets[i] if offsets is not None else 8 * i),
-                    "length": lengths[i] if lengths is not None else 8,
-                    "lkey": lkey,
-                    "opcode": opcode,
-                    "send_flags": int(lib.IBV_SEND_SIGNALED) if i == count - 1 else 0,
-                    "rkey": rkey,
-                    "remote_addr": remote_addr[i],
-                    "compare_add": compare_add[i] if compare_add is not None else 0,
-                }
-            )
 
 
 class FakeCredits:
