@@ -518,6 +518,42 @@ def test_cancelled_read_into_fails_the_connection(arun: Run) -> None:
     arun(main())
 
 
+def test_read_registered_reads_into_the_callers_memory_and_leaves_a_cancelled_op_to_its_completion(
+    arun: Run,
+) -> None:
+    """The rendezvous pull: a READ into memory the caller registered (no staging), its error raised, and a
+    cancelled call's op kept (slot and all) until its completion, since the NIC may still write."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=2)
+        buf = bytearray(16)
+        region = FakeRegion(buf)
+        local = (region.addr, region.lkey)
+        call = asyncio.ensure_future(rig.engine.read_registered(key(), 0x10000 + 8, 16, local))
+        await settle()
+        wr = rig.qp.posted[-1]
+        assert (wr["opcode"], wr["length"], wr["remote_addr"]) == (lib.IBV_WR_RDMA_READ, 16, 0x10000 + 8)
+        assert (wr["local_addr"], wr["lkey"]) == local
+        rig.complete(data=b"r" * 16)
+        await call
+        assert bytes(buf) == b"r" * 16 and rig.engine.ops == {} and rig.local == []  # no staging
+        failing = asyncio.ensure_future(rig.engine.read_registered(key(), 0x10000, 16, local))
+        await settle()
+        rig.complete(status=STATUS_REM_ACCESS)
+        with pytest.raises(rdmaio.RemoteAccessRefusedError):
+            await failing
+        cancelled = asyncio.ensure_future(rig.engine.read_registered(key(), 0x10000, 16, local))
+        await settle()
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert rig.engine.operations.in_flight == 1 and len(rig.engine.ops) == 1
+        rig.complete()
+        assert rig.engine.operations.in_flight == 0 and rig.engine.ops == {} and rig.failures == []
+
+    arun(main())
+
+
 def test_failed_post_fails_the_op_and_the_connection(arun: Run) -> None:
     async def main() -> None:
         rig = Rig()
