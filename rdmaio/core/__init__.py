@@ -11,7 +11,8 @@ and the public API.
   teardown order.
 * :mod:`~rdmaio.core.txengine`: the send engine (queue, coalescing, send slots, work requests).
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
-* :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
+* :mod:`~rdmaio.core.onesided`: one-sided RDMA, a package: remote keys, the operation engine, the
+  exporter (grants, revocation, write notices) and the facade each connection holds.
 * :mod:`~rdmaio.core.shared_receive`: per device and loop, the optional shared receive queue (its buffers,
   its credit ledger) and each connection's place on it.
 
