@@ -17,7 +17,10 @@ and the public API.
 * :mod:`~rdmaio.core.resolver`: host names to the numeric addresses rdma_cm takes.
 * :mod:`~rdmaio.core.txengine`: the send engine (queue, coalescing, send slots, work requests).
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
-* :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
+* :mod:`~rdmaio.core.onesided`: one-sided RDMA, a package: remote keys, the operation engine, the
+  exporter (grants, revocation, write notices) and the facade each connection holds.
+* :mod:`~rdmaio.core.shared_receive`: per device and loop, the optional shared receive queue (its buffers,
+  its credit ledger) and each connection's place on it.
 
 The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`, and reaches
 C through the verbs layer (``ffi``/``lib`` from :mod:`rdmaio.verbs.native`; tests/unit/test_layers.py lists

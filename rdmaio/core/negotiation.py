@@ -19,7 +19,7 @@ from rdmaio.protocol import (
     FEATURE_RNDV,
     Handshake,
 )
-from rdmaio.protocol.shared_credits import MIN_WINDOW
+from rdmaio.protocol.reclaim import MIN_WINDOW
 
 __all__ = ["accepting_handshake", "local_handshake"]
 

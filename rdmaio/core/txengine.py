@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from rdmaio import verbs
 from rdmaio._ffi import ffi
 from rdmaio.protocol import Session
-from rdmaio.protocol.shared_credits import ReclaimSession
+from rdmaio.protocol.reclaim import ReclaimSession
 
 __all__ = ["RNDV_FRAME", "SendEngine", "SendQueue"]
 

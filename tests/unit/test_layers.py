@@ -29,11 +29,9 @@ GATEWAY = "rdmaio.verbs.native"
 # time, so they are switched to the gateway after that lands; the list only shrinks (a module listed
 # here that no longer imports rdmaio._ffi fails test_the_ffi_allowlist_is_not_stale).
 FFI_ALLOWLIST = {
-    "rdmaio.core.onesided",
-    "rdmaio.core.onesided_grants",
-    "rdmaio.core.onesided_life",
-    "rdmaio.core.remotekey",
-    "rdmaio.core.rndv_engine",
+    "rdmaio.core.onesided.caps",
+    "rdmaio.core.onesided.exporter",
+    "rdmaio.core.onesided.operations",
     "rdmaio.core.txengine",
 }
 
@@ -163,19 +161,24 @@ def test_the_gateway_is_the_verbs_layers_and_exposes_ffi_and_lib() -> None:
 # the close state machine knows nothing of frames or credits, an endpoint's read and write sides only its
 # connection, the remote keys nothing of the engine.
 NARROW: dict[str, set[str]] = {
-    "rdmaio.protocol.closestate": {"rdmaio.errors", "rdmaio.protocol.sessionfields"},
-    "rdmaio.protocol.sessionfields": {"rdmaio.protocol.handshake"},
+    "rdmaio.protocol.closestate": {"rdmaio.errors"},
+    # the per-device ledger and the session on a shared queue know the reclaim protocol, not each other
+    "rdmaio.protocol.credit_ledger": {"rdmaio.protocol.reclaim"},
+    "rdmaio.protocol.shared_session": {
+        "rdmaio.protocol.frames",
+        "rdmaio.protocol.handshake",
+        "rdmaio.protocol.reclaim",
+    },
     "rdmaio.core.reader": {"rdmaio.core.connection", "rdmaio.errors", "rdmaio.protocol"},
     "rdmaio.core.writer": {"rdmaio.core.connection", "rdmaio.errors"},
-    "rdmaio.core.remotekey": {"rdmaio._ffi", "rdmaio.verbs.native", "rdmaio.verbs", "rdmaio.errors"},
+    "rdmaio.core.onesided.keys": {"rdmaio.errors"},
     # connection setup: the public modules reach it through these two, which share the negotiation
-    "rdmaio.core.negotiation": {"rdmaio.options", "rdmaio.protocol", "rdmaio.protocol.shared_credits"},
+    "rdmaio.core.negotiation": {"rdmaio.options", "rdmaio.protocol", "rdmaio.protocol.reclaim"},
     "rdmaio.core.resolver": {"rdmaio.core.reactor", "rdmaio.errors"},
     # batches are built on the op life cycle alone (and the checks of the keys)
-    "rdmaio.core.onesided_batch": {
-        "rdmaio.core.onesided_life",
-        "rdmaio.core.onesided_ops",
-        "rdmaio.core.remotekey",
+    "rdmaio.core.onesided.batches": {
+        "rdmaio.core.onesided.keys",
+        "rdmaio.core.onesided.operations",
         "rdmaio.errors",
     },
 }

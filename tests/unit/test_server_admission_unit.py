@@ -17,7 +17,7 @@ from rdmaio.core import acceptor as acceptor_module
 from rdmaio.core.acceptor import Acceptor
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
-from rdmaio.protocol.shared_credits import MIN_WINDOW
+from rdmaio.protocol.reclaim import MIN_WINDOW
 from rdmaio.verbs import CMEventType
 
 NO_GROW = Handshake(recv_depth=32, slot_size=65536, max_message_size=1 << 20)
