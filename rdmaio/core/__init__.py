@@ -5,11 +5,15 @@ and the public API.
 * :mod:`~rdmaio.core.reactor`: per loop, the rdma_cm event channel and async-event routing; the domains.
 * :mod:`~rdmaio.core.domain`: per device and loop, the protection domain, the registration cache, the
   ring-memory pool and the completion dispatcher.
-* :mod:`~rdmaio.core.completions`: the shared CQs on one completion channel, dispatched per connection.
+* :mod:`~rdmaio.core.dispatch`: the shared CQs on one completion channel, dispatched per connection.
 * :mod:`~rdmaio.core.rings`: slot rings registered chunk by chunk, and their pool.
 * :mod:`~rdmaio.core.transport`: one connection's verbs resources (QP, rings, CQ reservation) and their
   teardown order.
-* :mod:`~rdmaio.core.txengine`: the send engine (queue, coalescing, send slots, work requests).
+* :mod:`~rdmaio.core.connection`: one connection's parts, the demultiplexing of its completions, its
+  lifetime (close, failure, teardown, rdma_cm and async events).
+* :mod:`~rdmaio.core.send`: the sender - the send calls, the send queue's owner, every post of a frame.
+* :mod:`~rdmaio.core.receive`: the receiver - received frames, the read calls, every re-post of a receive.
+* :mod:`~rdmaio.core.rendezvous`: zero-copy large messages (RDMA READ by the receiver).
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
 * :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
 

@@ -313,7 +313,7 @@ class Exports(EngineCore):
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
         if version == KEY_VERSION and kind >= CTL_FIRST_EXTERNAL and self.control_handler is not None:
-            # Rendezvous (rdmaio.core.rndv_engine): raises if the kind is unknown.
+            # Rendezvous (rdmaio.core.rendezvous): raises if the kind is unknown.
             self.control_handler(kind, key_id)
             return True
         if version != KEY_VERSION or kind not in (_CTL_REVOKE, _CTL_REVOKE_ACK):

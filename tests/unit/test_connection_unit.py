@@ -283,7 +283,7 @@ def test_close_needs_no_task_and_a_close_the_peer_never_acknowledges_ends_at_clo
         assert len(asyncio.all_tasks()) == tasks  # no close task
         await asyncio.wait_for(a.wait_closed(), 5)
         await asyncio.wait_for(b.wait_closed(), 5)
-        assert a._conn.torn_down and a._conn.tx.eof_done
+        assert a._conn.torn_down and a._conn.sender.eof_done
 
         c, d = pair(monkeypatch)
         c._conn.options = dataclasses.replace(c._conn.options, close_timeout=0.2)
@@ -293,7 +293,7 @@ def test_close_needs_no_task_and_a_close_the_peer_never_acknowledges_ends_at_clo
         c.close()
         await asyncio.wait_for(c.wait_closed(), 5)
         assert 0.15 <= loop.time() - start < 4  # the close timer, not the test's bound, ended it
-        assert c._conn.torn_down and not c._conn.tx.eof_done
+        assert c._conn.torn_down and not c._conn.sender.eof_done
         assert c._conn.transport.closed  # type: ignore[attr-defined]
         d.abort()
 
@@ -312,21 +312,21 @@ def test_a_message_posted_at_once_schedules_no_flush_and_the_next_ones_are_batch
         conn, qp = a._conn, a._conn.transport.qp  # type: ignore[attr-defined]
         await a.send(b"hello")  # the send ring starts empty: the first message grows it (batched)
         assert await b.recv() == b"hello"
-        assert qp.chains == 1 and conn.tx.room_for(7)
+        assert qp.chains == 1 and conn.sender.room_for(7)
         await a.send(b"request")
-        assert qp.chains == 2 and conn.flush_handle is None and conn.tx.coalesce_next
+        assert qp.chains == 2 and conn.sender.flush_handle is None and conn.sender.coalesce_next
         for i in range(5):
             await a.send(b"more %d" % i)  # same iteration: batched into one frame, flushed at its end
-        assert qp.chains == 2 and conn.tx.mbuf_count == 5 and conn.flush_handle is not None
+        assert qp.chains == 2 and conn.sender.queue.mbuf_count == 5 and conn.sender.flush_handle is not None
         for expected in [b"request"] + [b"more %d" % i for i in range(5)]:
             assert await b.recv() == expected
         assert qp.chains == 3  # the request, then one chain for the batch
-        assert not conn.tx.coalesce_next
+        assert not conn.sender.coalesce_next
         await b.send(b"reply")
         assert await a.recv() == b"reply"  # a completion batch came back
-        assert not conn.tx.coalesce_next
+        assert not conn.sender.coalesce_next
         await a.send(b"next request")
-        assert qp.chains == 4 and conn.flush_handle is None  # at once again
+        assert qp.chains == 4 and conn.sender.flush_handle is None  # at once again
         assert await b.recv() == b"next request"
 
     arun(main())

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from rdmaio import verbs
-from rdmaio.core.completions import CompletionDispatcher
+from rdmaio.core.dispatch import CompletionDispatcher
 from rdmaio.errors import VerbsError
 
 
