@@ -1,4 +1,4 @@
-"""Unit tests of rdmaio.core.completions.CompletionDispatcher with fake verbs objects (no device).
+"""Unit tests of rdmaio.core.dispatch.CompletionDispatcher with fake verbs objects (no device).
 
 The fakes keep what matters: a channel that reports which CQs fired, CQs that hand out scripted completion
 records grouped by (qp_num << 24) | tag in first-seen order (as the C helper does), a poll buffer of a fixed
