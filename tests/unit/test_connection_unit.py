@@ -367,6 +367,23 @@ def test_abort_drops_queued_data_and_fails_waiters(arun: Run, monkeypatch: pytes
     arun(main())
 
 
+def test_every_re_post_goes_through_the_receiver(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-sided engine's held write-notice slots go back through the connection's receiver (the one
+    owner of re-posting), not through a path of its own."""
+
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        conn = a._conn
+        routed: list[int] = []
+        monkeypatch.setattr(conn.receiver, "repost", routed.append)
+        conn.onesided._repost(3)  # type: ignore[misc]  # what the engine calls for a consumed notice
+        assert routed == [3] and list(conn.transport.posted) == list(range(DEPTH))  # type: ignore[attr-defined]
+        a.abort()
+        b.abort()
+
+    arun(main())
+
+
 class GrowingTransport(FakeTransport):
     """A transport whose receive ring starts with ``INITIAL`` posted slots and grows up to ``DEPTH``."""
 
