@@ -247,22 +247,6 @@ class Receiver:
         self.stopped = True
         self.wake_reader()
 
-    async def wait_readable(self) -> None:
-        """Wait for received data or a state change. A reader that waits needs more than is buffered, so
-        held slots are released while it waits (as asyncio's StreamReader resumes reading)."""
-        if self._waiter is not None and not self._waiter.is_set():
-            raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self.io.waiter()
-        self._waiter = waiter
-        self._rxbuf.reader_waiting = True
-        self.repost_released()
-        try:
-            await waiter.wait()
-        finally:
-            self._rxbuf.reader_waiting = False
-            if self._waiter is waiter:
-                self._waiter = None
-
     # --- messages -----------------------------------------------------------------------------------
 
     def recv_nowait(self) -> bytes | None:
@@ -310,8 +294,9 @@ class Receiver:
         return n
 
     async def _wait_more(self) -> bool:
-        """Wait for more received data; False if none will ever come (the peer's EOF); raise if the
-        connection failed or was closed here."""
+        """Wait for more received data or a state change; False if none will ever come (the peer's EOF);
+        raise if the connection failed or was closed here. A reader that waits needs more than is
+        buffered, so held slots are released while it waits (as asyncio's StreamReader resumes reading)."""
         if self._generation != _fork_state._generation:
             check_fork(self._generation)
         outcome = self.session.recv_outcome()
@@ -321,7 +306,20 @@ class Receiver:
             raise outcome
         if self.stopped:
             raise EndpointClosedError("endpoint is closed")
-        await self.wait_readable()
+        if self._waiter is not None and not self._waiter.is_set():
+            raise RuntimeError("another task is already waiting to read from this endpoint")
+        waiter = self.io.waiter()
+        self._waiter = waiter
+        rxbuf = self._rxbuf
+        rxbuf.reader_waiting = True
+        if rxbuf.held:
+            self.repost_released()
+        try:
+            await waiter.wait()
+        finally:
+            rxbuf.reader_waiting = False
+            if self._waiter is waiter:
+                self._waiter = None
         return True
 
     async def _more_bytes(self, need: int) -> bool:

@@ -322,7 +322,8 @@ class Sender:
             and self.flush_handle is None
             and not queue.mbuf_count
             and not queue.txq
-            and self.room_for(size)
+            and len(self._inflight) < self._sq_depth  # room_for(size), inline: the hot path
+            and (size <= self._max_inline or self.free_slots)
             and self.session.can_send_data()
         ):
             queue.queue_message(view)
