@@ -1,11 +1,12 @@
 """Unit tests of rdmaio.anyio without RDMA: error and attribute mapping over an in-memory fake Endpoint.
 
-``FakeEndpoint`` has the parts of :class:`rdmaio.Endpoint` the anyio layer uses, with the real one's
-documented semantics: reads return buffered data first, then raise the failure, ``EndpointClosedError``
-after our close, ``b""``/``None`` at the peer's EOF; a blocked read is woken only when the endpoint is torn
-down (``close()`` itself does not wake it, as in the real endpoint, where the teardown ends the graceful
-close); writes after ``write_eof`` raise ``EndpointClosedError``. Everything waits on anyio primitives,
-so the tests run on asyncio, uvloop and trio through anyio's pytest plugin.
+``FakeEndpoint`` (from :mod:`rdmaio.testing.fakes`) has the parts of :class:`rdmaio.Endpoint` the anyio
+layer uses, with the real one's documented semantics: reads return buffered data first, then raise the
+failure, ``EndpointClosedError`` after our close, ``b""``/``None`` at the peer's EOF; a blocked read is
+woken only when the endpoint is torn down (``close()`` itself does not wake it, as in the real endpoint,
+where the teardown ends the graceful close); writes after ``write_eof`` raise ``EndpointClosedError``.
+Everything waits on the running library's Event, so the tests run on asyncio, uvloop and trio through
+anyio's pytest plugin.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import rdmaio
 import rdmaio.anyio as rdma_anyio
 from rdmaio.anyio import RdmaAttribute, RdmaByteStream, RdmaConnectable, RdmaListener, RdmaMessageStream
 from rdmaio.errors import EndpointClosedError
+from rdmaio.testing.fakes import FakeEndpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -47,168 +49,9 @@ EXTRA = {
 }
 
 
-class FakeEndpoint:
-    """The parts of rdmaio.Endpoint the anyio layer uses, in memory (see the module docstring)."""
-
-    def __init__(self, extra: dict[str, Any] | None = None, max_message_size: int = 1 << 20) -> None:
-        self.extra = dict(EXTRA if extra is None else extra)
-        self.max_message_size = max_message_size
-        self.rx: collections.deque[bytes] = collections.deque()  # messages from the peer
-        self.peer_eof = False
-        self.failure: Exception | None = None  # the peer died / the transport failed
-        self.local_closed = False
-        self.torn_down = False
-        self.eof_requested = False
-        self.written = bytearray()
-        self.sent: list[bytes] = []
-        self.write_eof_calls = 0
-        self.abort_calls = 0
-        self.aclose_calls = 0
-        self.reads = 0
-        self.drain_gate: anyio.Event | None = None  # drain() waits for it (flow control)
-        self.close_gate: anyio.Event | None = None  # the graceful close ends when it is set
-        self._rx_event = anyio.Event()
-        self._closed = anyio.Event()
-
-    # the peer's side, driven by the tests
-    def feed(self, *messages: bytes) -> None:
-        self.rx.extend(messages)
-        self._wake()
-
-    def feed_eof(self) -> None:
-        self.peer_eof = True
-        self._wake()
-
-    def fail(self, exc: Exception) -> None:
-        self.failure = exc
-        self._teardown()
-
-    def _wake(self) -> None:
-        self._rx_event.set()
-        self._rx_event = anyio.Event()
-
-    # Endpoint API
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.extra.get(name, default)
-
-    def _recv_outcome(self) -> Exception | None:
-        if self.local_closed:
-            return EndpointClosedError("endpoint is closed")
-        if self.peer_eof:
-            return None
-        if self.failure is not None:
-            return self.failure
-        if self.torn_down:
-            return EndpointClosedError("endpoint is closed")
-        raise LookupError  # nothing yet: wait
-
-    async def _wait_data(self) -> bool:
-        """True when a message is buffered, False at EOF; raises like the real endpoint."""
-        while not self.rx:
-            try:
-                outcome = self._recv_outcome()
-            except LookupError:
-                await self._rx_event.wait()
-                continue
-            if outcome is not None:
-                raise outcome
-            return False
-        return True
-
-    async def read(self, n: int) -> bytes:
-        assert n > 0
-        self.reads += 1
-        while True:
-            while self.rx and not self.rx[0]:
-                self.rx.popleft()  # the byte stream skips empty messages
-            if self.rx:
-                break
-            if not await self._wait_data():
-                return b""
-        head = self.rx.popleft()
-        if len(head) > n:
-            self.rx.appendleft(head[n:])
-            head = head[:n]
-        return head
-
-    async def recv(self) -> bytes | None:
-        if not await self._wait_data():
-            return None
-        return self.rx.popleft()
-
-    def _send_error(self) -> Exception | None:
-        if self.local_closed:
-            return EndpointClosedError("endpoint is closing")
-        if self.eof_requested:
-            return EndpointClosedError("write() after write_eof()")
-        if self.failure is not None:
-            return self.failure
-        if self.torn_down:
-            return EndpointClosedError("endpoint is closed")
-        return None
-
-    def write(self, data: bytes) -> None:
-        error = self._send_error()
-        if error is not None:
-            raise error
-        self.written += data
-
-    async def drain(self) -> None:
-        error = self._send_error()
-        if error is not None:
-            raise error
-        while self.drain_gate is not None:
-            await self.drain_gate.wait()
-            error = self._send_error()
-            if error is not None:
-                raise error
-
-    async def send(self, data: bytes) -> None:
-        error = self._send_error()
-        if error is not None:
-            raise error
-        if len(data) > self.max_message_size:
-            raise rdmaio.MessageTooLargeError(f"{len(data)} > {self.max_message_size}")
-        self.sent.append(bytes(data))
-        await self.drain()
-
-    def write_eof(self) -> None:
-        self.write_eof_calls += 1
-        if not self.torn_down:
-            self.eof_requested = True
-
-    def close(self) -> None:
-        if self.local_closed or self.torn_down:
-            return
-        self.local_closed = True
-        self.eof_requested = True
-        if self.close_gate is None:
-            self._teardown()
-
-    async def wait_closed(self) -> None:
-        if self.close_gate is not None and not self.torn_down:
-            await self.close_gate.wait()
-            self._teardown()
-        await self._closed.wait()
-
-    async def aclose(self) -> None:
-        self.aclose_calls += 1
-        self.close()
-        await self.wait_closed()
-
-    def abort(self) -> None:
-        self.abort_calls += 1
-        self.local_closed = True
-        self._teardown()
-
-    def is_closing(self) -> bool:
-        return self.local_closed or self.torn_down
-
-    def _teardown(self) -> None:
-        if not self.torn_down:
-            self.torn_down = True
-            self._closed.set()
-        self._wake()
+def fake_endpoint(extra: dict[str, Any] | None = None, max_message_size: int = 1 << 20) -> FakeEndpoint:
+    """A lone fake endpoint (the test plays the peer) with the attributes of an rxe connection."""
+    return FakeEndpoint(extra=EXTRA if extra is None else extra, max_message_size=max_message_size)
 
 
 async def blocked(task_group: anyio.abc.TaskGroup, func: Any, *args: Any) -> list[Any]:
@@ -231,7 +74,7 @@ async def blocked(task_group: anyio.abc.TaskGroup, func: Any, *args: Any) -> lis
 
 
 async def test_receive_returns_data_respecting_max_bytes() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.feed(b"hello world")
     assert await stream.receive(5) == b"hello"
@@ -241,7 +84,7 @@ async def test_receive_returns_data_respecting_max_bytes() -> None:
 
 
 async def test_end_of_stream_is_raised_every_time() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.feed(b"last")
     ep.feed_eof()
@@ -264,7 +107,7 @@ async def test_end_of_stream_is_raised_every_time() -> None:
     ids=lambda exc: type(exc).__name__,
 )
 async def test_transport_failures_become_broken_resource(cause: Exception) -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.fail(cause)
     with pytest.raises(anyio.BrokenResourceError) as receive_error:
@@ -276,7 +119,7 @@ async def test_transport_failures_become_broken_resource(cause: Exception) -> No
 
 
 async def test_failure_while_blocked_in_receive_is_broken_resource() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     async with anyio.create_task_group() as tg:
         outcome = await blocked(tg, stream.receive)
@@ -287,7 +130,7 @@ async def test_failure_while_blocked_in_receive_is_broken_resource() -> None:
 
 
 async def test_endpoint_closed_underneath_is_closed_resource() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.abort()  # closed on this side, but not through the stream (e.g. StreamServer.abort_clients())
     with pytest.raises(anyio.ClosedResourceError) as error:
@@ -301,7 +144,7 @@ async def test_endpoint_closed_underneath_is_closed_resource() -> None:
 
 
 async def test_send_writes_and_drains() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     await stream.send(b"abc")
     await stream.send(memoryview(b"def"))
@@ -309,7 +152,7 @@ async def test_send_writes_and_drains() -> None:
 
 
 async def test_send_cancelled_before_it_starts_sends_nothing() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     with anyio.CancelScope() as scope:
         scope.cancel()
@@ -320,7 +163,7 @@ async def test_send_cancelled_before_it_starts_sends_nothing() -> None:
 
 async def test_send_is_a_checkpoint_even_when_nothing_waits() -> None:
     """A send that needs no flow-control wait still yields, so a second sender sees BusyResourceError."""
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     outcomes: list[BaseException | None] = []
 
@@ -339,7 +182,7 @@ async def test_send_is_a_checkpoint_even_when_nothing_waits() -> None:
 
 
 async def test_send_after_send_eof_is_closed_resource() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     await stream.send_eof()
     await stream.send_eof()  # idempotent
@@ -354,7 +197,7 @@ async def test_send_after_send_eof_is_closed_resource() -> None:
 
 
 async def test_use_after_aclose_is_closed_resource() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.feed(b"unread")
     await stream.aclose()
@@ -369,7 +212,7 @@ async def test_use_after_aclose_is_closed_resource() -> None:
 
 
 async def test_aclose_wakes_a_blocked_receive_with_closed_resource() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     async with anyio.create_task_group() as tg:
         outcome = await blocked(tg, stream.receive)
@@ -379,7 +222,7 @@ async def test_aclose_wakes_a_blocked_receive_with_closed_resource() -> None:
 
 
 async def test_aclose_wakes_a_send_blocked_in_drain_with_closed_resource() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.drain_gate = anyio.Event()
     async with anyio.create_task_group() as tg:
@@ -392,7 +235,7 @@ async def test_aclose_wakes_a_send_blocked_in_drain_with_closed_resource() -> No
 
 
 async def test_cancelled_aclose_aborts_the_endpoint() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.close_gate = anyio.Event()  # the peer takes nothing: the graceful close would wait
     with anyio.move_on_after(0):
@@ -403,7 +246,7 @@ async def test_cancelled_aclose_aborts_the_endpoint() -> None:
 
 
 async def test_aclose_forcefully_aborts() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     ep.close_gate = anyio.Event()
     await anyio.aclose_forcefully(stream)
@@ -411,7 +254,7 @@ async def test_aclose_forcefully_aborts() -> None:
 
 
 async def test_aclose_swallows_a_broken_connection() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
 
     async def failing_aclose() -> None:
@@ -423,7 +266,7 @@ async def test_aclose_swallows_a_broken_connection() -> None:
 
 
 async def test_async_with_closes() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     async with RdmaByteStream.from_endpoint(ep) as stream:
         assert isinstance(stream, RdmaByteStream)
     assert ep.aclose_calls == 1 and ep.torn_down
@@ -433,7 +276,7 @@ async def test_async_with_closes() -> None:
 
 
 async def test_second_receiver_is_busy() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     async with anyio.create_task_group() as tg:
         outcome = await blocked(tg, stream.receive)
@@ -445,7 +288,7 @@ async def test_second_receiver_is_busy() -> None:
 
 
 async def test_cancelled_receive_consumes_nothing() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaByteStream(ep)
     scope = anyio.CancelScope()
 
@@ -466,7 +309,7 @@ async def test_cancelled_receive_consumes_nothing() -> None:
 
 
 async def test_buffered_byte_stream() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     buffered = BufferedByteStream(RdmaByteStream(ep))
     ep.feed(b"GET / HT", b"TP/1.1\r\nbo", b"dy56789")
     ep.feed_eof()
@@ -480,7 +323,7 @@ async def test_buffered_byte_stream() -> None:
 
 
 async def test_message_stream_keeps_boundaries() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaMessageStream(ep)
     ep.feed(b"one", b"", b"three")
     ep.feed_eof()
@@ -493,7 +336,7 @@ async def test_message_stream_keeps_boundaries() -> None:
 
 
 async def test_message_too_large_passes_through() -> None:
-    ep = FakeEndpoint(max_message_size=10)
+    ep = fake_endpoint(max_message_size=10)
     stream = RdmaMessageStream(ep)
     with pytest.raises(rdmaio.MessageTooLargeError):
         await stream.send(b"x" * 11)
@@ -502,7 +345,7 @@ async def test_message_too_large_passes_through() -> None:
 
 
 async def test_message_stream_errors() -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = RdmaMessageStream(ep)
     cause = rdmaio.ConnectionResetError("peer died")
     ep.fail(cause)
@@ -521,7 +364,7 @@ async def test_message_stream_errors() -> None:
 
 @pytest.mark.parametrize("cls", [RdmaByteStream, RdmaMessageStream])
 async def test_typed_attributes(cls: type[RdmaByteStream]) -> None:
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     stream = cls(ep)
     assert stream.extra(SocketAttribute.local_address) == ("198.18.0.1", 7471)
     assert stream.extra(SocketAttribute.local_port) == 7471
@@ -541,7 +384,7 @@ async def test_typed_attributes(cls: type[RdmaByteStream]) -> None:
 
 
 async def test_typed_attributes_ipv6_and_missing() -> None:
-    stream = RdmaByteStream(FakeEndpoint({"sockname": ("fe80::1%rxe0", 5), "peername": None}))
+    stream = RdmaByteStream(fake_endpoint({"sockname": ("fe80::1%rxe0", 5), "peername": None}))
     assert stream.extra(SocketAttribute.family) == socket.AF_INET6
     assert stream.extra(SocketAttribute.local_port) == 5
     with pytest.raises(anyio.TypedAttributeLookupError):
@@ -555,7 +398,7 @@ async def test_typed_attributes_ipv6_and_missing() -> None:
 
 async def test_connect_passes_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Any, ...]] = []
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
 
     async def fake_connect(host: str, port: int, **kwargs: Any) -> FakeEndpoint:
         calls.append((host, port, kwargs))
@@ -637,7 +480,7 @@ async def test_create_listener_and_accept(fake_listen: list[Any]) -> None:
     assert listener.extra(SocketAttribute.local_port) == 7471
     assert listener.extra(SocketAttribute.local_address) == ("198.18.0.1", 7471)
     assert listener.extra(SocketAttribute.family) == socket.AF_INET
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     server.push(ep)
     stream = await listener.accept()
     assert isinstance(stream, RdmaByteStream) and stream.endpoint is ep
@@ -652,7 +495,7 @@ async def test_create_listener_and_accept(fake_listen: list[Any]) -> None:
 
 async def test_listener_in_message_mode(fake_listen: list[Any]) -> None:
     listener = await rdma_anyio.create_listener(None, 0, messages=True)
-    fake_listen[0][3].push(FakeEndpoint())
+    fake_listen[0][3].push(fake_endpoint())
     assert isinstance(await listener.accept(), RdmaMessageStream)
 
 
@@ -686,7 +529,7 @@ async def test_serve_runs_handlers_in_a_task_group(fake_listen: list[Any]) -> No
             handled.append(await stream.receive())
 
     for payload in (b"first", b"second"):
-        ep = FakeEndpoint()
+        ep = fake_endpoint()
         ep.feed(payload)
         server.push(ep)
     async with anyio.create_task_group() as tg:
@@ -712,7 +555,7 @@ async def test_serve_with_its_own_task_group(fake_listen: list[Any]) -> None:
             handled.append(await stream.receive())
         done.set()
 
-    ep = FakeEndpoint()
+    ep = fake_endpoint()
     ep.feed(b"from the client")
     server.push(ep)
     with anyio.fail_after(60):

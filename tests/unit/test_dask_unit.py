@@ -1,6 +1,7 @@
 """Unit tests of rdmaio.dask without RDMA: framing, the comm and addressing over an in-memory endpoint.
 
-``FakeEndpoint`` mimics the message half of :class:`rdmaio.Endpoint` with its documented semantics:
+``FakeEndpoint`` (:mod:`rdmaio.testing.fakes`) mimics the message half of :class:`rdmaio.Endpoint`, with its
+documented semantics:
 ``send`` copies the data; ``recv`` returns the next message or ``None`` at EOF; ``recv_into`` copies what
 fits of the next message and keeps the rest for the next read call; ``close`` sends EOF; ``abort`` makes
 pending and later calls of both sides fail. With ``rendezvous_from`` set, a ``send`` of at least that
@@ -40,125 +41,17 @@ from rdmaio.dask.framing import (
     read_frames,
     write_frames,
 )
+from rdmaio.testing.fakes import FakeEndpoint
 
 T = TypeVar("T")
 
 
-class FakeEndpoint:
-    """The message API of rdmaio.Endpoint, in memory (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.peer: FakeEndpoint | None = None
-        self.rx: collections.deque[bytes] = collections.deque()
-        self.rx_done: collections.deque[asyncio.Event | None] = collections.deque()
-        self.rendezvous_from: int | None = None
-        self.options = rdmaio.Options()
-        self.offset = 0
-        self.eof = False
-        self.error: BaseException | None = None
-        self.closing = False
-        self.sent_sizes: list[int] = []
-        self.changed = asyncio.Event()
-        self.extra: dict[str, Any] = {"device": "fake0", "qp_num": 7}
-
-    @classmethod
-    def pair(cls) -> tuple[FakeEndpoint, FakeEndpoint]:
-        a, b = cls(), cls()
-        a.peer, b.peer = b, a
-        return a, b
-
-    def _deliver(self, data: bytes, done: asyncio.Event | None = None) -> None:
-        self.rx.append(data)
-        self.rx_done.append(done)
-        self.changed.set()
-
-    def _consumed(self) -> None:
-        self.rx.popleft()
-        done = self.rx_done.popleft()
-        if done is not None:
-            done.set()
-            if self.peer is not None:
-                self.peer.changed.set()
-
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        if self.error is not None:
-            raise self.error
-        if self.closing:
-            raise rdmaio.EndpointClosedError("endpoint is closing")
-        await asyncio.sleep(0)
-        assert self.peer is not None
-        size = memoryview(data).nbytes
-        self.sent_sizes.append(size)
-        rendezvous = self.rendezvous_from is not None and size >= self.rendezvous_from
-        done = asyncio.Event() if rendezvous else None
-        self.peer._deliver(bytes(data), done)
-        while done is not None and not done.is_set():
-            if self.error is not None:
-                raise self.error
-            self.changed.clear()
-            await self.changed.wait()
-
-    async def _wait(self) -> bool:
-        while not self.rx:
-            if self.error is not None:
-                raise self.error
-            if self.eof:
-                return False
-            self.changed.clear()
-            await self.changed.wait()
-        return True
-
-    async def recv(self) -> bytes | None:
-        if not await self._wait():
-            return None
-        data = self.rx[0][self.offset :]
-        self._consumed()
-        self.offset = 0
-        return data
-
-    async def recv_into(self, buffer: bytearray | memoryview) -> int:
-        if not await self._wait():
-            return 0
-        target = memoryview(buffer).cast("B")
-        data = self.rx[0]
-        n = min(len(data) - self.offset, target.nbytes)
-        target[:n] = data[self.offset : self.offset + n]
-        self.offset += n
-        if self.offset == len(data):
-            self._consumed()
-            self.offset = 0
-        return n
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        self.closing = True
-        self.changed.set()
-
-    def close(self) -> None:
-        self.closing = True
-        if self.peer is not None:
-            self.peer.eof = True
-            self.peer.closing = True
-            self.peer.changed.set()
-        self._fail(rdmaio.EndpointClosedError("endpoint is closed"))
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def abort(self) -> None:
-        self._fail(rdmaio.ConnectionAbortedError("aborted"))
-        if self.peer is not None:
-            self.peer._fail(rdmaio.ConnectionResetError("peer aborted"))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def at_eof(self) -> bool:
-        return not self.rx and (self.eof or self.error is not None)
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.extra.get(name, default)
+def endpoint_pair() -> tuple[FakeEndpoint, FakeEndpoint]:
+    """Two connected fake endpoints with no message size limit; an endpoint's own abort fails its later
+    calls with ``ConnectionAbortedError``."""
+    return FakeEndpoint.pair(
+        max_message_size=None, abort_error=lambda: rdmaio.ConnectionAbortedError("aborted")
+    )
 
 
 # --- framing -----------------------------------------------------------------------------------------
@@ -166,7 +59,7 @@ class FakeEndpoint:
 
 def _roundtrip(frames: list[bytes | memoryview], chunk: int) -> tuple[list[bytes], list[int]]:
     async def main() -> tuple[list[bytes], list[int]]:
-        a, b = FakeEndpoint.pair()
+        a, b = endpoint_pair()
         sent = await write_frames(a, frames, chunk)
         assert sent == sum(a.sent_sizes)
         got = await read_frames(b)
@@ -213,7 +106,7 @@ def test_inline_total_is_bounded() -> None:
 
 def test_receiver_does_not_depend_on_the_senders_chunking() -> None:
     async def main() -> None:
-        a, b = FakeEndpoint.pair()
+        a, b = endpoint_pair()
         big = np.random.default_rng(1).bytes(700_000)
         header, _ = encode_header([memoryview(b"m"), memoryview(big)])
         await a.send(header)
@@ -256,7 +149,7 @@ def test_malformed_headers_are_rejected(message: bytes, match: str) -> None:
 
 def test_end_of_stream_before_and_inside_a_message() -> None:
     async def main() -> None:
-        a, b = FakeEndpoint.pair()
+        a, b = endpoint_pair()
         header, _ = encode_header([memoryview(b"x" * 100_000)])
         await a.send(header)
         await a.send(b"x" * 1000)
@@ -272,7 +165,7 @@ def test_end_of_stream_before_and_inside_a_message() -> None:
 
 
 async def _comm_pair() -> tuple[RDMAComm, RDMAComm, FakeEndpoint, FakeEndpoint]:
-    a, b = FakeEndpoint.pair()
+    a, b = endpoint_pair()
     ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]
     cb = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
     return ca, cb, a, b
@@ -301,7 +194,7 @@ def test_comm_chunks_by_the_peers_max_message_size(
     arun: Callable[[Coroutine[Any, Any, None]], None],
 ) -> None:
     async def main() -> None:
-        a, b = FakeEndpoint.pair()
+        a, b = endpoint_pair()
         a.extra["peer_max_message_size"] = 100_000  # below the default chunk size
         ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]
         cb = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
@@ -407,7 +300,7 @@ def test_limits_are_checked_before_anything_is_allocated(
     header: bytes, limits: FrameLimits, match: str
 ) -> None:
     async def main() -> None:
-        a, b = FakeEndpoint.pair()
+        a, b = endpoint_pair()
         await a.send(header)
         allocations: list[int] = []
 
@@ -425,7 +318,7 @@ def test_limits_are_checked_before_anything_is_allocated(
 
 def test_limits_at_the_bound_are_accepted() -> None:
     async def main() -> None:
-        a, b = FakeEndpoint.pair()
+        a, b = endpoint_pair()
         frames = [b"x" * 100, bytes(range(256)) * 1024]  # 100 B inline + 256 KiB separate
         await write_frames(a, frames)
         got = await read_frames(b, None, FrameLimits(256 * 1024, 256 * 1024 + 100))
@@ -457,7 +350,7 @@ def test_config_defaults_are_registered_and_user_settings_win() -> None:
 
 
 async def _hostile_pair(**config: Any) -> tuple[RDMAComm, FakeEndpoint, FakeEndpoint]:
-    a, b = FakeEndpoint.pair()
+    a, b = endpoint_pair()
     with dask.config.set({f"distributed.comm.rdma.{key}": value for key, value in config.items()}):
         comm = RDMAComm(b, "rdma://10.0.0.2:2", "rdma://10.0.0.1:1")  # type: ignore[arg-type]
     return comm, a, b
@@ -522,7 +415,7 @@ def test_comm_read_turns_a_failed_allocation_into_comm_closed(
 
 async def _rendezvous_pair(**config: Any) -> tuple[RDMAComm, RDMAComm, FakeEndpoint, FakeEndpoint]:
     """A comm pair whose large sends return only once the peer read them."""
-    a, b = FakeEndpoint.pair()
+    a, b = endpoint_pair()
     a.rendezvous_from = b.rendezvous_from = 256 * 1024
     with dask.config.set({f"distributed.comm.rdma.{key}": value for key, value in config.items()}):
         ca = RDMAComm(a, "rdma://10.0.0.1:1", "rdma://10.0.0.2:2")  # type: ignore[arg-type]

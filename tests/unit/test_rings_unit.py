@@ -1,4 +1,7 @@
-"""SlotRing, RingArena and ArenaPool against a fake registrar and a fake clock (no device)."""
+"""SlotRing, RingArena and ArenaPool against a fake registrar and a fake clock (no device).
+
+The fakes (:mod:`rdmaio.testing.fakes`): :class:`FakeRegistrar` registers chunks with lkeys 100, 101, ...
+and counts what is registered now; :class:`FakeBackend` is the clock with ``call_later``."""
 
 from __future__ import annotations
 
@@ -8,68 +11,15 @@ from typing import Any
 import pytest
 
 from rdmaio.core.rings import ArenaPool, SlotRing
+from rdmaio.testing.fakes import FakeBackend, FakeRegistrar
 
 SLOT = 64
 
 
-class Registrar:
-    """Registers chunks with lkeys 100, 101, ...; counts what is registered now."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, int] = {}  # lkey -> slots
-        self.calls = 0
-
-    def __call__(self, view: memoryview) -> Any:
-        lkey = 100 + self.calls
-        self.calls += 1
-        self.live[lkey] = view.nbytes // SLOT
-        registrar = self
-
-        class Region:
-            def __init__(self) -> None:
-                self.lkey = lkey
-
-            def close(self) -> None:
-                registrar.live.pop(lkey)
-
-        return Region()
-
-    @property
-    def slots(self) -> int:
-        return sum(self.live.values())
-
-
-class Timers:
-    """A fake clock with call_later."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.pending: list[list[Any]] = []  # [due, callback, cancelled]
-
-    def clock(self) -> float:
-        return self.now
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> Any:
-        entry = [self.now + delay, callback, False]
-        self.pending.append(entry)
-
-        class Handle:
-            def cancel(self) -> None:
-                entry[2] = True
-
-        return Handle()
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-        due = [e for e in self.pending if e[0] <= self.now]
-        self.pending = [e for e in self.pending if e[0] > self.now]
-        for _due, callback, cancelled in due:
-            if not cancelled:
-                callback()
-
-
-def make_pool(max_bytes: int = 64 * SLOT, linger: float = 2.0) -> tuple[ArenaPool, Registrar, Timers]:
-    reg, timers = Registrar(), Timers()
+def make_pool(
+    max_bytes: int = 64 * SLOT, linger: float = 2.0
+) -> tuple[ArenaPool, FakeRegistrar, FakeBackend]:
+    reg, timers = FakeRegistrar(SLOT), FakeBackend()
     pool = ArenaPool(
         reg, max_bytes=max_bytes, linger=linger, call_later=timers.call_later, clock=timers.clock
     )
@@ -77,7 +27,7 @@ def make_pool(max_bytes: int = 64 * SLOT, linger: float = 2.0) -> tuple[ArenaPoo
 
 
 def test_a_ring_without_slots_has_no_memory_and_registers_on_first_grow() -> None:
-    reg = Registrar()
+    reg = FakeRegistrar(SLOT)
     ring = SlotRing(SLOT, 16, reg)
     assert ring.slots == 0 and reg.calls == 0
     with pytest.raises(RuntimeError):
@@ -139,7 +89,7 @@ def test_the_pool_releases_everything_once_idle_for_linger() -> None:
 
 
 def test_without_a_timer_the_pool_keeps_nothing() -> None:
-    reg = Registrar()
+    reg = FakeRegistrar(SLOT)
     pool = ArenaPool(reg)
     SlotRing(SLOT, 16, reg, 4, pool=pool).close()
     assert reg.slots == 0 and pool.pooled_bytes == 0
@@ -153,4 +103,4 @@ def test_a_closed_pool_closes_what_it_holds_and_what_comes_back() -> None:
     assert reg.slots == 4  # only the ring still held
     held.close()
     assert reg.slots == 0
-    assert all(entry[2] for entry in timers.pending)  # its timer was cancelled
+    assert all(timer.cancelled for timer in timers.pending)  # its timer was cancelled
