@@ -15,48 +15,10 @@ from rdmaio._ffi import ffi
 from rdmaio.core.rings import SlotRing
 from rdmaio.core.send import Sender
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
+from rdmaio.testing.fakes import FakeQP, FakeRegistrar
 
 SLOT = 64
 SLOTLESS = 1 << 31  # wr index bit of a frame sent without a slot
-
-
-class FakeQP:
-    """Records every posted chain as (wr_id, bytes in the ring, imm, flags) tuples."""
-
-    def __init__(self, depth: int, ring: SlotRing) -> None:
-        self.send_array = [SimpleNamespace() for _ in range(depth)]
-        self._ring = ring  # its memory exists from its first grow (the engine's first frame)
-        self.posts: list[list[tuple[int, bytes, int, int]]] = []
-
-    def post_sends(self, count: int) -> None:
-        chain = []
-        ring = self._ring
-        for wr in self.send_array[:count]:
-            index = verbs.wr_index(wr.wr_id)
-            if index & SLOTLESS:
-                # No slot: empty, or inline (the bytes are read at post time, as ibv_post_send copies them).
-                assert wr.length == 0 or wr.send_flags & verbs.SEND_INLINE
-                data = bytes(ffi.buffer(ffi.cast("char *", wr.addr), wr.length)) if wr.length else b""
-            else:
-                # Every posted slot is registered, with the key of its chunk.
-                assert index < ring.slots and wr.length
-                assert wr.lkey == ring.lkeys[index] >= 100
-                assert not wr.send_flags & verbs.SEND_INLINE
-                off = wr.addr - ring.addr
-                data = bytes(ring.view[off : off + wr.length])
-            chain.append((wr.wr_id, data, wr.imm_data, wr.send_flags))
-        self.posts.append(chain)
-
-
-class FakeRegistrar:
-    """Registers ring chunks: chunk n gets lkey 100 + n; remembers the chunk sizes."""
-
-    def __init__(self) -> None:
-        self.chunks: list[int] = []
-
-    def __call__(self, view: memoryview) -> Any:
-        self.chunks.append(view.nbytes // SLOT)
-        return SimpleNamespace(lkey=100 + len(self.chunks) - 1, close=lambda: None)
 
 
 def make(
@@ -72,8 +34,8 @@ def make(
     features = FEATURE_BATCH if batch_limit else 0
     local = Handshake(8, SLOT, 1 << 20, features=features)
     peer = Handshake(peer_depth, SLOT, peer_max, features=features)
-    ring = SlotRing(SLOT, depth, FakeRegistrar())
-    qp = FakeQP(depth, ring)
+    ring = SlotRing(SLOT, depth, FakeRegistrar(SLOT))
+    qp = FakeQP(depth, ring=ring)  # checks every posted slot against the ring
     engine = Sender(
         Session(local, peer),
         qp,
