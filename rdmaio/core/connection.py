@@ -163,6 +163,7 @@ class Connection:
     def _start(self, reactor: Reactor, cm_id: CMId, transport: Transport) -> None:
         """Route this connection's events and completions here and start the keepalive."""
         qp = self.qp
+        post_probe = self.sender.post_probe
         # keepalive (rdmaio.core.keepalive): probes the peer when idle, so a vanished peer fails the
         # connection. Its probes' completions are routed to it by on_completions.
         stats = self.stats
@@ -172,7 +173,7 @@ class Connection:
             reactor.keepalive_timers,
             self.options.keepalive_interval,
             lambda: stats["completions"] + stats["frames_posted"],
-            lambda: qp.post_empty_write(keepalive_wr_id),
+            lambda: post_probe(keepalive_wr_id),  # through the sender, which owns posting on the send queue
             _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
         )

@@ -106,6 +106,9 @@ class SendArray(Protocol):
     def post_sends(self, count: int) -> None:
         """Post the first ``count`` entries of :attr:`send_array` as one chain."""
 
+    def post_empty_write(self, wr_id: int) -> None:
+        """Post one signalled zero-length RDMA WRITE (a keepalive probe)."""
+
 
 class RendezvousSends(Protocol):
     """What the sender needs of the rendezvous engine (:class:`rdmaio.core.rendezvous.RendezvousEngine`)."""
@@ -387,6 +390,11 @@ class Sender:
         target = self.queue.queue_rndv(descriptor)
         self.stage()
         return target
+
+    def post_probe(self, wr_id: int) -> None:
+        """Post the keepalive's probe (:mod:`rdmaio.core.keepalive`): a zero-length RDMA WRITE, no frame,
+        no credit and no slot; its send-queue entry is reserved apart from the frames'."""
+        self._qp.post_empty_write(wr_id)
 
     def close(self) -> None:
         """A graceful close: no more sends; queue what is coalescing and stage it with the EOF (the
