@@ -3,7 +3,8 @@
 # the asyncio-streams and anyio (trio) examples, the one-sided KV store, key scope per connection, zero-copy large messages,
 # many connections on one shared receive queue,
 # `rdmaio ping` against `ping --server`, then a short
-# benchmark table. Exits non-zero if any step fails.
+# benchmark table (the harness in bench/, run from the checkout: cd'ed into below). Exits non-zero if any
+# step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -52,7 +53,7 @@ sleep 3
 "$PY" -m rdmaio ping -c 5 -i 0.2 "$ADDR" 7479 || { cat .testhost/ping_server.log; kill "$ping_server"; exit 1; }
 kill -INT "$ping_server"; wait "$ping_server" || true
 echo "== benchmark (quick) =="
-"$PY" -m rdmaio bench --quick --sizes 64,64K,1M --json reports/bench-demo.json
+"$PY" -m bench --quick --sizes 64,64K,1M --json reports/bench-demo.json
 echo "== one-sided benchmark (quick): fetch_add per call and in fetch_add_many batches against ib_atomic_bw, the READ round trip against ib_read_lat =="
-"$PY" -m rdmaio bench --quick --only fetch_add,fetch_add_many,read_lat \
+"$PY" -m bench --quick --only fetch_add,fetch_add_many,read_lat \
     --contenders rdmaio-asyncio,ib_atomic_bw,ib_read_lat --json reports/bench-demo-onesided.json

@@ -16,7 +16,7 @@ process after one warm-up connection. Two views, both per connection (means over
   wrapping them, with the number of calls; what is left of a step's time is Python and the event loop.
 
 The wrappers cost a few microseconds per call; the figures are for finding where the time goes, not for
-publishing (``python -m rdmaio bench --only setup`` measures the rate).
+publishing (``tools/dev bench --only setup`` measures the rate).
 """
 
 from __future__ import annotations

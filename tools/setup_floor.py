@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The floor of connection setup for any Python caller: ``cm_setup``'s loop written in Python.
 
-``python -m rdmaio bench --only setup`` compares rdmaio's connect + 16 B echo + close loop with
-``cm_setup`` (``rdmaio/bench/native/cm_setup.c``). This tool measures what part of the gap is Python's
-own and not rdmaio's: the very same loop, step for step and system call for system call, written with
+``tools/dev bench --only setup`` (the harness in ``bench/``) compares rdmaio's connect + 16 B echo +
+close loop with ``cm_setup`` (``bench/native/cm_setup.c``). This tool measures what part of the gap is
+Python's own and not rdmaio's: the very same loop, step for step and system call for system call, written with
 rdmaio's thin verbs layer (:mod:`rdmaio.verbs`, cffi) and no event loop - blocking in ``select()`` where
 ``cm_setup`` blocks in the kernel, one shared PD, CQ, completion channel and MR, no protocol, no
 handshake, no EOF. No Python program that makes these calls can set up connections faster, so its rate
@@ -36,10 +36,13 @@ from pathlib import Path
 
 import rdmaio
 from rdmaio import verbs
-from rdmaio.bench.external import build_cm_setup, cm_setup_commands
-from rdmaio.bench.parsers import parse_cm_setup
-from rdmaio.bench.peers import _rdmaio_setup_once  # the bench setup workload's connection
 from rdmaio.verbs import CMEventType
+
+# The benchmark harness is not installed (it is not in the wheel): import it from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.external import build_cm_setup, cm_setup_commands
+from bench.parsers import parse_cm_setup
+from bench.peers import _rdmaio_setup_once  # the bench setup workload's connection
 
 MSG = 16
 READY = "setup_floor server listening"

@@ -1,9 +1,15 @@
 """Testing helpers for rdmaio.
 
-:mod:`rdmaio.testing.host` runs a command on a host that has an RDMA device: this machine when it has
-one, otherwise a throwaway virtual machine with Soft-RoCE (``rdma_rxe``) booted by virtme-ng.
+Modules:
 
-:mod:`rdmaio.testing.fakes` holds the in-memory stand-ins the unit tests run on instead of a device: fake
-verbs objects (queue pair, cm id, channels, CQs, device, memory regions and windows), a fake core backend
-and transport, and a fake Endpoint for the compatibility layers.
+* :mod:`rdmaio.testing.host` (a package, one module per job) runs a command on a host that has an RDMA
+  device: this machine when it has one, otherwise a throwaway virtual machine with Soft-RoCE
+  (``rdma_rxe``) booted by virtme-ng (``python -m rdmaio.testing.host -- CMD``).
+* :mod:`rdmaio.testing.pair` is the test host's two-node topology (``--topology pair``): two rxe devices
+  joined by a veth pair, for fault injection on a real netdev.
+* :mod:`rdmaio.testing.skips` is the rule the device suites share: where a suite must really run, a
+  skipped test is a failed one.
+* :mod:`rdmaio.testing.fakes` holds the in-memory stand-ins the unit tests run on instead of a device:
+  fake verbs objects (queue pair, cm id, channels, CQs, device, memory regions and windows), a fake core
+  backend, transport and reactor, and a fake Endpoint for the compatibility layers.
 """

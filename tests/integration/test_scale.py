@@ -4,7 +4,7 @@ The server runs in its own process (on uvloop; the client is on asyncio), so tha
 descriptors and resident memory are its own. ``RDMAIO_SCALE_CONNS`` sets how many connections are held
 at once: 100 by default (CI's bounded form); the acceptance figure is 1,000
 (``RDMAIO_SCALE_CONNS=1000``), which the growing rings (256 KiB registered per idle connection and side)
-made fit the test host's memory; docs/benchmarks.md has that run's figures. The test refuses (fails,
+made fit the test host's memory; docs/performance-log.md has that run's figures. The test refuses (fails,
 never skips) a count whose rings cannot fit in the machine's available memory, naming the figures.
 
 What is checked, in both processes: the kernel's RDMA objects (QPs, CQs, MRs, PDs, cm ids: ``rdma resource
@@ -36,7 +36,7 @@ import pytest
 from rdma_state import rdma_resources
 
 import rdmaio
-from rdmaio.bench.memory import mem_available, rss_bytes, trim_heap
+from bench.memory import mem_available, rss_bytes, trim_heap
 from rdmaio.core.rings import POOL_LINGER
 from rdmaio.core.transport import Transport
 
@@ -62,7 +62,7 @@ SERVER = textwrap.dedent(
     import asyncio, gc, json, os, resource, sys
     import uvloop
     import rdmaio
-    from rdmaio.bench.memory import trim_heap
+    from bench.memory import trim_heap
     from rdmaio.core.transport import Transport
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

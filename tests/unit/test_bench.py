@@ -1,4 +1,4 @@
-"""Unit tests of ``python -m rdmaio bench``: parsers (on captured tool output), ratios, table, JSON, plan.
+"""Unit tests of ``python -m bench``: parsers (on captured tool output), ratios, table, JSON, plan.
 
 They need no RDMA device. The end-to-end tests run the TCP contenders on loopback and the native-tool
 orchestration against stand-in scripts that print captured perftest/rstream reports.
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from rdmaio.__main__ import main as rdmaio_main
-from rdmaio.bench.driver import _is_local_address, plan_runs
-from rdmaio.bench.external import ExternalConfig, run_external
-from rdmaio.bench.model import (
+from bench.driver import _is_local_address, plan_runs
+from bench.driver import main as bench_main
+from bench.external import ExternalConfig, run_external
+from bench.model import (
     FULL,
     QUICK,
     Figure,
@@ -32,23 +32,25 @@ from rdmaio.bench.model import (
     parse_size,
     resolve_contenders,
 )
-from rdmaio.bench.parsers import (
+from bench.parsers import (
     ParseError,
     parse_perftest_bw,
     parse_perftest_lat,
     parse_rstream,
 )
-from rdmaio.bench.peers import _percentile, _windowed_sends, rdmaio_stats
-from rdmaio.bench.report import (
+from bench.peers import _percentile, _windowed_sends, rdmaio_stats
+from bench.report import (
     SCHEMA,
     best_rdma,
     build_report,
     figure_ratios,
     index_figures,
     key_ratios,
+    render_markdown,
     render_table,
     validate_report,
 )
+from rdmaio.__main__ import main as rdmaio_main
 
 S, M, E = Workload.STREAM, Workload.MESSAGE, Workload.ECHO
 KiB, MiB = 1024, 1024 * 1024
@@ -410,6 +412,40 @@ def test_render_table() -> None:
     assert "wakeups/op" in text
 
 
+def test_render_markdown_has_the_text_tables_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    figs = sample_figures()
+    contenders = resolve_contenders(["all"])
+    text = render_table(figs, contenders, reps=3)
+    markdown = render_markdown(figs, contenders, reps=3)
+    tables = [line for line in markdown.splitlines() if line.startswith("| ")]
+    assert "**One-way stream throughput - MiB/s (median of 3 runs)**" in markdown
+    header = next(line for line in tables if line.startswith("| size |") and "ib_write_bw" in line)
+    others = ("ib_send_lat", "cm_setup", "ib_read_lat", "ib_atomic_bw")  # not stream tools
+    assert header == "| " + " | ".join(["size", *[c for c in contenders if c not in others]]) + " |"
+    assert "| --- | ---: |" in markdown  # text column left, figures right
+    # Every row is a closed pipe row, and the text table's notable cells are in the markdown too.
+    for line in tables:
+        assert line.endswith(" |")
+    for word in ("ERR", "~60.0" if "~60.0" in text else "~30.0", "20.0/40.0", "NOT met", "n/a"):
+        assert word in markdown, word
+    assert "- ib_write_bw stream 1 MiB: ib_write_bw not found on PATH" in markdown
+    # From a JSON report: the tables headed by when, where and how they were measured.
+    meta = {"mode": "full", "reps": 3, "created": "2026-11-26T12:43:00+00:00", "cpus": 2, "kernel": "6.1"}
+    meta |= {"git_commit": "a1eed163ac7307740469d18ca0b85afb72c7790c", "git_dirty": []}
+    meta["command"] = ["python", "-m", "bench", "--json", "reports/bench.json"]
+    report = tmp_path / "bench.json"
+    report.write_text(json.dumps(build_report(figs, meta, contenders)))
+    assert bench_main(["--from-json", str(report), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "Measured 2026-11-26T12:43:00+00:00 at commit `a1eed16`, full budgets, 3 repetition(s), 2 CPUs, "
+        "kernel 6.1, with `python -m bench --json reports/bench.json`.\n\n"
+    )
+    assert out.endswith(markdown)
+
+
 def test_render_table_only_selected_workloads() -> None:
     text = render_table(sample_figures(), ["ib_send_lat", "rdmaio-asyncio"], reps=1, workloads=[E])
     assert "Echo round trip" in text and "One-way" not in text and "single run" in text
@@ -516,9 +552,16 @@ def test_local_address_guard() -> None:
 
 def test_cli_refuses_remote_host(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        rdmaio_main(["bench", "--host", "192.0.2.7"])
+        bench_main(["--host", "192.0.2.7"])
     assert info.value.code == 2
     assert "not loopback" in capsys.readouterr().err
+
+
+def test_installed_cli_points_to_the_harness(capsys: pytest.CaptureFixture[str]) -> None:
+    # The harness is not in the wheel: ``rdmaio bench`` says where it went and runs nothing.
+    assert rdmaio_main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "tools/dev bench" in err and "python -m bench" in err
 
 
 def test_cli_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -626,7 +669,6 @@ def test_bench_tcp_end_to_end(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "rdmaio",
             "bench",
             "--quick",
             "--contenders",
@@ -661,7 +703,7 @@ def test_bench_tcp_end_to_end(tmp_path: Path) -> None:
     echo = next(f for f in doc["figures"] if f["workload"] == "echo" and f["contender"] == "tcp-uvloop")
     assert 0 < echo["p50_us"] <= echo["p99_us"]
     again = subprocess.run(
-        [sys.executable, "-m", "rdmaio", "bench", "--from-json", str(out)],
+        [sys.executable, "-m", "bench", "--from-json", str(out)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -677,7 +719,7 @@ def test_bench_drain_every(tmp_path: Path) -> None:
     args = ["--quick", "--contenders", "tcp-asyncio", "--only", "stream", "--sizes", "64"]
     args += ["--host", "127.0.0.1", "--drain-every", "16", "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, "-m", "rdmaio", "bench", *args],
+        [sys.executable, "-m", "bench", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rdmaio.bench import driver
-from rdmaio.bench.display import PlainDisplay, RichDisplay, make_display
-from rdmaio.bench.model import Figure, Sample, Workload
-from rdmaio.bench.plot import PlotError, check_plot_target, plot_figures
+from bench import driver
+from bench.display import PlainDisplay, RichDisplay, make_display
+from bench.model import Figure, Sample, Workload
+from bench.plot import PlotError, check_plot_target, plot_figures
 
 
 def test_plain_lines_when_not_a_terminal() -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rdmaio.bench import external
-from rdmaio.bench.driver import _describe, plan_runs
-from rdmaio.bench.external import CM_SETUP_SOURCE, NativeBuildError, build_cm_setup, cm_setup_commands
-from rdmaio.bench.memory import (
+from bench import external
+from bench.driver import _describe, plan_runs
+from bench.external import CM_SETUP_SOURCE, NativeBuildError, build_cm_setup, cm_setup_commands
+from bench.memory import (
     MemoryProbeError,
     Snapshot,
     parse_vmrss,
@@ -28,9 +28,9 @@ from rdmaio.bench.memory import (
     sum_mrlen,
     trim_heap,
 )
-from rdmaio.bench.model import QUICK, Figure, Sample, Workload
-from rdmaio.bench.parsers import ParseError, parse_cm_setup
-from rdmaio.bench.report import build_report, key_ratios, render_table, validate_report
+from bench.model import QUICK, Figure, Sample, Workload
+from bench.parsers import ParseError, parse_cm_setup
+from bench.report import build_report, key_ratios, render_table, validate_report
 
 SETUP, MEMORY = Workload.SETUP, Workload.MEMORY
 KiB, MiB = 1024, 1024 * 1024
@@ -361,7 +361,7 @@ def test_bench_tcp_setup_end_to_end(tmp_path: Path) -> None:
     args = ["--quick", "--contenders", "tcp-asyncio", "--only", "setup", "--setup-seconds", "0.5"]
     args += ["--host", "127.0.0.1", "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, "-m", "rdmaio", "bench", *args],
+        [sys.executable, "-m", "bench", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -630,11 +630,11 @@ def test_backend_address_handling() -> None:
         assert backend.get_local_address_for("127.0.0.1:8786") == "198.18.0.1"
 
 
-# --- python -m rdmaio bench --only dask -------------------------------------------------------------
+# --- python -m bench --only dask --------------------------------------------------------------------
 
 
 def test_bench_dask_table_and_options() -> None:
-    from rdmaio.bench import dask as dask_bench
+    from bench import dask as dask_bench
 
     args = dask_bench.build_parser().parse_args(["--sizes", "1,64", "--loop", "uvloop", "--reps", "5"])
     assert args.sizes == [1, 64] and args.loops == ["uvloop"] and args.reps == 5
@@ -658,7 +658,7 @@ def test_bench_dask_table_and_options() -> None:
     ],
 )
 def test_bench_only_dask_rejects(argv: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from rdmaio.bench.driver import main
+    from bench.driver import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -667,8 +667,8 @@ def test_bench_only_dask_rejects(argv: list[str], error: str, capsys: pytest.Cap
 
 
 def test_bench_only_dask_passes_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rdmaio.bench import dask as dask_bench
-    from rdmaio.bench.driver import main
+    from bench import dask as dask_bench
+    from bench.driver import main
 
     seen: list[list[str]] = []
     monkeypatch.setattr(dask_bench, "main", lambda argv: seen.append(list(argv)) or 0)

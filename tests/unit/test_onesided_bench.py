@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rdmaio.bench.driver import plan_runs
-from rdmaio.bench.external import _parse, perftest_command
-from rdmaio.bench.model import (
+from bench.driver import plan_runs
+from bench.external import _parse, perftest_command
+from bench.model import (
     FULL,
     QUICK,
     Figure,
@@ -16,9 +16,9 @@ from rdmaio.bench.model import (
     expand_workloads,
     resolve_contenders,
 )
-from rdmaio.bench.onesided import ONESIDED_TARGETS, access_of, parse_onesided_tool
-from rdmaio.bench.parsers import ParseError
-from rdmaio.bench.report import build_report, index_figures, key_ratios, render_table, validate_report
+from bench.onesided import ONESIDED_TARGETS, access_of, parse_onesided_tool
+from bench.parsers import ParseError
+from bench.report import build_report, index_figures, key_ratios, render_table, validate_report
 
 KiB, MiB = 1024, 1024 * 1024
 W, R, A, L = Workload.RDMA_WRITE, Workload.RDMA_READ, Workload.FETCH_ADD, Workload.READ_LAT

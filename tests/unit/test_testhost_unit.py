@@ -1,4 +1,4 @@
-"""Unit tests of the test host's pure parts (rdmaio/testing/host.py), its conftest rules and report check.
+"""Unit tests of the test host's pure parts (rdmaio/testing/host/), its conftest rules and report check.
 
 Nothing here boots a VM or needs an RDMA device.
 """
@@ -20,6 +20,8 @@ from types import ModuleType
 import pytest
 
 from rdmaio.testing import host
+from rdmaio.testing.host import launcher, preflight
+from rdmaio.testing.host.kernel import has_pvh_entry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -235,8 +237,8 @@ def test_decompress_kernel_and_pvh_detection(tmp_path: Path) -> None:
     image = tmp_path / "vmlinuz-9.9.9-test"
     image.write_bytes(bzimage("9.9.9-test", lzma.compress(elf, format=lzma.FORMAT_XZ)))
     assert host.decompress_kernel(image) == elf
-    assert host._has_pvh_entry(elf)
-    assert not host._has_pvh_entry(elf_with_notes([(b"GNU", 3), (b"Xen", 17)]))
+    assert has_pvh_entry(elf)
+    assert not has_pvh_entry(elf_with_notes([(b"GNU", 3), (b"Xen", 17)]))
     if shutil.which("strings"):
         cached = host.uncompressed_kernel(image, tmp_path / "cache")
         assert cached is not None and cached.read_bytes() == elf
@@ -358,7 +360,7 @@ def test_workdir_with_unshareable_characters_is_refused(
 def test_local_mode_runs_directly_with_harness_env(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(host, "find_local_rdma", lambda: host.LocalRdma("mlx5_0", "eth9", "10.0.0.7"))
+    monkeypatch.setattr(launcher, "find_local_rdma", lambda: host.LocalRdma("mlx5_0", "eth9", "10.0.0.7"))
     monkeypatch.delenv("RDMAIO_TEST_ADDR", raising=False)
     out = tmp_path / "env.txt"
     code = (
@@ -396,8 +398,8 @@ def fake_vm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     vng.chmod(0o755)
     kernel = tmp_path / "vmlinuz-0-test"
     kernel.write_bytes(b"")
-    monkeypatch.setattr(host, "find_local_rdma", lambda: None)
-    monkeypatch.setattr(host, "_preflight", lambda kernel_arg, install: host._VmPlan(kernel, str(vng)))
+    monkeypatch.setattr(launcher, "find_local_rdma", lambda: None)
+    monkeypatch.setattr(launcher, "plan_vm", lambda kernel_arg, install: preflight.VmPlan(kernel, str(vng)))
     work = tmp_path / "work"
     work.mkdir()
     return work
@@ -438,9 +440,10 @@ SIGTERM_DRIVER = """
 import sys
 from pathlib import Path
 from rdmaio.testing import host
+from rdmaio.testing.host import launcher, preflight
 vng, kernel, work = sys.argv[1:4]
-host.find_local_rdma = lambda: None
-host._preflight = lambda kernel_arg, install: host._VmPlan(Path(kernel), vng)
+launcher.find_local_rdma = lambda: None
+launcher.plan_vm = lambda kernel_arg, install: preflight.VmPlan(Path(kernel), vng)
 sys.exit(host.main(["--workdir", work, "--stock-boot", "--", "true"]))
 """
 

@@ -1,4 +1,4 @@
-"""``python -m rdmaio bench --plot FILE.png|FILE.svg``: the results as bar charts (matplotlib, optional).
+"""``python -m bench --plot FILE.png|FILE.svg``: the results as bar charts (matplotlib, optional).
 
 One panel per workload (stream throughput, message rate, echo round trip), the sizes along the x axis and
 one bar per contender, on a log scale: the contenders differ by orders of magnitude (perftest vs Python
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rdmaio.bench.model import Figure, Workload, format_size
+from bench.model import Figure, Workload, format_size
 
 __all__ = ["FORMATS", "PlotError", "check_plot_target", "plot_figures"]
 

@@ -221,7 +221,7 @@ def parse_rstream(text: str) -> RstreamResult:
 
 @dataclass(frozen=True, slots=True)
 class CmSetupResult:
-    """The report line of the native setup loop (``rdmaio/bench/native/cm_setup.c``)."""
+    """The report line of the native setup loop (``bench/native/cm_setup.c``)."""
 
     connections: int
     seconds: float

@@ -1,4 +1,4 @@
-"""The one-sided workloads of ``python -m rdmaio bench``: ``--only onesided``.
+"""The one-sided workloads of ``python -m bench``: ``--only onesided``.
 
 Four workloads, each compared in the same run with the perftest tool that does the same thing:
 
@@ -37,8 +37,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import rdmaio
-from rdmaio.bench.model import ONESIDED_WORKLOADS, Sample, Workload, format_size
-from rdmaio.bench.parsers import ParseError, PerftestLatency, parse_perftest_bw, parse_perftest_lat
+from bench.model import ONESIDED_WORKLOADS, Sample, Workload, format_size
+from bench.parsers import ParseError, PerftestLatency, parse_perftest_bw, parse_perftest_lat
 
 __all__ = [
     "ATOMIC_SIZE",
@@ -237,7 +237,7 @@ async def _measure(
     host: str, port: int, workload: Workload, size: int, count: int, cap: float, depth: int
 ) -> Sample:
     # The peers module imports this one lazily (its handler serves our workloads): import it here.
-    from rdmaio.bench.peers import _latency_sample, _pick_stats, rdmaio_stats
+    from bench.peers import _latency_sample, _pick_stats, rdmaio_stats
 
     if workload not in ONESIDED_WORKLOADS:
         raise ValueError(f"{workload} is not a one-sided workload")
@@ -365,7 +365,7 @@ def perftest_bw_sample(out: str, size: int, raw: str) -> Sample:
 
 def onesided_ratios(figures: Mapping[tuple[str, Workload, int], Any], loops: Sequence[str]) -> list[Any]:
     """The one-sided targets for rdmaio on each of ``loops``: rdmaio's figure over the perftest tool's."""
-    from rdmaio.bench.report import _pair_ratio  # report imports this module lazily, in key_ratios
+    from bench.report import _pair_ratio  # report imports this module lazily, in key_ratios
 
     ratios = []
     for loop in loops:

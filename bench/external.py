@@ -5,7 +5,7 @@ use and cached by the hash of its source).
 Each measurement starts the tool's server and its client as two processes on the benchmark address,
 waits for the server to listen (it reads the server's output through a pseudo-terminal, so that it comes
 line by line), runs the client, and parses the client's report. A tool that is missing, fails, times out
-or prints something unparsable yields a failed :class:`~rdmaio.bench.model.Sample` carrying the error
+or prints something unparsable yields a failed :class:`~bench.model.Sample` carrying the error
 and the output's tail.
 """
 
@@ -25,15 +25,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rdmaio.bench.model import Sample, Workload
-from rdmaio.bench.onesided import (
+from bench.model import Sample, Workload
+from bench.onesided import (
     ONESIDED_TOOLS,
     checked_perftest_lat,
     parse_onesided_tool,
     perftest_args,
     perftest_bw_sample,
 )
-from rdmaio.bench.parsers import (
+from bench.parsers import (
     ParseError,
     parse_cm_setup,
     parse_rstream,
@@ -76,7 +76,7 @@ def _cache_dirs() -> list[Path]:
     dirs = []
     if os.environ.get("RDMAIO_BENCH_CACHE"):
         dirs.append(Path(os.environ["RDMAIO_BENCH_CACHE"]))
-    checkout = CM_SETUP_SOURCE.parents[3]
+    checkout = CM_SETUP_SOURCE.parents[2]
     if (checkout / ".git").exists() and (checkout / "pyproject.toml").exists():
         dirs.append(checkout / "build" / "bench-native")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -1,6 +1,6 @@
 """The Python contenders: the benchmark server process and the client-side measurements.
 
-The server runs in its own process (``python -m rdmaio bench --role server``) and is driven through its
+The server runs in its own process (``python -m bench --role server``) and is driven through its
 standard input, one command per line:
 
 ``serve asyncio`` / ``serve uvloop``
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import rdmaio
-from rdmaio.bench.memory import (
+from bench.memory import (
     MEMORY_RESERVE,
     MemoryProbe,
     Snapshot,
@@ -54,7 +54,7 @@ from rdmaio.bench.memory import (
     trim_heap,
     wait_for_clients,
 )
-from rdmaio.bench.model import ONESIDED_WORKLOADS, Sample, Workload
+from bench.model import ONESIDED_WORKLOADS, Sample, Workload
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -166,7 +166,7 @@ async def _rdmaio_handler(ep: rdmaio.Endpoint) -> None:
                 count += 1
             result["messages"] = count
         elif workload in ONESIDED_WORKLOADS:  # one-sided; imported here: that module imports this one
-            from rdmaio.bench.onesided import serve_onesided
+            from bench.onesided import serve_onesided
 
             result.update(await serve_onesided(ep, spec))
         else:
@@ -647,7 +647,7 @@ async def measure_memory(
     *,
     reserve: int = MEMORY_RESERVE,
 ) -> Sample:
-    """The memory workload at ``count`` idle connections (see :mod:`rdmaio.bench.memory`).
+    """The memory workload at ``count`` idle connections (see :mod:`bench.memory`).
 
     Never raises for a count that does not fit: the sample fails with what was opened and why, and its
     ``memory`` holds the per-connection figures of the connections that were opened.

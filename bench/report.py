@@ -1,4 +1,4 @@
-"""From figures to conclusions: ratios, target checks, the text table and the JSON report.
+"""From figures to conclusions: ratios, target checks, the text and markdown tables and the JSON report.
 
 Everything here is pure (no I/O), so it is unit tested on hand-made figures.
 """
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rdmaio.bench.model import (
+from bench.model import (
     CONTENDERS,
     HIGHER_IS_BETTER,
     SETUP_SIZE,
@@ -29,13 +29,17 @@ __all__ = [
     "SCHEMA",
     "SETUP_TARGET",
     "FigureRatios",
+    "Notes",
     "Ratio",
+    "Table",
     "build_report",
     "figure_ratios",
     "index_figures",
     "key_ratios",
     "memory_ratios",
+    "render_markdown",
     "render_table",
+    "summary_blocks",
     "validate_report",
 ]
 
@@ -375,7 +379,7 @@ def key_ratios(figures: Figures) -> list[Ratio]:
         )
         ratios.extend(memory_ratios(figures, loop))
     # The one-sided targets; imported here because that module uses this one's _pair_ratio.
-    from rdmaio.bench.onesided import onesided_ratios
+    from bench.onesided import onesided_ratios
 
     ratios.extend(onesided_ratios(figures, LOOPS))
     speedups = uvloop_speedups(figures)
@@ -636,13 +640,13 @@ _MEMORY_KEYS = tuple(
 )
 
 
-def _memory_table(figures: Sequence[Figure], summary: str) -> list[str]:
+def _memory_table(figures: Sequence[Figure], summary: str) -> Table | None:
     """One row per rdmaio contender and connection count: growth per connection on each side, and
     what was still held after every connection was closed (bytes over the baseline, in KiB)."""
     own = sorted((f for f in figures if f.workload is Workload.MEMORY), key=lambda f: (f.contender, f.size))
     if not own:
-        return []
-    lines = [f"{WORKLOAD_TITLES[Workload.MEMORY]} - {_UNITS_TEXT[Workload.MEMORY]} ({summary})"]
+        return None
+    title = f"{WORKLOAD_TITLES[Workload.MEMORY]} - {_UNITS_TEXT[Workload.MEMORY]} ({summary})"
     rows = [
         [
             "contender",
@@ -681,9 +685,7 @@ def _memory_table(figures: Sequence[Figure], summary: str) -> list[str]:
                 f"{_kib(get('rss_left_server'))}/{_kib(get('rss_left_client'))}",
             ]
         )
-    lines.extend(_grid(rows, left=1))
-    lines.append("")
-    return lines
+    return Table(title, rows, left=1)
 
 
 def _grid(rows: list[list[str]], left: int = 1) -> list[str]:
@@ -696,29 +698,50 @@ def _grid(rows: list[list[str]], left: int = 1) -> list[str]:
     return out
 
 
-def render_table(
+@dataclass(frozen=True, slots=True)
+class Table:
+    """One table of the summary: a title line, a header row and rows; the first ``left`` columns are text."""
+
+    title: str
+    rows: list[list[str]]
+    left: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Notes:
+    """A titled list of remarks (failures, time-capped figures) under the tables."""
+
+    title: str
+    items: list[str]
+    inline: bool = False
+    """Printed as text on one line (``title: a, b, c``) rather than one indented line per item."""
+
+
+def summary_blocks(
     figures: Sequence[Figure],
     contenders: Sequence[str],
     reps: int,
     workloads: Sequence[Workload] | None = None,
-) -> str:
-    """The human-readable summary: one table per workload, rdmaio ratios, headline targets, failures.
+) -> list[Table | Notes]:
+    """The summary as blocks: one table per workload, rdmaio ratios, headline targets, failures.
 
     Shows ``workloads`` (default: those with figures) and, in each, the sizes that have figures.
+    :func:`render_table` prints them as aligned text, :func:`render_markdown` as markdown tables.
     """
     indexed = index_figures(figures)
     present = {f.workload for f in figures}
     chosen = list(workloads) if workloads is not None else [w for w in Workload if w in present]
-    lines: list[str] = []
+    blocks: list[Table | Notes] = []
     summary = f"median of {reps} runs" if reps > 1 else "single run"
     for workload in chosen:
         if workload is Workload.MEMORY:
-            lines.extend(_memory_table(figures, summary))
+            memory = _memory_table(figures, summary)
+            if memory is not None:
+                blocks.append(memory)
             continue
         columns = [c for c in contenders if workload in CONTENDERS[c].workloads]
         if not columns or workload not in present:
             continue
-        lines.append(f"{WORKLOAD_TITLES[workload]} - {_UNITS_TEXT[workload]} ({summary})")
         rows = [["size", *columns]]
         measured = {f.size for f in figures if f.workload is workload}
         for size in sizes_of(workload):
@@ -727,15 +750,10 @@ def render_table(
             rows.append(
                 [format_size(size), *(_cell(indexed.get((c, workload, size)), workload) for c in columns)]
             )
-        lines.extend(_grid(rows))
-        lines.append("")
+        blocks.append(Table(f"{WORKLOAD_TITLES[workload]} - {_UNITS_TEXT[workload]} ({summary})", rows))
 
     ratio_rows = [r for r in figure_ratios(indexed) if r.workload in chosen]
     if ratio_rows:
-        lines.append(
-            "rdmaio vs the best RDMA tool and vs TCP on the same loop (figure / other figure; "
-            "echo compares round trips: below 1 is faster)"
-        )
         rows = [
             [
                 "workload",
@@ -772,12 +790,17 @@ def render_table(
                     _fmt(r.client_frames_per_op),
                 ]
             )
-        lines.extend(_grid(rows, left=3))
-        lines.append("")
+        blocks.append(
+            Table(
+                "rdmaio vs the best RDMA tool and vs TCP on the same loop (figure / other figure; "
+                "echo compares round trips: below 1 is faster)",
+                rows,
+                left=3,
+            )
+        )
 
     # Only the targets of the workloads shown: a setup-only run has no use for rows of n/a.
     ratios = [r for r in key_ratios(indexed) if not chosen or _ratio_workloads(r.key) & set(chosen)]
-    lines.append("Targets")
     rows = [["ratio", "asyncio", "uvloop", "target"]]
     by_key: dict[str, dict[str | None, Ratio]] = {}
     order: list[str] = []
@@ -808,13 +831,13 @@ def render_table(
                     f"{any_ratio.op} {any_ratio.target}",
                 ]
             )
-    lines.extend(_grid(rows))
+    blocks.append(Table("Targets", rows))
 
     failures: list[str] = []
     for figure in figures:
         for error in figure.errors:
             failures.append(
-                f"  {figure.contender} {figure.workload} {format_what(figure.workload, figure.size)}: {error}"
+                f"{figure.contender} {figure.workload} {format_what(figure.workload, figure.size)}: {error}"
             )
     capped = [
         f"{f.contender} {f.workload} {format_what(f.workload, f.size)}"
@@ -822,13 +845,85 @@ def render_table(
         if any(s.capped for s in f.ok_samples)
     ]
     if failures:
-        lines.append("")
-        lines.append("Failures (ERR: every run failed; *: some runs failed)")
-        lines.extend(failures)
+        blocks.append(Notes("Failures (ERR: every run failed; *: some runs failed)", failures))
     if capped:
-        lines.append("")
-        lines.append(
-            "Stopped by the time cap before the byte budget (figure from what was moved): "
-            + ", ".join(capped)
+        blocks.append(
+            Notes(
+                "Stopped by the time cap before the byte budget (figure from what was moved)",
+                capped,
+                inline=True,
+            )
         )
+    return blocks
+
+
+def render_table(
+    figures: Sequence[Figure],
+    contenders: Sequence[str],
+    reps: int,
+    workloads: Sequence[Workload] | None = None,
+) -> str:
+    """The human-readable summary: one table per workload, rdmaio ratios, headline targets, failures.
+
+    Shows ``workloads`` (default: those with figures) and, in each, the sizes that have figures.
+    """
+    parts: list[list[str]] = []
+    for block in summary_blocks(figures, contenders, reps, workloads):
+        if isinstance(block, Table):
+            parts.append([block.title, *_grid(block.rows, block.left)])
+        elif block.inline:
+            parts.append([f"{block.title}: " + ", ".join(block.items)])
+        else:
+            parts.append([block.title, *(f"  {item}" for item in block.items)])
+    lines: list[str] = []
+    for i, part in enumerate(parts):
+        if i:
+            lines.append("")  # one blank line between blocks
+        lines.extend(part)
     return "\n".join(lines) + "\n"
+
+
+def _md_cell(text: str) -> str:
+    """A table cell's text with markdown's special characters (pipe, asterisk) escaped."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*")
+
+
+def render_markdown(
+    figures: Sequence[Figure],
+    contenders: Sequence[str],
+    reps: int,
+    workloads: Sequence[Workload] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> str:
+    """The same summary as :func:`render_table`, as markdown: a pipe table per block, lists for the notes.
+
+    With ``meta`` (a JSON report's), a first paragraph says when, at which commit and with which command the
+    figures were measured, so that the tables can be pasted into the documentation as they are.
+    """
+    lines: list[str] = []
+    if meta is not None:
+        commit = meta.get("git_commit")
+        dirty = meta.get("git_dirty")
+        where = f"commit `{commit[:7]}`" if isinstance(commit, str) else "an unknown commit"
+        if dirty:
+            where += " (with uncommitted changes to rdmaio/)"
+        command = " ".join(str(part) for part in meta.get("command", [])) or "unknown"
+        lines.append(
+            f"Measured {meta.get('created', 'at an unknown time')} at {where}, "
+            f"{meta.get('mode', '?')} budgets, {meta.get('reps', reps)} repetition(s), "
+            f"{meta.get('cpus', '?')} CPUs, kernel {meta.get('kernel', '?')}, with `{command}`."
+        )
+        lines.append("")
+    for block in summary_blocks(figures, contenders, reps, workloads):
+        lines.append(f"**{_md_cell(block.title)}**")
+        lines.append("")
+        if isinstance(block, Table):
+            header, *body = block.rows
+            lines.append("| " + " | ".join(_md_cell(c) for c in header) + " |")
+            align = ["---" if i < block.left else "---:" for i in range(len(header))]
+            lines.append("| " + " | ".join(align) + " |")
+            lines.extend("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in body)
+        else:
+            lines.extend(f"- {_md_cell(item)}" for item in block.items)
+        lines.append("")
+    return "\n".join(lines)

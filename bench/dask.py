@@ -1,4 +1,4 @@
-"""``python -m rdmaio bench --only dask``: Dask over ``tcp://`` and ``rdma://`` in the same run.
+"""``python -m bench --only dask``: Dask over ``tcp://`` and ``rdma://`` in the same run.
 
 For each event loop (``distributed.admin.event-loop``: asyncio, uvloop) and each protocol it starts
 ``LocalCluster(protocol=..., host=HOST, n_workers=2, processes=True, threads_per_worker=1)`` and measures:
@@ -276,8 +276,8 @@ async def framing_throughput(host: str, size: int, reps: int, chunks: Sequence[i
 
 def rxe_ceiling(host: str, device: str | None) -> str:
     """``ib_write_bw`` at 1 MiB (perftest, C, no Python) in this machine now: rxe's own throughput."""
-    from rdmaio.bench.external import ExternalConfig, run_external
-    from rdmaio.bench.model import Workload
+    from bench.external import ExternalConfig, run_external
+    from bench.model import Workload
 
     try:
         samples = run_external("ib_write_bw", [Workload.STREAM], MiB, 64, ExternalConfig(host, device))

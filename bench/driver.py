@@ -1,4 +1,4 @@
-"""``python -m rdmaio bench``: plan the measurements, run them, print progress, the table and the JSON.
+"""``python -m bench``: plan the measurements, run them, print progress, the table and the JSON.
 
 Process layout. The Python contenders' server side runs in one separate process (``--role server``),
 which switches between an asyncio and a uvloop event loop on command; the client side runs in this
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from rdmaio.bench.display import make_display
-from rdmaio.bench.external import ExternalConfig, run_external
-from rdmaio.bench.model import (
+from bench.display import make_display
+from bench.external import ExternalConfig, run_external
+from bench.model import (
     CONTENDER_GROUPS,
     CONTENDERS,
     FULL,
@@ -50,14 +50,16 @@ from rdmaio.bench.model import (
     resolve_contenders,
     sizes_of,
 )
-from rdmaio.bench.onesided import measure_onesided
-from rdmaio.bench.peers import loop_factory, measure, measure_memory, server_main
-from rdmaio.bench.plot import PlotError, check_plot_target, plot_figures
-from rdmaio.bench.report import build_report, render_table, validate_report
+from bench.onesided import measure_onesided
+from bench.peers import loop_factory, measure, measure_memory, server_main
+from bench.plot import PlotError, check_plot_target, plot_figures
+from bench.report import build_report, render_markdown, render_table, validate_report
 
-__all__ = ["Run", "build_parser", "main", "plan_runs"]
+__all__ = ["REPO_ROOT", "Run", "build_parser", "harness_env", "main", "plan_runs"]
 
 DEFAULT_HOST = "198.18.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout holding this harness (``bench/`` lives at its top level and is not installed)."""
 BENCH_NET = ipaddress.ip_network("198.18.0.0/15")
 SERVER_START_TIMEOUT = 300.0
 
@@ -129,16 +131,30 @@ def plan_runs(
 # --- the peer server process -------------------------------------------------------------------------
 
 
+def harness_env() -> dict[str, str]:
+    """This environment with the checkout first on ``PYTHONPATH``.
+
+    The harness is not installed (it is not in the wheel): a child ``python -m bench`` finds it through
+    the checkout, whatever directory the driver was started from.
+    """
+    env = dict(os.environ)
+    rest = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + rest if rest else "")
+    return env
+
+
 class PeerServer:
     """The ``--role server`` subprocess (ours: started here, stopped here)."""
 
     def __init__(self, host: str, profile_dir: Path | None) -> None:
-        cmd = [sys.executable, "-m", "rdmaio", "bench", "--role", "server", "--host", host]
+        cmd = [sys.executable, "-m", "bench", "--role", "server", "--host", host]
         if profile_dir is not None:
             cmd += ["--profile", str(profile_dir)]
         # Closed in close(); a file rather than a pipe so that a chatty server never blocks.
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=harness_env()
+        )
         self._lines: queue.Queue[bytes] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -351,7 +367,7 @@ class Bench:
         coro: Coroutine[Any, Any, Sample]
         if workload is Workload.MEMORY:
             coro = self._memory(int(port), run.amount)
-        elif workload in ONESIDED_WORKLOADS:  # one-sided: rdmaio.bench.onesided
+        elif workload in ONESIDED_WORKLOADS:  # one-sided: bench.onesided
             coro = measure_onesided(
                 self.s.host, int(port), workload, run.size, run.amount, self.s.budget.time_cap
             )
@@ -443,16 +459,16 @@ def _csv(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m rdmaio bench`` argument parser."""
+    """The ``python -m bench`` argument parser."""
     parser = argparse.ArgumentParser(
-        prog="python -m rdmaio bench",
+        prog="python -m bench",
         description=(
             "Benchmark rdmaio (on asyncio and uvloop) against perftest, rstream (rsockets) and "
             "asyncio/uvloop TCP streams: one-way stream throughput, pipelined message rate and echo "
             "round-trip latency; on request (--only) connection setup rate against a native rdma_cm "
             "loop, and registered memory and RSS per idle connection. "
-            "Run it where an RDMA device exists, e.g. inside the test host: "
-            "python -m rdmaio.testing.host -- .venv/bin/python -m rdmaio bench --json reports/bench.json"
+            "Run it from a checkout of rdmaio where an RDMA device exists, e.g. inside the test host: "
+            "tools/dev bench [HOST-OPTIONS --] --json reports/bench.json"
         ),
     )
     mode = parser.add_mutually_exclusive_group()
@@ -476,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
             "connections/s against a native "
             "rdma_cm loop; memory: bytes per idle connection; onesided: against ib_write_bw, ib_read_bw, "
             "ib_atomic_bw, ib_read_lat), or dask alone: Dask transfers and a shuffle on tcp:// and rdma:// "
-            "(rdmaio.bench.dask; --sizes in MiB, --reps, --quick)"
+            "(bench.dask; --sizes in MiB, --reps, --quick)"
         ),
     )
     parser.add_argument(
@@ -528,6 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-json", type=Path, help="print the table of an earlier JSON report; run nothing"
     )
     parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help=(
+            "print the tables as markdown (with --from-json: headed by when, at which commit and with which "
+            "command the report was made; this is how docs/benchmarks.md's results are produced)"
+        ),
+    )
+    parser.add_argument(
         "--allow-remote", action="store_true", help="allow a --host that is not an address of this machine"
     )
     parser.add_argument("--role", choices=("driver", "server"), default="driver", help=argparse.SUPPRESS)
@@ -553,7 +577,7 @@ def _is_local_address(host: str) -> bool:
 
 def _git_state() -> dict[str, Any]:
     """The checked-out commit and whether rdmaio/ has uncommitted changes (read-only git queries)."""
-    root = Path(__file__).resolve().parents[2]
+    root = REPO_ROOT
     state: dict[str, Any] = {"git_commit": None, "git_dirty": None}
     try:
         head = subprocess.run(
@@ -604,7 +628,7 @@ def _stderr_progress(line: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m rdmaio bench``; returns the exit status."""
+    """Entry point of ``python -m bench``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.role == "server":
@@ -626,7 +650,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("invalid report: " + "; ".join(problems), file=sys.stderr)
             return 1
         figures = [Figure.from_json(f) for f in doc["figures"]]
-        print(render_table(figures, list(doc["contenders"]), int(doc["meta"].get("reps", 1))), end="")
+        reps = int(doc["meta"].get("reps", 1))
+        if args.markdown:
+            print(render_markdown(figures, list(doc["contenders"]), reps, meta=doc["meta"]), end="")
+        else:
+            print(render_table(figures, list(doc["contenders"]), reps), end="")
         return _plot(args.plot, figures, list(doc["contenders"]), _stderr_progress)
 
     try:
@@ -702,11 +730,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         display.close()
     figures = list(bench.figures.values())
     provenance = _git_state()
-    print(render_table(figures, contenders, budget.reps), end="", flush=True)
+    render = render_markdown if args.markdown else render_table
+    print(render(figures, contenders, budget.reps), end="", flush=True)
     if args.json is not None:
         meta = {
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": ["python", "-m", "rdmaio", "bench", *(sys.argv[2:] if argv is None else argv)],
+            "command": ["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)],
             "mode": budget.name,
             "reps": budget.reps,
             "host": args.host,
@@ -737,8 +766,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_dask(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``--only dask``: the Dask comparison of :mod:`rdmaio.bench.dask` (its own table, no JSON report)."""
-    from rdmaio.bench import dask as dask_bench
+    """``--only dask``: the Dask comparison of :mod:`bench.dask` (its own table, no JSON report)."""
+    from bench import dask as dask_bench
 
     if _csv(args.only) != ["dask"]:
         parser.error("--only dask runs alone (it starts Dask clusters, not the bench's peers)")

@@ -60,7 +60,7 @@ class Workload(StrEnum):
     MEMORY = "memory"
     """Registered bytes and RSS growth per idle connection, server and client side (lower is better)."""
     RDMA_WRITE = "rdma_write"
-    """One-sided RDMA WRITE bandwidth, several in flight (:mod:`rdmaio.bench.onesided`): bytes/s."""
+    """One-sided RDMA WRITE bandwidth, several in flight (:mod:`bench.onesided`): bytes/s."""
     RDMA_READ = "rdma_read"
     """One-sided RDMA READ bandwidth, several in flight: bytes/s."""
     FETCH_ADD = "fetch_add"
@@ -239,7 +239,7 @@ CONTENDERS: dict[str, Contender] = {
             None,
             (Workload.SETUP,),
             True,
-            "minimal C rdma_cm loop: connect + 16 B echo + disconnect (rdmaio/bench/native/cm_setup.c)",
+            "minimal C rdma_cm loop: connect + 16 B echo + disconnect (bench/native/cm_setup.c)",
         ),
     )
 }
@@ -431,7 +431,7 @@ class Sample:
     conns_per_s: float | None = None
     """Setup workload: connections per second."""
     memory: dict[str, float] | None = None
-    """Memory workload: what :func:`rdmaio.bench.memory.per_connection` computes (bytes per connection,
+    """Memory workload: what :func:`bench.memory.per_connection` computes (bytes per connection,
     server and client side), also on a failed sample when part of the connections were opened."""
     capped: bool = False
     """Stopped by the time cap before the budget was used up."""

@@ -1,4 +1,4 @@
-"""Progress of ``python -m rdmaio bench``: a live bar with rich on a terminal, plain lines otherwise.
+"""Progress of ``python -m bench``: a live bar with rich on a terminal, plain lines otherwise.
 
 A full benchmark runs for many minutes (far longer inside the test host), so a terminal shows which
 measurement is running, how many are done and an estimate of the time left, with each result printed above
