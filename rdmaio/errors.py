@@ -197,5 +197,5 @@ class RendezvousTimeoutError(TimeoutError):
 
 class BindQueueFullError(RdmaError, BlockingIOError):
     """``export()`` found the connection's memory-window binds in flight at their bound
-    (``rdmaio.core.onesided_base.MAX_BINDS_IN_FLIGHT``) even after polling for their completions: let the
+    (``rdmaio.core.onesided.MAX_BINDS_IN_FLIGHT``) even after polling for their completions: let the
     event loop run (any await) and export again. Nothing was registered or posted."""

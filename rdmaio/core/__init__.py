@@ -15,7 +15,8 @@ and the public API.
 * :mod:`~rdmaio.core.receive`: the receiver - received frames, the read calls, every re-post of a receive.
 * :mod:`~rdmaio.core.rendezvous`: zero-copy large messages (RDMA READ by the receiver).
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
-* :mod:`~rdmaio.core.onesided`: remote keys and the one-sided operation engine.
+* :mod:`~rdmaio.core.onesided`: one-sided RDMA, a package: remote keys, the operation engine, the
+  exporter (grants, revocation, write notices) and the facade each connection holds.
 
 The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`; nothing in
 it imports the public API.

@@ -46,7 +46,6 @@ import weakref
 from typing import Any
 
 from rdmaio import verbs
-from rdmaio._ffi import lib
 from rdmaio.core.onesided import ACCESS_READ, MAX_OP_BYTES, OneSidedEngine, RemoteKey
 from rdmaio.errors import EndpointClosedError, ProtocolError, RendezvousTimeoutError
 from rdmaio.protocol.rendezvous import (
@@ -67,7 +66,6 @@ __all__ = ["SEND_SHARE", "RendezvousEngine", "wait_shielded"]
 
 log = logging.getLogger("rdmaio.rndv")
 
-_WR_READ: int = lib.IBV_WR_RDMA_READ
 _MIN_BOUNCE = 64 * 1024
 _POOL = 1  # bounce buffers kept registered per connection (dropped when the pin bound is reached)
 SEND_SHARE = 2
@@ -484,17 +482,8 @@ class RendezvousEngine:
     async def _read_op(self, msg: Incoming, offset: int, n: int, addr: int, lkey: int) -> None:
         desc = msg.desc
         key = RemoteKey(desc.addr, desc.rkey, desc.length, ACCESS_READ, desc.msg_id)
-        engine = self._onesided
-        op = await engine._start(key, _WR_READ, n, staging=False)
-        engine._post(op, desc.addr + offset, desc.rkey, local=(addr, lkey))
-        try:
-            await engine._wait(op)
-        except BaseException:
-            op.orphan = True  # the run is ending: its completion (or the teardown) releases it
-            raise
-        engine._release(op)
-        if op.error is not None:
-            raise op.error
+        # Cancelled, the op is left to its completion (or the teardown), which releases it.
+        await self._onesided.read_registered(key, desc.addr + offset, n, (addr, lkey))
 
     async def _registration(self, view: memoryview) -> Any:
         """A local registration of ``view`` from the cache, waiting while the pin bound leaves no room."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import cast
 
 from rdmaio.core.dispatch import CompletionHandler, CQReservation
-from rdmaio.core.onesided_base import MAX_BINDS_IN_FLIGHT
+from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.rings import SlotRing
 from rdmaio.core.shared_receive import SharedMember, shared_pool

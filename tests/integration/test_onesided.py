@@ -94,7 +94,7 @@ def test_read_write_atomics_and_nothing_else_remote(arun: Runner[Any], rdma_addr
                 tr = ep._conn.transport
                 rings = tr.recv_ring.regions + tr.send_ring.regions
                 assert rings and all(not mr.access & REMOTE_FLAGS for mr in rings)
-                staging = ep._conn.onesided._staging
+                staging = ep._conn.onesided.operations._staging
                 if staging is not None:
                     assert not staging.access & REMOTE_FLAGS
             # The grant's own region has no remote flags (its rkey opens nothing): the access is its

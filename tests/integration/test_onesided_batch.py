@@ -165,8 +165,8 @@ def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr
             )
             assert elapsed < 5.0, elapsed
             engine = ep._conn.onesided
-            assert engine.ops == {} and engine._in_flight == 0
-            assert sorted(engine._free_staging) == list(range(64))
+            assert engine.ops == {} and engine.operations.in_flight == 0
+            assert sorted(engine.operations._free_staging) == list(range(64))
             ep.abort()
         finally:
             proc.kill()

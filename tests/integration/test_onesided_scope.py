@@ -22,7 +22,7 @@ from rdma_state import rdma_resources
 
 import rdmaio
 from rdmaio.core.onesided import ACCESS_READ, ACCESS_WRITE, RemoteKey
-from rdmaio.core.onesided_grants import _CTL_REVOKE
+from rdmaio.core.onesided.exporter import CTL_REVOKE
 
 __all__ = ["arun"]
 
@@ -161,7 +161,7 @@ def test_reads_waiting_for_the_doorbell_when_a_revoke_arrives(arun: Runner[Any],
             buf = bytearray(os.urandom(1 << 16))
             key = await share(exp, imp, exp.export(buf, access="rw"))
             engine = imp._conn.onesided
-            real_ring = engine._ring
+            real_ring = engine.operations._ring
             gate = asyncio.Event()
 
             async def ring_later() -> None:
@@ -169,11 +169,11 @@ def test_reads_waiting_for_the_doorbell_when_a_revoke_arrives(arun: Runner[Any],
                 real_ring()
 
             # The doorbell rings once the test opens the gate (a stalled loop, made deterministic).
-            engine._ring = lambda: asyncio.get_running_loop().create_task(ring_later())
+            engine.operations._ring = lambda: asyncio.get_running_loop().create_task(ring_later())
             reads = [asyncio.create_task(imp.rdma_read(key, 0, 64)) for _ in range(8)]
             for _ in range(5):
                 await asyncio.sleep(0)
-            held = len(engine._doorbell)
+            held = len(engine.operations._doorbell)
             assert held >= 1
             posted = imp.statistics()["rdma_ops_posted"]
             await asyncio.wait_for(exp.revoke(key), 30)  # the REVOKE_ACK went out before the doorbell
@@ -225,7 +225,7 @@ def test_revoking_ids_never_issued_stops_at_the_bound(arun: Runner[Any], rdma_ad
             engine = exp._conn.onesided
             rng = random.Random(7)
             for _ in range(100):
-                engine._send_control(_CTL_REVOKE, rng.randrange(1 << 40, 1 << 63))
+                engine.exporter.send_control_message(CTL_REVOKE, rng.randrange(1 << 40, 1 << 63))
                 await asyncio.sleep(0)
             for _ in range(3000):
                 if imp._conn.torn_down or imp.statistics()["keys_revoked_by_peer"] >= 32:

@@ -1,4 +1,4 @@
-"""The programs on the documentation's pages (docs/quickstart.md, the home page) run as the pages say they do."""
+"""The programs on the docs' pages (docs/quickstart.md, the home page) run as the pages say they do."""
 
 from __future__ import annotations
 

@@ -108,12 +108,11 @@ NARROW: dict[str, set[str]] = {
         "rdmaio.protocol",
         "rdmaio.protocol.rxbuffer",
     },
-    "rdmaio.core.remotekey": {"rdmaio._ffi", "rdmaio.verbs", "rdmaio.errors"},
+    "rdmaio.core.onesided.keys": {"rdmaio.errors"},
     # batches are built on the op life cycle alone (and the checks of the keys)
-    "rdmaio.core.onesided_batch": {
-        "rdmaio.core.onesided_life",
-        "rdmaio.core.onesided_ops",
-        "rdmaio.core.remotekey",
+    "rdmaio.core.onesided.batches": {
+        "rdmaio.core.onesided.keys",
+        "rdmaio.core.onesided.operations",
         "rdmaio.errors",
     },
 }

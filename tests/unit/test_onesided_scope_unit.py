@@ -16,7 +16,8 @@ from test_onesided_unit import RECV, Rig, key, settle
 import rdmaio
 from rdmaio._ffi import ffi, lib
 from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT, RemoteKey
-from rdmaio.core.onesided_revoked import RevokedKeys
+from rdmaio.core.onesided.revoked import RevokedKeys
+from rdmaio.testing.fakes import FakeMemoryLib
 from rdmaio.verbs import memory
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -41,7 +42,7 @@ def test_export_binds_a_window_over_a_region_without_remote_flags(arun: Run) -> 
         assert window.access == lib.IBV_ACCESS_REMOTE_READ | lib.IBV_ACCESS_REMOTE_WRITE
         assert k.rkey == window.rkey != region.rkey and k.addr == region.addr
         # The bind is a signalled kind 2 request without an op slot, routed back by its index.
-        assert window.wr_id >> 56 == 2 and rig.engine._in_flight == 0
+        assert window.wr_id >> 56 == 2 and rig.engine.operations.in_flight == 0
         assert rig.engine.statistics()["mw_binds_in_flight"] == 1
         rig.complete_binds()
         assert rig.engine.statistics()["mw_binds_in_flight"] == 0 and rig.failures == []
@@ -96,11 +97,11 @@ def test_binds_in_flight_are_bounded_and_polled_for(arun: Run) -> None:
         assert rig.reaps == 1 and len(rig.windows) == MAX_BINDS_IN_FLIGHT  # polled, nothing registered
         # A poll that finds the binds done frees their entries: export goes on.
         rig._reap = rig.complete_binds  # type: ignore[method-assign]
-        rig.engine._poll = rig.complete_binds
+        rig.engine.exporter._poll = rig.complete_binds
         rig.engine.export(buf)
         assert len(rig.windows) == MAX_BINDS_IN_FLIGHT + 1
         # export_for_read (rendezvous) waits for a bind entry instead of raising.
-        rig.engine._poll = None
+        rig.engine.exporter._poll = None
         for _ in range(MAX_BINDS_IN_FLIGHT - 1):
             rig.engine.export(buf)
         waiting = asyncio.ensure_future(rig.engine.export_for_read(memoryview(bytes(64))))
@@ -152,13 +153,13 @@ def test_requests_waiting_for_the_doorbell_fail_when_their_key_was_revoked_meanw
         rig = Rig(max_ops=8)
         k = key()
         other = RemoteKey(0x20000, 0x78, 4096, 0x3, 43)
-        real_ring = rig.engine._ring
+        real_ring = rig.engine.operations._ring
         rang: list[int] = []
-        rig.engine._ring = lambda: rang.append(1)  # type: ignore[method-assign]  # the loop is busy
+        rig.engine.operations._ring = lambda: rang.append(1)  # type: ignore[method-assign]  # the loop is busy
         reads = [asyncio.ensure_future(rig.engine.read(k, 0, 8)) for _ in range(3)]
         kept = asyncio.ensure_future(rig.engine.read(other, 0, 8))
         await settle()  # every call ran its checks; the doorbell has not rung yet
-        assert len(rig.qp.posted) == 1 and len(rig.engine._doorbell) == 3 and rang == [1]
+        assert len(rig.qp.posted) == 1 and len(rig.engine.operations._doorbell) == 3 and rang == [1]
         rig.engine.on_recv(RECV, 0, 16, control(1, k.key_id))  # REVOKE
         ack = rig.qp.posted[-1]
         assert ack["opcode"] == lib.IBV_WR_SEND  # the REVOKE_ACK, posted at once
@@ -237,27 +238,6 @@ def test_a_peer_revoking_ids_it_never_issued_is_stopped_at_the_bound(arun: Run) 
 # --- verbs: a failing deregistration or window allocation is reported ----------------------------------
 
 
-class _FakeLib:
-    """The few C functions the memory objects call, with scripted results."""
-
-    def __init__(self, dereg_rc: int = 0, alloc_rc: int = 0, dealloc_rc: int = 0) -> None:
-        self.dereg_rc = dereg_rc
-        self.alloc_rc = alloc_rc
-        self.dealloc_rc = dealloc_rc
-        self.calls: list[str] = []
-
-    def ibv_dereg_mr(self, ptr: Any) -> int:
-        self.calls.append("ibv_dereg_mr")
-        return self.dereg_rc
-
-    def rdmaio_alloc_mw(self, pd: Any, out: Any) -> int:
-        return self.alloc_rc
-
-    def rdmaio_dealloc_mw(self, ptr: Any) -> int:
-        self.calls.append("ibv_dealloc_mw")
-        return self.dealloc_rc
-
-
 def _fake_region(buffer: bytearray) -> memory.MemoryRegion:
     region = memory.MemoryRegion.__new__(memory.MemoryRegion)
     memory._Resource.__init__(region)
@@ -269,7 +249,7 @@ def _fake_region(buffer: bytearray) -> memory.MemoryRegion:
 
 
 def test_a_failed_deregistration_raises_and_keeps_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = _FakeLib(dereg_rc=errno.EBUSY)
+    fake = FakeMemoryLib(dereg_rc=errno.EBUSY)
     monkeypatch.setattr(memory, "lib", fake)
     buffer = bytearray(4096)
     region = _fake_region(buffer)
@@ -286,7 +266,7 @@ def test_a_failed_deregistration_raises_and_keeps_the_buffer(monkeypatch: pytest
 def test_memory_windows_report_a_device_without_them_and_a_failed_release(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fake = _FakeLib(alloc_rc=-errno.EOPNOTSUPP)
+    fake = FakeMemoryLib(alloc_rc=-errno.EOPNOTSUPP)
     monkeypatch.setattr(memory, "lib", fake)
     pd = SimpleNamespace(_ptr=ffi.NULL, _check_usable=lambda: None, _dependents={})
     region = _fake_region(bytearray(64))
@@ -309,7 +289,7 @@ def test_memory_windows_report_a_device_without_them_and_a_failed_release(
 def test_closing_a_queue_pair_deallocates_its_windows_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bound type 2 window holds its QP: rxe's QP destroy waits (seconds) for every such hold, so the
     windows bound on a QP go before it (a dead peer was detected 50 s late otherwise)."""
-    fake = _FakeLib()
+    fake = FakeMemoryLib()
     monkeypatch.setattr(memory, "lib", fake)
 
     class FakeQueuePair(memory._Resource):

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import struct
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import rdmaio
 from rdmaio._ffi import ffi, lib
-from rdmaio.core import onesided_life
 from rdmaio.core.backend import AsyncioBackend
 from rdmaio.core.onesided import (
     ACCESS_ATOMIC,
@@ -22,7 +23,9 @@ from rdmaio.core.onesided import (
     RemoteKey,
     parse_access,
 )
+from rdmaio.core.onesided import operations as onesided_operations
 from rdmaio.protocol import Handshake, Session
+from rdmaio.testing.fakes import FakeQP, FakeRegion, FakeRegistration, FakeWindow
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 WR_ONESIDED = 2 << 56
@@ -32,93 +35,6 @@ RECV = int(rdmaio.verbs.WcOpcode.RECV)
 
 
 # --- fakes ---------------------------------------------------------------------------------------------
-
-
-class FakeRegion:
-    next_key = 0x100
-
-    def __init__(self, buffer: Any, access: int = 0, readonly: bool = False) -> None:
-        self.cbuf = ffi.from_buffer(buffer, require_writable=not readonly)
-        self.addr = int(ffi.cast("uintptr_t", self.cbuf))
-        self.length = len(self.cbuf)
-        FakeRegion.next_key += 1
-        self.lkey = self.rkey = FakeRegion.next_key
-        self.access = access
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeWindow:
-    """A type 2 window bound on the fake QP: its bind is pending until the test completes it."""
-
-    def __init__(self, region: FakeRegion, wr_id: int, access: int) -> None:
-        self.region = region
-        self.wr_id = wr_id
-        self.access = access
-        FakeRegion.next_key += 1
-        self.rkey = FakeRegion.next_key
-        self.closed = False
-
-    def close(self) -> None:
-        assert not self.region.closed, "a window must be freed before its region is deregistered"
-        self.closed = True
-
-
-class FakeRegistration:
-    def __init__(self, buffer: Any) -> None:
-        self.region = FakeRegion(buffer)
-        self.addr, self.lkey = self.region.addr, self.region.lkey
-        self.released = False
-
-    def release(self) -> None:
-        self.released = True
-
-
-class FakeQP:
-    def __init__(self) -> None:
-        self.rdma_array = ffi.new("struct rdmaio_rdma_op[]", 16)
-        self.posted: list[dict[str, int]] = []
-        self.fail_next = False
-        self.calls: list[int] = []  # requests per post_rdma call (per doorbell)
-
-    def post_rdma(self, count: int) -> None:
-        if self.fail_next:
-            raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
-        self.calls.append(count)
-        for i in range(count):
-            wr = self.rdma_array[i]
-            fields = ("wr_id", "local_addr", "length", "lkey", "opcode", "send_flags", "imm_data", "rkey")
-            entry = {name: int(getattr(wr, name)) for name in fields}
-            entry.update(remote_addr=int(wr.remote_addr), compare_add=int(wr.compare_add), swap=int(wr.swap))
-            self.posted.append(entry)
-
-    def post_batch(
-        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
-    ) -> None:
-        """As the C helper fills a batch: request i at local_addr + local_offset[i] (8 * i), only the last
-        signalled; each request is one entry of ``posted``, the batch one entry of ``calls``."""
-        if self.fail_next:
-            raise rdmaio.VerbsError("fake post failure", errno=12, call="ibv_post_send")
-        count = len(remote_addr)
-        self.calls.append(count)
-        lengths, offsets = arrays.get("length"), arrays.get("local_offset")
-        compare_add = arrays.get("compare_add")
-        for i in range(count):
-            self.posted.append(
-                {
-                    "wr_id": wr_id,
-                    "local_addr": local_addr + (offsets[i] if offsets is not None else 8 * i),
-                    "length": lengths[i] if lengths is not None else 8,
-                    "lkey": lkey,
-                    "opcode": opcode,
-                    "send_flags": int(lib.IBV_SEND_SIGNALED) if i == count - 1 else 0,
-                    "rkey": rkey,
-                    "remote_addr": remote_addr[i],
-                    "compare_add": compare_add[i] if compare_add is not None else 0,
-                }
-            )
 
 
 class FakeCredits:
@@ -417,7 +333,7 @@ def test_at_most_max_ops_in_flight_and_fifo_after(arun: Run) -> None:
             assert len(rig.qp.posted) == min(7, n + 4)
         await asyncio.gather(*tasks)
         assert [wr["remote_addr"] - 0x10000 for wr in rig.qp.posted] == list(range(7))
-        assert len(rig.engine._free_staging) == 3
+        assert len(rig.engine.operations._free_staging) == 3
 
     arun(main())
 
@@ -473,7 +389,7 @@ def test_write_copies_data_and_large_ops_get_pooled_registrations(arun: Run) -> 
 
 
 def test_the_large_buffer_pool_is_bounded(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(onesided_life, "_LARGE_POOL_BYTES", 2 << 20)
+    monkeypatch.setattr(onesided_operations, "_LARGE_POOL_BYTES", 2 << 20)
 
     async def main() -> None:
         rig = Rig(max_ops=4)
@@ -578,9 +494,9 @@ def test_cancelled_read_keeps_its_staging_until_the_completion(arun: Run) -> Non
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
-        assert len(rig.engine._free_staging) == 1  # the NIC may still write into it
+        assert len(rig.engine.operations._free_staging) == 1  # the NIC may still write into it
         rig.complete(data=b"late data!")
-        assert len(rig.engine._free_staging) == 2 and rig.engine.ops == {}
+        assert len(rig.engine.operations._free_staging) == 2 and rig.engine.ops == {}
         assert rig.failures == []
 
     arun(main())
@@ -598,6 +514,42 @@ def test_cancelled_read_into_fails_the_connection(arun: Run) -> None:
             await t
         assert len(rig.failures) == 1 and isinstance(rig.failures[0], rdmaio.EndpointClosedError)
         assert rig.cached[-1].released
+
+    arun(main())
+
+
+def test_read_registered_reads_into_the_callers_memory_and_leaves_a_cancelled_op_to_its_completion(
+    arun: Run,
+) -> None:
+    """The rendezvous pull: a READ into memory the caller registered (no staging), its error raised, and a
+    cancelled call's op kept (slot and all) until its completion, since the NIC may still write."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=2)
+        buf = bytearray(16)
+        region = FakeRegion(buf)
+        local = (region.addr, region.lkey)
+        call = asyncio.ensure_future(rig.engine.read_registered(key(), 0x10000 + 8, 16, local))
+        await settle()
+        wr = rig.qp.posted[-1]
+        assert (wr["opcode"], wr["length"], wr["remote_addr"]) == (lib.IBV_WR_RDMA_READ, 16, 0x10000 + 8)
+        assert (wr["local_addr"], wr["lkey"]) == local
+        rig.complete(data=b"r" * 16)
+        await call
+        assert bytes(buf) == b"r" * 16 and rig.engine.ops == {} and rig.local == []  # no staging
+        failing = asyncio.ensure_future(rig.engine.read_registered(key(), 0x10000, 16, local))
+        await settle()
+        rig.complete(status=STATUS_REM_ACCESS)
+        with pytest.raises(rdmaio.RemoteAccessRefusedError):
+            await failing
+        cancelled = asyncio.ensure_future(rig.engine.read_registered(key(), 0x10000, 16, local))
+        await settle()
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert rig.engine.operations.in_flight == 1 and len(rig.engine.ops) == 1
+        rig.complete()
+        assert rig.engine.operations.in_flight == 0 and rig.engine.ops == {} and rig.failures == []
 
     arun(main())
 
@@ -846,7 +798,7 @@ def test_a_lone_request_completed_at_post_returns_without_sleeping(arun: Run) ->
         # Neither call slept: a callback scheduled before them has not run yet.
         assert not loop_ran.is_set()
         assert polls == [2, 3]
-        assert rig.engine._stats["rdma_completed_at_post"] == 2
+        assert rig.engine.statistics()["rdma_completed_at_post"] == 2
         assert rig.engine.statistics()["rdma_ops_pending"] == 0
 
     arun(main())
@@ -868,13 +820,15 @@ def test_a_completion_found_alone_at_post_is_completed_by_the_caller(arun: Run) 
             ffi.memmove(ffi.cast("void *", wr["local_addr"]), b"w" * 64, 64)  # the NIC's READ
             return True
 
-        rig.engine._post_polled = post_polled
+        rig.engine.operations._post_polled = post_polled
         assert await rig.engine.read(key(), 0, 64) == b"w" * 64
         assert await rig.engine.fetch_add(key(), 8, 2) == int.from_bytes(b"w" * 8, sys.byteorder)
         assert asked == [rig.qp.posted[1]["wr_id"], rig.qp.posted[2]["wr_id"]]
         stats = rig.engine.statistics()
-        assert stats["rdma_ops_pending"] == 0 and rig.engine._stats["rdma_completed_at_post"] == 2
-        assert sorted(rig.engine._free_staging) == list(range(rig.engine.max_ops))  # memory given back
+        assert stats["rdma_ops_pending"] == 0 and rig.engine.statistics()["rdma_completed_at_post"] == 2
+        assert sorted(rig.engine.operations._free_staging) == list(
+            range(rig.engine.max_ops)
+        )  # memory given back
 
     arun(main())
 
@@ -900,8 +854,8 @@ def test_calls_completed_at_post_still_let_the_loop_run(arun: Run) -> None:
             calls += 1
         assert len(ticks) == 5
         gaps = [b - a for a, b in zip([0, *ticks], ticks, strict=False)]
-        assert max(gaps) <= onesided_life._AT_POST_BUDGET + 1, gaps
-        assert rig.engine._stats["rdma_completed_at_post"] == 100
+        assert max(gaps) <= onesided_operations._AT_POST_BUDGET + 1, gaps
+        assert rig.engine.statistics()["rdma_completed_at_post"] == 100
 
     arun(main())
 
@@ -921,7 +875,7 @@ def test_a_request_not_complete_at_post_waits_for_its_completion(arun: Run) -> N
         assert not task.done() and polls == [1]
         rig.complete(-1, data=b"late")
         assert await task == b"late"
-        assert rig.engine._stats["rdma_completed_at_post"] == 0
+        assert rig.engine.statistics()["rdma_completed_at_post"] == 0
 
     arun(main())
 
@@ -975,15 +929,15 @@ def test_fetch_add_many_posts_waves_of_max_ops_and_returns_old_values_in_order(a
         for wave in (range(0, 4), range(4, 8), range(8, 10)):
             await settle()
             assert rig.qp.calls[-1] == len(wave)  # one chain per wave
-            assert rig.engine._in_flight == len(wave)
+            assert rig.engine.operations.in_flight == len(wave)
             complete_wave(rig, [u64(100 + i) for i in wave])
         assert await call == [100 + i for i in range(10)]
         posted = rig.qp.posted
         assert [wr["remote_addr"] for wr in posted] == [k.addr + o for o in offsets]
         assert [wr["compare_add"] for wr in posted] == [i + 1 for i in range(10)]
         assert {wr["opcode"] for wr in posted} == {int(lib.IBV_WR_ATOMIC_FETCH_AND_ADD)}
-        assert rig.engine._in_flight == 0 and not rig.engine.ops
-        assert sorted(rig.engine._free_staging) == [0, 1, 2, 3]
+        assert rig.engine.operations.in_flight == 0 and not rig.engine.ops
+        assert sorted(rig.engine.operations._free_staging) == [0, 1, 2, 3]
         # one add for every offset, negative adds wrap modulo 2**64
         call = asyncio.ensure_future(rig.engine.fetch_add_many(k, [0, 0], -1))
         await settle()
@@ -1018,7 +972,7 @@ def test_a_batch_is_checked_whole_before_anything_is_posted(arun: Run) -> None:
             await rig.engine.read_many(key(access=ACCESS_WRITE), [(0, 8)])
         with pytest.raises(rdmaio.MessageTooLargeError):
             await rig.engine.read_many(key(length=1 << 20), [(0, 8), (0, 65537)])
-        assert rig.qp.posted == [] and rig.engine._in_flight == 0
+        assert rig.qp.posted == [] and rig.engine.operations.in_flight == 0
         assert await rig.engine.fetch_add_many(k, []) == [] and await rig.engine.read_many(k, []) == []
         rig.engine.revoked_ids.add(k.key_id)
         with pytest.raises(rdmaio.RemoteKeyRevokedError):
@@ -1046,7 +1000,9 @@ def test_read_many_fills_waves_up_to_a_staging_slot_and_skips_empty_ranges(arun:
         complete_wave(rig, [b"c" * size])
         assert await call == [b"a" * size, b"", b"b" * size, b"xyz", b"c" * size]
         assert [wr["remote_addr"] - k.addr for wr in rig.qp.posted] == [0, 2 * size, 5, 3 * size]
-        assert rig.engine._in_flight == 0 and sorted(rig.engine._free_staging) == list(range(8))
+        assert rig.engine.operations.in_flight == 0 and sorted(rig.engine.operations._free_staging) == list(
+            range(8)
+        )
 
     arun(main())
 
@@ -1057,12 +1013,12 @@ def test_a_batch_takes_as_many_op_slots_as_requests(arun: Run) -> None:
         k = key()
         batch = asyncio.ensure_future(rig.engine.fetch_add_many(k, [0, 8, 16]))
         await settle()
-        assert rig.engine._in_flight == 3
+        assert rig.engine.operations.in_flight == 3
         first = asyncio.ensure_future(rig.engine.read(k, 0, 8))  # one slot left: it goes
         await settle()
         second = asyncio.ensure_future(rig.engine.fetch_add_many(k, [0, 8]))  # needs two: waits
         await settle()
-        assert rig.qp.calls == [3, 1] and rig.engine._in_flight == 4
+        assert rig.qp.calls == [3, 1] and rig.engine.operations.in_flight == 4
         rig.complete(-1, data=b"r" * 8)  # the READ
         assert await first == b"r" * 8
         await settle()
@@ -1073,7 +1029,7 @@ def test_a_batch_takes_as_many_op_slots_as_requests(arun: Run) -> None:
         assert rig.qp.calls == [3, 1, 2]
         complete_wave(rig, [u64(7), u64(8)])
         assert await second == [7, 8]
-        assert rig.engine._in_flight == 0
+        assert rig.engine.operations.in_flight == 0
 
     arun(main())
 
@@ -1089,7 +1045,12 @@ def test_a_failed_wave_fails_the_call_and_frees_its_slots(arun: Run) -> None:
         with pytest.raises(rdmaio.RemoteAccessError, match="refused"):
             await call
         assert rig.qp.calls == [4]  # the second wave was never posted
-        assert rig.engine._in_flight == 0 and sorted(rig.engine._free_staging) == [0, 1, 2, 3]
+        assert rig.engine.operations.in_flight == 0 and sorted(rig.engine.operations._free_staging) == [
+            0,
+            1,
+            2,
+            3,
+        ]
 
     arun(main())
 
@@ -1102,8 +1063,67 @@ def test_a_cancelled_batch_keeps_its_memory_until_the_wave_completes(arun: Run) 
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert rig.engine._in_flight == 2 and len(rig.engine._free_staging) == 3  # the NIC may still write
+        assert (
+            rig.engine.operations.in_flight == 2 and len(rig.engine.operations._free_staging) == 3
+        )  # the NIC may still write
         complete_wave(rig, [b"1" * 8, b"2" * 8])
-        assert rig.engine._in_flight == 0 and len(rig.engine._free_staging) == 4
+        assert rig.engine.operations.in_flight == 0 and len(rig.engine.operations._free_staging) == 4
 
     arun(main())
+
+
+# --- the package's structure ----------------------------------------------------------------------------
+
+PACKAGE = Path(onesided_operations.__file__).parent
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module of rdmaio.core.onesided -> the modules of the package it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        name = "rdmaio.core.onesided" + ("" if path.stem == "__init__" else "." + path.stem)
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("rdmaio.core.onesided")
+            ):
+                found.add(node.module)
+                assert not any(a.name.startswith("_") for a in node.names), f"{name} imports a private name"
+        graph[name] = found
+    return graph
+
+
+def test_the_package_has_no_import_cycle_and_no_module_imports_the_facade() -> None:
+    graph = _package_imports()
+    assert set(graph) >= {
+        "rdmaio.core.onesided",
+        "rdmaio.core.onesided.keys",
+        "rdmaio.core.onesided.exporter",
+        "rdmaio.core.onesided.operations",
+    }
+    for module, imported in graph.items():
+        if module != "rdmaio.core.onesided":
+            assert "rdmaio.core.onesided" not in imported, f"{module} imports the facade"
+    done: set[str] = set()
+    while len(done) < len(graph):  # peel off modules whose imports are all done: a cycle stops it
+        ready = {m for m, imported in graph.items() if m not in done and imported <= done}
+        assert ready, f"import cycle among {sorted(set(graph) - done)}"
+        done |= ready
+
+
+def test_no_module_of_the_package_touches_another_objects_private_names() -> None:
+    """Each object owns its state: outside ``self``/``cls``, no ``x._name`` inside the package (the verbs
+    layer's ``DeviceContext._ptr`` in caps is the C gateway's, outside the package)."""
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                assert (path.name, node.attr) == ("caps.py", "_ptr"), (
+                    f"{path.name}:{node.lineno} .{node.attr}"
+                )

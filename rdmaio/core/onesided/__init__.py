@@ -35,7 +35,7 @@ doorbell that has not rung yet (checked again when it rings). Requests it posted
 the same reliable connection, so the exporter's NIC has executed them before the exporter deallocates.
 After ``revoke`` returns, the NIC refuses the rkey: the memory is never touched through it again. Key ids
 are dense per connection (1, 2, ...), so the importer keeps revoked ids as ranges
-(:mod:`rdmaio.core.onesided_revoked`, bounded by ``Options.max_revoked_key_ranges``).
+(:mod:`~rdmaio.core.onesided.revoked`, bounded by ``Options.max_revoked_key_ranges``).
 
 Control messages are SENDs *without* immediate data (rdmaio frames always carry one) and write notices are
 RDMA WRITEs *with* immediate data (completion opcode ``IBV_WC_RECV_RDMA_WITH_IMM``); both consume one of the
@@ -45,53 +45,51 @@ Work requests of one-sided operations and window binds carry ``wr_id = 2 << 56 |
 (kind 2; kind 0 is the send slots of frames, kind 3 is reserved for keepalive; the tag routes the
 completion through the Domain's shared CQ; ops and binds draw their indexes from one counter, so the index
 tells which) and are always signalled.
+
+The package, one object per concern, composed by the facade :class:`OneSidedEngine` (no object reaches into
+another's state; each talks to the others through the methods and plain attributes it documents):
+
+* :mod:`~rdmaio.core.onesided.keys`: remote keys (access bits, wire form) and write notices (values).
+* :mod:`~rdmaio.core.onesided.revoked`: the key ids the peer revoked, as bounded ranges.
+* :mod:`~rdmaio.core.onesided.caps`: what a device offers one-sided RDMA (atomics, depth, windows).
+* :mod:`~rdmaio.core.onesided.interfaces`: what the engine is given (region, window, queue pair, credits).
+* :mod:`~rdmaio.core.onesided.operations`: the operation engine: calls, op slots, staging, doorbells,
+  completions (:class:`~rdmaio.core.onesided.operations.OperationEngine`).
+* :mod:`~rdmaio.core.onesided.batches`: ``fetch_add_many`` / ``rdma_read_many`` in waves, over it.
+* :mod:`~rdmaio.core.onesided.exporter`: grants, key scope (memory windows), revocation, write notices,
+  the control messages (:class:`~rdmaio.core.onesided.exporter.Exporter`).
+* :mod:`~rdmaio.core.onesided.registrars`: the verbs objects behind a connection's engine.
+* this module: :class:`OneSidedEngine`, the facade a connection holds, and its wiring to a connection.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import logging
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from rdmaio import verbs
-from rdmaio._ffi import ffi
 from rdmaio.core.backend import Backend
-from rdmaio.core.onesided_base import (
-    MAX_BINDS_IN_FLIGHT,
-    MAX_OP_BYTES,
-    WR_KIND_ONESIDED,
-    BindWindow,
-    Credits,
-    RdmaQueue,
-    Region,
-    _fresh,
-)
-from rdmaio.core.onesided_batch import Batches
-from rdmaio.core.onesided_grants import CTL_FIRST_EXTERNAL, SCOPES, Exports
-from rdmaio.core.onesided_revoked import RevokedKeys
-from rdmaio.core.remotekey import (
+from rdmaio.core.onesided.batches import BatchCalls
+from rdmaio.core.onesided.caps import OneSidedCaps, cached_caps, query_caps, rd_atomic_depth
+from rdmaio.core.onesided.exporter import CTL_FIRST_EXTERNAL, MAX_BINDS_IN_FLIGHT, SCOPES, Exporter, Grant
+from rdmaio.core.onesided.interfaces import BindWindow, Credits, RdmaQueue, Region
+from rdmaio.core.onesided.keys import (
     ACCESS_ATOMIC,
     ACCESS_READ,
     ACCESS_WRITE,
     KEY_VERSION,
-    OneSidedCaps,
     RemoteKey,
     WriteNotice,
-    cached_caps,
     parse_access,
-    query_caps,
-    rd_atomic_depth,
 )
-from rdmaio.errors import (
-    EndpointClosedError,
-    VerbsError,
-)
+from rdmaio.core.onesided.operations import MAX_OP_BYTES, WR_KIND_ONESIDED, Op, OperationEngine
+from rdmaio.core.onesided.registrars import bindable_registrar, local_and_grant_registrars, window_binder
+from rdmaio.core.onesided.revoked import RevokedKeys
+from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_ONESIDED
-
-log = logging.getLogger("rdmaio.onesided")
 
 __all__ = [
     "ACCESS_ATOMIC",
@@ -113,8 +111,17 @@ __all__ = [
 ]
 
 
-class OneSidedEngine(Exports, Batches):
-    """The one-sided side of one connection: grants, pending operations, write notices, revocation.
+class OneSidedEngine:
+    """The one-sided side of one connection: the facade over its :attr:`operations` (an
+    :class:`~rdmaio.core.onesided.operations.OperationEngine`: the calls, op slots, posting, completions),
+    its :attr:`batches` (a :class:`~rdmaio.core.onesided.batches.BatchCalls`) and its :attr:`exporter` (an
+    :class:`~rdmaio.core.onesided.exporter.Exporter`: grants, revocation, write notices, control messages).
+
+    Its calls are those objects' own bound methods, set here once (a call through the facade costs no
+    Python call more than one on the object): ``read``, ``read_into``, ``write``, ``fetch_add``,
+    ``compare_swap``, ``read_registered``, ``on_completion`` and ``pump`` (operations); ``fetch_add_many``
+    and ``read_many`` (batches); ``export``, ``export_for_read``, ``revoke``, ``wait_write_notice``,
+    ``send_control`` and ``on_recv`` (exporter).
 
     ``register_local(buffer)`` registers rdmaio-owned or caller memory for local access only (no remote
     flags) and ``register_grant(view, access_bits)`` registers an exported range with exactly the remote
@@ -126,6 +133,7 @@ class OneSidedEngine(Exports, Batches):
     and no remote flags, ``bind_window(region, wr_id, access)`` allocates a type 2 window and posts its
     bind on the connection's QP (None: the device has no windows), ``poll()`` polls the completion queue
     now (to free bind entries). ``max_revoked_ranges`` bounds the peer's revoked key ids kept.
+    ``repost(slot)`` gives a receive held by write-notice back-pressure back to the NIC.
     """
 
     def __init__(
@@ -153,61 +161,67 @@ class OneSidedEngine(Exports, Batches):
         repost: Callable[[int], None] | None = None,
         post_polled: Callable[[int, int], bool] | None = None,
     ) -> None:
-        self._io = io
-        # Posts a lone request of a task calling serially and polls the completion queue once right after
-        # (see OpLifecycle._post): post_polled(count, wr_id) is True when the request's own successful
-        # completion was all the poll found.
-        self._post_polled = post_polled
-        self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
-        self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
+        stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
-        self._wr_base = verbs.make_wr_id(WR_KIND_ONESIDED, tag, 0)
-        self._qp = qp
-        self._wr_entries = ffi.buffer(qp.rdma_array)  # filled with verbs.RDMA_OP.pack_into
-        self._credits = credits
-        self._register_local = register_local
-        self._register_grant = register_grant
-        self._register_bindable = register_bindable or (lambda view, readonly: register_local(view))
-        self._bind_window = bind_window if register_bindable is not None else None
-        self._poll = poll
-        self._binds = {}  # window binds posted, by index, until their completion
-        self._bind_waiters = collections.deque()  # export_for_read() calls waiting for a bind entry
-        self._key_ids = itertools.count(1)
-        self._cache_get = cache_get
-        self._fail_connection = fail
-        self.max_ops = max_ops
-        self._max_inline = max_inline
-        self._revoke_timeout = revoke_timeout
-        self._atomics = atomics
-        self._stats = stats if stats is not None else collections.Counter()
-        self._index = itertools.count(1)
-        self.ops = {}  # posted or waiting for a credit, by op index
-        self._in_flight = 0  # work requests of self.ops (a batch op stands for several)
-        self._slot_waiters = collections.deque()
-        self._credit_queue = collections.deque()
-        self._staging = None  # registered rdmaio-owned memory: max_ops slots of _STAGING_SLOT bytes
-        self._staging_view = None
-        self._free_staging = list(range(max_ops))
-        self._doorbell = []  # requests to post together at the end of this loop iteration
-        self._ring_handle = None
-        self._large_pool = {}  # free large buffers by size class
-        self._large_pooled = 0  # bytes in _large_pool
-        self.grants = {}  # what we exported, by key id
-        self.revoked_ids = RevokedKeys(max_revoked_ranges)  # keys the peer revoked
-        self._pending_acks = collections.deque()
-        self._notices = collections.deque()
-        self._notice_waiter = None
-        # The peer announced FEATURE_ONESIDED: it understands write notices and control messages.
-        self.peer_onesided = peer_onesided
-        # Write notices queued beyond notice_limit keep the receive they consumed (held_slots) until
-        # wait_write_notice() takes one: the writer's credit comes back only then (back-pressure).
-        self.notice_limit = notice_limit
-        self._held_slots = collections.deque()
-        self._repost = repost
-        self._error = None
-        self.closed = False
-        # Control messages of kind >= CTL_FIRST_EXTERNAL go here (the rendezvous engine's ACK/CANCEL).
-        self.control_handler = None
+        wr_base = verbs.make_wr_id(WR_KIND_ONESIDED, tag, 0)
+        indexes = itertools.count(1)  # ops and window binds share it: the index tells which
+        revoked_ids = RevokedKeys(max_revoked_ranges)  # keys the peer revoked
+        operations = OperationEngine(
+            io,
+            qp,
+            credits,
+            register_local=register_local,
+            cache_get=cache_get,
+            fail=fail,
+            max_ops=max_ops,
+            max_inline=max_inline,
+            stats=stats,
+            wr_base=wr_base,
+            indexes=indexes,
+            revoked_ids=revoked_ids,
+            peer_onesided=peer_onesided,
+            post_polled=post_polled,
+        )
+        exporter = Exporter(
+            io,
+            credits,
+            operations,
+            register_grant=register_grant,
+            register_bindable=register_bindable or (lambda view, readonly: register_local(view)),
+            bind_window=bind_window if register_bindable is not None else None,
+            poll=poll,
+            fail=fail,
+            revoke_timeout=revoke_timeout,
+            atomics=atomics,
+            stats=stats,
+            wr_base=wr_base,
+            indexes=indexes,
+            revoked_ids=revoked_ids,
+            peer_onesided=peer_onesided,
+            notice_limit=notice_limit,
+            repost=repost,
+        )
+        operations.on_other_completion = exporter.on_bind_completion
+        batches = BatchCalls(operations)
+        self.operations = operations
+        self.exporter = exporter
+        self.batches = batches
+        self.read = operations.read
+        self.read_into = operations.read_into
+        self.write = operations.write
+        self.fetch_add = operations.fetch_add
+        self.compare_swap = operations.compare_swap
+        self.read_registered = operations.read_registered
+        self.on_completion = operations.on_completion
+        self.pump = operations.pump
+        self.fetch_add_many = batches.fetch_add_many
+        self.read_many = batches.read_many
+        self.export = exporter.export
+        self.export_for_read = exporter.export_for_read
+        self.revoke = exporter.revoke
+        self.wait_write_notice = exporter.wait_write_notice
+        self.send_control = exporter.send_control
+        self.on_recv = exporter.on_recv
 
     @classmethod
     def for_connection(cls, conn: Any, transport: Any, session: Credits, options: Any) -> OneSidedEngine:
@@ -218,7 +232,7 @@ class OneSidedEngine(Exports, Batches):
         are registered for local access only (the latter through the Domain's registration cache).
         """
         domain = transport.domain
-        register_local, register_grant = _registrars(transport.pd)
+        register_local, register_grant = local_and_grant_registrars(transport.pd)
         try:
             windows = cached_caps(transport.device).max_mw > 0
         except VerbsError:
@@ -237,6 +251,9 @@ class OneSidedEngine(Exports, Batches):
             atomics = cached_caps(transport.device).atomic_cap != "NONE"
         except VerbsError:
             atomics = False
+
+        # --- the repost of a held receive (write-notice back-pressure): built here only, given to the
+        # exporter, which calls it when wait_write_notice() takes a notice ---------------------------------
         conn_ref = weakref.ref(conn)
 
         def repost(slot: int) -> None:
@@ -246,6 +263,8 @@ class OneSidedEngine(Exports, Batches):
             if owner is not None:
                 owner.receiver.repost(slot)
 
+        # --- end of the repost -----------------------------------------------------------------------------
+
         peer = getattr(session, "peer", None)
         return cls(
             conn.io,
@@ -254,8 +273,8 @@ class OneSidedEngine(Exports, Batches):
             register_local=register_local,
             register_grant=register_grant,
             cache_get=lambda view: domain.registrations.get(view, 0),
-            register_bindable=_bindable(transport.pd),
-            bind_window=_binder(transport.pd, transport.qp) if windows else None,
+            register_bindable=bindable_registrar(transport.pd),
+            bind_window=window_binder(transport.pd, transport.qp) if windows else None,
             poll=transport.poll_completions,
             max_revoked_ranges=options.max_revoked_key_ranges,
             fail=fail,
@@ -271,124 +290,52 @@ class OneSidedEngine(Exports, Batches):
             post_polled=transport.post_rdma_polled,
         )
 
+    @property
+    def ops(self) -> dict[int, Op]:
+        """The pending ops, by index (the operation engine's)."""
+        return self.operations.ops
+
+    @property
+    def max_ops(self) -> int:
+        """Work requests in flight at most (op slots)."""
+        return self.operations.max_ops
+
+    @property
+    def grants(self) -> dict[int, Grant]:
+        """What this side exported, by key id (the exporter's)."""
+        return self.exporter.grants
+
+    @property
+    def revoked_ids(self) -> RevokedKeys:
+        """The key ids the peer revoked."""
+        return self.exporter.revoked_ids
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` ran."""
+        return self.operations.closed
+
+    @property
+    def control_handler(self) -> Callable[[int, int], None] | None:
+        """Where control messages of kind >= :data:`CTL_FIRST_EXTERNAL` go (the rendezvous engine's)."""
+        return self.exporter.control_handler
+
+    @control_handler.setter
+    def control_handler(self, handler: Callable[[int, int], None] | None) -> None:
+        self.exporter.control_handler = handler
+
     def close(self, error: BaseException | None) -> None:
         """The connection is gone (its QP destroyed, so the NIC touches none of our memory any more):
         fail every pending op with ``error``, deregister every grant and the staging memory."""
-        if self.closed:
+        if self.operations.closed:
             return
-        self.closed = True
-        self._error = error or EndpointClosedError("endpoint is closed")
-        # Waiting calls release their op's memory when they resume, cancelled ones (orphans) right here.
-        for op in list(self.ops.values()):
-            self._complete(op, _fresh(self._error))
-        self._credit_queue.clear()
-        self._doorbell.clear()
-        if self._ring_handle is not None:
-            self._ring_handle.cancel()
-            self._ring_handle = None
-        self._held_slots.clear()  # the QP and its receives are gone
-        while self._slot_waiters:
-            self._slot_waiters.popleft().set()
-        while self._bind_waiters:
-            self._bind_waiters.popleft().set()
-        binds = list(self._binds.values())
-        self._binds.clear()
-        grants = list(self.grants.values())
-        self.grants.clear()
-        failures: list[BaseException] = []
-        for grant in grants:
-            if grant.ack is not None:
-                grant.ack.set()
-            if grant.scoped is not None and grant.scoped.waiter is not None:
-                grant.scoped.waiter.set()
-            try:
-                # The QP is gone: no bind is left to complete, the windows go now.
-                if grant.scoped is not None:
-                    grant.scoped.close_now()
-                else:
-                    grant.mr.close()
-            except Exception as exc:
-                failures.append(exc)
-        for scoped in binds:  # rendezvous buffers whose bind had not completed: it never will now
-            scoped.error = self._error
-            if scoped.close_pending:
-                try:
-                    scoped.close_now()
-                except Exception as exc:
-                    failures.append(exc)
-        if self._notice_waiter is not None:
-            self._notice_waiter.set()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-        for pooled in self._large_pool.values():
-            for large in pooled:
-                large.region.close()
-        self._large_pool.clear()
-        self._large_pooled = 0
-        for failure in failures:
-            # Teardown goes on (the connection is gone either way); the memory stays registered.
-            self._stats["grant_release_failures"] += 1
-            log.error("rdmaio: releasing a grant at the end of the connection failed: %s", failure)
+        try:
+            self.operations.close(error)
+        finally:
+            self.exporter.close()
 
     def statistics(self) -> dict[str, int]:
         """Pending ops, grants, queued notices, window binds in flight and the peer's revoked keys (the
         ranges kept, and the floor below which every id is revoked); requests posted, doorbells (post
         calls), batch waves and serial calls completed at their post (always present, 0 until counted)."""
-        stats = self._stats
-        return {
-            "rdma_ops_posted": stats["rdma_ops_posted"],
-            "rdma_doorbells": stats["rdma_doorbells"],
-            "rdma_batches": stats["rdma_batches"],
-            "rdma_completed_at_post": stats["rdma_completed_at_post"],
-            "rdma_ops_pending": len(self.ops),
-            "grants": len(self.grants),
-            "write_notices_queued": len(self._notices),
-            "write_notice_slots_held": len(self._held_slots),
-            "keys_revoked_by_peer": len(self.revoked_ids),
-            "revoked_key_floor": self.revoked_ids.floor,
-            "mw_binds_in_flight": len(self._binds),
-        }
-
-
-def _registrars(pd: Any) -> tuple[Callable[[Any], Region], Callable[[memoryview, int], Region]]:
-    """``register_local`` and ``register_grant`` of an engine whose memory goes into ``pd``."""
-
-    def register_local(buffer: Any) -> Region:
-        return verbs.MemoryRegion(pd, buffer)
-
-    def register_grant(view: memoryview, bits: int) -> Region:
-        return verbs.MemoryRegion(
-            pd,
-            view,
-            remote_read=bool(bits & ACCESS_READ),
-            remote_write=bool(bits & ACCESS_WRITE),
-            remote_atomic=bool(bits & ACCESS_ATOMIC),
-        )
-
-    return register_local, register_grant
-
-
-def _bindable(pd: Any) -> Callable[[memoryview, bool], Region]:
-    """Registration of a connection-scoped grant: ``IBV_ACCESS_MW_BIND`` and no remote flags (its own rkey
-    opens nothing); local write unless read-only (a window granting write or atomics needs it)."""
-
-    def register_bindable(view: memoryview, readonly: bool) -> Region:
-        return verbs.MemoryRegion(pd, view, readonly=readonly, mw_bind=True)
-
-    return register_bindable
-
-
-def _binder(pd: Any, qp: Any) -> BindWindow:
-    """Bind a type 2 window over a whole region on ``qp`` (see :class:`rdmaio.verbs.MemoryWindow`)."""
-
-    def bind_window(region: Region, wr_id: int, access: int) -> verbs.MemoryWindow:
-        window = verbs.MemoryWindow(pd, cast(verbs.MemoryRegion, region), qp)
-        try:
-            window.bind(wr_id, access)
-        except BaseException:
-            window.close()
-            raise
-        return window
-
-    return bind_window
+        return {**self.operations.statistics(), **self.exporter.statistics()}

@@ -1,7 +1,7 @@
 """The key ids a peer revoked, in bounded memory (the importer side of revocation; sans-IO).
 
 An exporter numbers the keys of one connection 1, 2, 3, ...
-(:meth:`rdmaio.core.onesided_grants.Exports.export`). The importer must remember every id it was told is
+(:meth:`rdmaio.core.onesided.exporter.Exporter.export`). The importer must remember every id it was told is
 revoked for as long as the connection lives: a key may reach it by any path and be used at any time, and a
 request on a revoked key would meet a deallocated window (a remote access error, which ends the
 connection). Dense ids make that memory small: the ids are kept as a *floor* (every id below it is

@@ -1,9 +1,10 @@
-"""Remote keys of one-sided RDMA: access bits, the wire form of a key, write notices, device capabilities.
+"""Remote keys of one-sided RDMA: the access bits, the wire form of a key, and the write notice.
 
 A :class:`RemoteKey` is what an exporter hands to its peer (see :mod:`rdmaio.core.onesided` for the model):
 address, rkey, length, access bits and a key id, 32 bytes on the wire with a version byte. Parsing is strict:
-the key comes from an untrusted peer. Also here: the device's one-sided capabilities and the RDMA READ /
-atomic depth negotiated at connection setup.
+the key comes from an untrusted peer. A :class:`WriteNotice` is what a peer's RDMA WRITE with immediate data
+through a key leaves on the exporter's side. Plain values, no verbs: the engine's objects and the public API
+share them.
 """
 
 from __future__ import annotations
@@ -11,26 +12,17 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from rdmaio import verbs
-from rdmaio._ffi import ffi, lib
-from rdmaio.errors import (
-    InvalidRemoteKeyError,
-    VerbsError,
-)
+from rdmaio.errors import InvalidRemoteKeyError
 
 __all__ = [
     "ACCESS_ATOMIC",
     "ACCESS_READ",
     "ACCESS_WRITE",
     "KEY_VERSION",
-    "OneSidedCaps",
     "RemoteKey",
     "WriteNotice",
     "access_str",
-    "cached_caps",
     "parse_access",
-    "query_caps",
-    "rd_atomic_depth",
 ]
 
 ACCESS_READ = 0x1
@@ -63,6 +55,7 @@ def parse_access(access: str) -> int:
 
 
 def access_str(bits: int) -> str:
+    """The access string of access bits (the inverse of :func:`parse_access`): e.g. ``"rw"``."""
     return "".join(c for c, b in _ACCESS_CHARS.items() if bits & b)
 
 
@@ -128,62 +121,3 @@ class WriteNotice:
 
     length: int
     imm: int
-
-
-@dataclass(frozen=True, slots=True)
-class OneSidedCaps:
-    """What a device offers one-sided operations (``ibv_query_device``)."""
-
-    atomic_cap: str
-    """``"NONE"``, ``"HCA"`` (atomic among this device's requests) or ``"GLOB"``."""
-    max_qp_rd_atom: int
-    max_qp_init_rd_atom: int
-    max_mw: int
-    mw_type1: bool
-    mw_type2: bool
-
-
-def query_caps(device: verbs.DeviceContext) -> OneSidedCaps:
-    """Query the one-sided capabilities of a device."""
-    caps = ffi.new("struct rdmaio_onesided_caps *")
-    rc = lib.rdmaio_query_onesided_caps(device._ptr, caps)
-    if rc < 0:
-        raise VerbsError.from_errno("ibv_query_device", -rc)
-    names = {lib.IBV_ATOMIC_NONE: "NONE", lib.IBV_ATOMIC_HCA: "HCA", lib.IBV_ATOMIC_GLOB: "GLOB"}
-    flags = int(caps.device_cap_flags)
-    return OneSidedCaps(
-        atomic_cap=names.get(int(caps.atomic_cap), str(caps.atomic_cap)),
-        max_qp_rd_atom=int(caps.max_qp_rd_atom),
-        max_qp_init_rd_atom=int(caps.max_qp_init_rd_atom),
-        max_mw=int(caps.max_mw),
-        mw_type1=bool(flags & lib.IBV_DEVICE_MEM_WINDOW),
-        mw_type2=bool(flags & (lib.IBV_DEVICE_MEM_WINDOW_TYPE_2A | lib.IBV_DEVICE_MEM_WINDOW_TYPE_2B)),
-    )
-
-
-_CAPS: dict[tuple[int, str], OneSidedCaps] = {}
-"""Per device (context handle, name): its capabilities, queried once per process (device attributes do not
-change, and ``ibv_query_device`` is a system call in every connection's setup path, on both sides)."""
-
-
-def cached_caps(device: verbs.DeviceContext) -> OneSidedCaps:
-    """:func:`query_caps` of ``device``, queried once per process."""
-    key = (device.handle, device.name)
-    caps = _CAPS.get(key)
-    if caps is None:
-        caps = _CAPS[key] = query_caps(device)
-    return caps
-
-
-def rd_atomic_depth(device: verbs.DeviceContext, wanted: int) -> int:
-    """The READ/atomic depth to negotiate (``responder_resources``/``initiator_depth``): ``wanted``, capped
-    by the device's limits. rdma_cm grants the QP remote READ/atomic access only when it is above 0."""
-    try:
-        caps = cached_caps(device)
-    except VerbsError:
-        return 1
-    limit = min(caps.max_qp_rd_atom, caps.max_qp_init_rd_atom, 255)
-    return max(1, min(wanted, limit))
-
-
-# --- what the engine needs of the connection (the unit tests give fakes) --------------------------------

@@ -1,27 +1,34 @@
-"""The exporter side of the one-sided engine, and what arrives without being asked for.
+"""The exporter of one connection's one-sided RDMA, and what arrives on it without being asked for.
 
-:meth:`Exports.export` registers a range and grants the peer exactly the remote access asked for, through
-this connection only (a type 2 memory window bound on its queue pair; see :class:`_Scoped`), and returns its
-:class:`~rdmaio.core.remotekey.RemoteKey`; :meth:`Exports.revoke` tells the peer, waits for its answer,
-deallocates the window and deregisters. :meth:`Exports.export_for_read` is the same grant for a rendezvous
-send's buffer. :meth:`Exports.on_recv` takes receives that are not frames: write notices (queued for
-:meth:`Exports.wait_write_notice`, holding their receive beyond a limit) and control messages (REVOKE and its
-ACK, and those of other layers, handed to ``control_handler``).
+:meth:`Exporter.export` registers a range and grants the peer exactly the remote access asked for, through
+this connection only (a type 2 memory window bound on its queue pair; see :class:`ScopedGrant`), or, with
+``scope="domain"``, through the region's own rkey; it returns the key
+(:class:`~rdmaio.core.onesided.keys.RemoteKey`).
+:meth:`Exporter.revoke` tells the peer, waits for its answer, deallocates the window and deregisters.
+:meth:`Exporter.export_for_read` is the same grant for a rendezvous send's buffer. :meth:`Exporter.on_recv`
+takes the receives that are not frames: write notices (queued for :meth:`Exporter.wait_write_notice`,
+holding their receive beyond a limit and giving it back through the injected ``repost``) and control
+messages (REVOKE and its ACK, and those of other layers, handed to :attr:`Exporter.control_handler`). The
+control messages it sends go out through the operation engine (:meth:`OperationEngine.queue_send
+<rdmaio.core.onesided.operations.OperationEngine.queue_send>`), which owns the op slots and credits.
 """
 
 from __future__ import annotations
 
 import builtins
+import collections
 import errno
+import itertools
 import logging
 import struct
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rdmaio import verbs
 from rdmaio._ffi import lib
-from rdmaio.core.backend import Waiter
-from rdmaio.core.onesided_base import MAX_BINDS_IN_FLIGHT, EngineCore, Region, Window
-from rdmaio.core.remotekey import (
+from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.onesided.interfaces import BindWindow, Credits, Region, Window
+from rdmaio.core.onesided.keys import (
     ACCESS_ATOMIC,
     ACCESS_READ,
     ACCESS_WRITE,
@@ -30,6 +37,8 @@ from rdmaio.core.remotekey import (
     WriteNotice,
     parse_access,
 )
+from rdmaio.core.onesided.operations import OperationEngine
+from rdmaio.core.onesided.revoked import RevokedKeys
 from rdmaio.errors import (
     BindQueueFullError,
     FeatureNotSupportedError,
@@ -38,17 +47,34 @@ from rdmaio.errors import (
     VerbsError,
 )
 
-__all__ = ["CTL_FIRST_EXTERNAL", "SCOPES", "Exports"]
+__all__ = [
+    "CONTROL_SIZE",
+    "CTL_FIRST_EXTERNAL",
+    "CTL_REVOKE",
+    "CTL_REVOKE_ACK",
+    "MAX_BINDS_IN_FLIGHT",
+    "SCOPES",
+    "Exporter",
+    "Grant",
+    "ScopedGrant",
+]
 
 log = logging.getLogger("rdmaio.onesided")
 
-
+MAX_BINDS_IN_FLIGHT = 16
+"""Memory-window binds (``IBV_WR_BIND_MW``) a connection may have posted and not yet seen complete: the
+send queue and the CQ reservation are enlarged by that many entries (rdmaio.core.transport), apart from
+the ``max_rdma_ops`` of the one-sided requests, so that an ``export()`` never waits for an op slot."""
 # control messages: version u8, type u8, 6 bytes padding, key id u64
 _CONTROL = struct.Struct("!BB6xQ")
-_CTL_REVOKE = 1
-_CTL_REVOKE_ACK = 2
+CONTROL_SIZE = _CONTROL.size
+"""Bytes of a one-sided control message (a SEND without immediate data)."""
+CTL_REVOKE = 1
+"""Control message kind: the exporter revokes the key id it carries."""
+CTL_REVOKE_ACK = 2
+"""Control message kind: the importer will post nothing more on the key id it carries."""
 CTL_FIRST_EXTERNAL = 16
-"""Control message kinds from here on belong to other layers (:meth:`Exports.send_control`)."""
+"""Control message kinds from here on belong to other layers (:meth:`Exporter.send_control`)."""
 _WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
 _WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
 SCOPES = ("connection", "domain")
@@ -67,7 +93,7 @@ def _mw_access(bits: int) -> int:
     return access
 
 
-class _Scoped:
+class ScopedGrant:
     """Memory granted through one connection: its own region (``IBV_ACCESS_MW_BIND`` and no remote flags,
     so the region's own rkey opens nothing) and a type 2 window over all of it, bound on the connection's
     queue pair (rxe checks a window's rkey against its region's bounds, not the window's: one region per
@@ -113,10 +139,13 @@ class _Scoped:
             self.region.close()
 
 
-class _Grant:
+class Grant:
+    """One exported key: the key, its region ``mr``, its :class:`ScopedGrant` (None for the domain scope),
+    the waiter of a revoke for the peer's ACK, and whether a revoke started."""
+
     __slots__ = ("ack", "key", "mr", "revoked", "scoped")
 
-    def __init__(self, key: RemoteKey, mr: Region, scoped: _Scoped | None) -> None:
+    def __init__(self, key: RemoteKey, mr: Region, scoped: ScopedGrant | None) -> None:
         self.key = key
         self.mr = mr
         self.scoped = scoped
@@ -124,14 +153,85 @@ class _Grant:
         self.revoked = False
 
     def close(self) -> None:
+        """Invalidate and deregister (a window: once its bind completed)."""
         if self.scoped is not None:
             self.scoped.close()
         else:
             self.mr.close()
 
 
-class Exports(EngineCore):
-    """Grants, revocation, write notices and control messages of a one-sided engine (a part of it)."""
+class Exporter:
+    """Grants, revocation, write notices and control messages of one connection's one-sided engine.
+
+    Given: the loop backend ``io``, the session's ``credits``, the ``operations`` engine (it sends our
+    control messages; its ``error``/``closed`` are the state we check), ``register_grant(view, bits)``
+    (a region with exactly those remote flags), ``register_bindable(view, readonly)`` and ``bind_window``
+    (None: the device has no windows) for connection-scoped grants, ``poll()`` (polls the CQ now, to free
+    bind entries), ``fail`` (fails the connection), ``wr_base`` and ``indexes`` (shared with the
+    operations: a bind's wr_id), ``revoked_ids`` (the keys the peer revoked: we add them), the connection's
+    ``stats``, and ``repost(slot)`` (gives a held receive back to the NIC with its credit).
+
+    Documented plain attributes: :attr:`grants` (what we exported, by key id), :attr:`control_handler`
+    (control messages of other layers), :attr:`peer_onesided`, :attr:`notice_limit`.
+    """
+
+    def __init__(
+        self,
+        io: Backend,
+        credits: Credits,
+        operations: OperationEngine,
+        *,
+        register_grant: Callable[[memoryview, int], Region],
+        register_bindable: Callable[[memoryview, bool], Region],
+        bind_window: BindWindow | None,
+        poll: Callable[[], None] | None,
+        fail: Callable[[BaseException], None],
+        revoke_timeout: float,
+        atomics: bool,
+        stats: collections.Counter[str],
+        wr_base: int,
+        indexes: Iterator[int],
+        revoked_ids: RevokedKeys,
+        peer_onesided: bool,
+        notice_limit: int,
+        repost: Callable[[int], None] | None,
+    ) -> None:
+        self._io = io
+        self._credits = credits
+        self._operations = operations
+        self._register_grant = register_grant
+        self._register_bindable = register_bindable
+        self._bind_window = bind_window
+        self._poll = poll
+        self._fail_connection = fail
+        self._revoke_timeout = revoke_timeout
+        self._atomics = atomics
+        self._stats = stats
+        self._wr_base = wr_base
+        self._index = indexes
+        self._binds: dict[int, ScopedGrant] = {}  # window binds posted, by index, until their completion
+        self._bind_waiters: collections.deque[Waiter] = collections.deque()  # export_for_read() calls
+        self._key_ids = itertools.count(1)  # dense per connection: the importer keeps ranges
+        self.grants: dict[int, Grant] = {}
+        """What we exported, by key id."""
+        self.revoked_ids = revoked_ids
+        """The key ids the peer revoked (added when its REVOKE arrives; the operations check them)."""
+        self._notices: collections.deque[WriteNotice] = collections.deque()
+        self._notice_waiter: Waiter | None = None
+        self.peer_onesided = peer_onesided
+        """The peer announced FEATURE_ONESIDED: it understands write notices and control messages."""
+        self.notice_limit = notice_limit
+        """Write notices queued beyond it keep the receive they consumed until wait_write_notice() takes
+        one: the writer's credit comes back only then (back-pressure)."""
+        self._held_slots: collections.deque[int] = collections.deque()
+        self._repost = repost
+        self.control_handler: Callable[[int, int], None] | None = None
+        """Control messages of kind >= CTL_FIRST_EXTERNAL go here (the rendezvous engine's ACK/CANCEL)."""
+
+    def _check_open(self) -> None:
+        self._operations.raise_if_failed()
+
+    # --- grants ---------------------------------------------------------------------------------------------
 
     def export(
         self,
@@ -165,13 +265,13 @@ class Exports(EngineCore):
         else:
             scoped = self._grant_scoped(part, bits, readonly=False)
             region, rkey = scoped.region, scoped.rkey
-        # Dense per-connection ids: the importer keeps the revoked ones as ranges (onesided_revoked).
+        # Dense per-connection ids: the importer keeps the revoked ones as ranges (RevokedKeys).
         key = RemoteKey(region.addr, rkey, length, bits, next(self._key_ids))
-        self.grants[key.key_id] = _Grant(key, region, scoped)
+        self.grants[key.key_id] = Grant(key, region, scoped)
         self._stats["exports"] += 1
         return key
 
-    async def export_for_read(self, view: memoryview) -> _Scoped | None:
+    async def export_for_read(self, view: memoryview) -> ScopedGrant | None:
         """Grant the peer RDMA READ of all of ``view`` through this connection only (a rendezvous send's
         buffer; ``view`` may be read-only): an object with ``addr``, ``rkey`` and ``close()`` (which
         invalidates the grant before it deregisters). None when the device has no memory windows (the
@@ -198,7 +298,7 @@ class Exports(EngineCore):
             self._poll()
         return len(self._binds) < MAX_BINDS_IN_FLIGHT
 
-    def _grant_scoped(self, view: memoryview, bits: int, *, readonly: bool) -> _Scoped:
+    def _grant_scoped(self, view: memoryview, bits: int, *, readonly: bool) -> ScopedGrant:
         """Register ``view`` for window binding only and post the bind of a type 2 window over it on this
         connection's queue pair (signalled, kind 2: :meth:`on_bind_completion` gets its completion)."""
         if self._bind_window is None:
@@ -220,7 +320,7 @@ class Exports(EngineCore):
         except BaseException:
             region.close()
             raise
-        scoped = _Scoped(region, window)
+        scoped = ScopedGrant(region, window)
         self._binds[index] = scoped
         self._stats["mw_binds"] += 1
         return scoped
@@ -235,7 +335,7 @@ class Exports(EngineCore):
             scoped.bound = True
         else:
             if status == _WC_FLUSH:
-                error: BaseException = self._error or VerbsError(
+                error: BaseException = self._operations.error or VerbsError(
                     "the memory-window bind was flushed: the connection is closing", call="IBV_WR_BIND_MW"
                 )
             else:
@@ -266,17 +366,20 @@ class Exports(EngineCore):
         if grant.revoked:
             raise ValueError(f"{key!r} is already being revoked")
         grant.revoked = True
+        operations = self._operations
         try:
-            usable = self._error is None and not self.closed and self._credits.flush_error() is None
+            usable = (
+                operations.error is None and not operations.closed and self._credits.flush_error() is None
+            )
             async with self._io.timeout(self._revoke_timeout):
                 # A peer without FEATURE_ONESIDED would fail on a REVOKE: deallocating alone revokes.
                 if usable and self.peer_onesided:
                     grant.ack = waiter = self._io.waiter()
-                    self._send_control(_CTL_REVOKE, key.key_id)
+                    self.send_control_message(CTL_REVOKE, key.key_id)
                     await waiter.wait()
                 scoped = grant.scoped
-                if scoped is not None and not scoped.settled and not self.closed:
-                    # The window can be freed only once its bind completed (see _Scoped).
+                if scoped is not None and not scoped.settled and not operations.closed:
+                    # The window can be freed only once its bind completed (see ScopedGrant).
                     scoped.waiter = bind_waiter = self._io.waiter()
                     await bind_waiter.wait()
         except builtins.TimeoutError:
@@ -294,7 +397,7 @@ class Exports(EngineCore):
     def on_recv(self, opcode: int, imm: int, byte_len: int, payload: memoryview, slot: int = -1) -> bool:
         """A receive completed that is not a frame: a write notice or a one-sided control message.
 
-        Returns True when the caller should repost ``slot`` now; False when the engine holds it (a write
+        Returns True when the caller should repost ``slot`` now; False when the exporter holds it (a write
         notice beyond ``notice_limit`` queued ones: it is reposted, through ``repost``, once
         :meth:`wait_write_notice` takes a notice). The credit it consumed was accounted for here.
         """
@@ -313,17 +416,17 @@ class Exports(EngineCore):
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
         if version == KEY_VERSION and kind >= CTL_FIRST_EXTERNAL and self.control_handler is not None:
-            # Rendezvous (rdmaio.core.rendezvous): raises if the kind is unknown.
+            # The rendezvous engine's handler (rdmaio.core.rendezvous): raises if the kind is unknown.
             self.control_handler(kind, key_id)
             return True
-        if version != KEY_VERSION or kind not in (_CTL_REVOKE, _CTL_REVOKE_ACK):
+        if version != KEY_VERSION or kind not in (CTL_REVOKE, CTL_REVOKE_ACK):
             raise ProtocolError(f"unknown one-sided control message version {version} type {kind}")
-        if kind == _CTL_REVOKE:
+        if kind == CTL_REVOKE:
             # Mark first: no request on that key is posted from now on (the doorbell checks again when it
             # rings); those posted earlier come before the ACK on this connection, so the exporter's NIC
             # has run them when the ACK arrives. Raises ProtocolError past Options.max_revoked_key_ranges.
             self.revoked_ids.add(key_id)
-            self._send_control(_CTL_REVOKE_ACK, key_id)
+            self.send_control_message(CTL_REVOKE_ACK, key_id)
         else:
             grant = self.grants.get(key_id)
             if grant is not None and grant.ack is not None:
@@ -333,7 +436,7 @@ class Exports(EngineCore):
     async def wait_write_notice(self) -> WriteNotice:
         """The next write notice; raises the connection's error once none is left and it failed."""
         while not self._notices:
-            self._raise_if_failed()
+            self._operations.raise_if_failed()
             if not self.peer_onesided:
                 raise FeatureNotSupportedError(
                     "the peer's rdmaio does not support one-sided frames (no FEATURE_ONESIDED in its "
@@ -345,7 +448,7 @@ class Exports(EngineCore):
             finally:
                 self._notice_waiter = None
         notice = self._notices.popleft()
-        if self._held_slots and not self.closed and self._repost is not None:
+        if self._held_slots and not self._operations.closed and self._repost is not None:
             # One queued notice fewer: the oldest held receive goes back, and with it one writer credit.
             self._repost(self._held_slots.popleft())
         return notice
@@ -355,9 +458,63 @@ class Exports(EngineCore):
         the peer's engine hands it to its :attr:`control_handler`. Sent in call order, after a credit."""
         if not CTL_FIRST_EXTERNAL <= kind <= 0xFF:
             raise ValueError(f"control kind {kind} is reserved")
-        self._send_control(kind, value)
+        self.send_control_message(kind, value)
 
-    def _send_control(self, kind: int, key_id: int) -> None:
-        """Queue a control SEND (it needs a credit and an op slot; the ACK may wait for either)."""
-        self._pending_acks.append((kind << 64) | key_id)
-        self.pump()
+    def send_control_message(self, kind: int, value: int) -> None:
+        """Queue a control SEND of any kind (REVOKE and its ACK included; it needs a credit and an op slot,
+        so it may wait for either)."""
+        self._operations.queue_send(_CONTROL.pack(KEY_VERSION, kind, value))
+
+    # --- the end --------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The connection is gone (after :meth:`OperationEngine.close
+        <rdmaio.core.onesided.operations.OperationEngine.close>`, whose error the binds still in flight
+        take): drop the held receives, wake every waiter, free every window and deregister every grant."""
+        error = self._operations.error
+        self._held_slots.clear()  # the QP and its receives are gone
+        while self._bind_waiters:
+            self._bind_waiters.popleft().set()
+        binds = list(self._binds.values())
+        self._binds.clear()
+        grants = list(self.grants.values())
+        self.grants.clear()
+        failures: list[BaseException] = []
+        for grant in grants:
+            if grant.ack is not None:
+                grant.ack.set()
+            if grant.scoped is not None and grant.scoped.waiter is not None:
+                grant.scoped.waiter.set()
+            try:
+                # The QP is gone: no bind is left to complete, the windows go now.
+                if grant.scoped is not None:
+                    grant.scoped.close_now()
+                else:
+                    grant.mr.close()
+            except Exception as exc:
+                failures.append(exc)
+        for scoped in binds:  # rendezvous buffers whose bind had not completed: it never will now
+            scoped.error = error
+            if scoped.close_pending:
+                try:
+                    scoped.close_now()
+                except Exception as exc:
+                    failures.append(exc)
+        if self._notice_waiter is not None:
+            self._notice_waiter.set()
+        for failure in failures:
+            # Teardown goes on (the connection is gone either way); the memory stays registered.
+            self._stats["grant_release_failures"] += 1
+            log.error("rdmaio: releasing a grant at the end of the connection failed: %s", failure)
+
+    def statistics(self) -> dict[str, int]:
+        """Grants, queued notices and the receives they hold, the peer's revoked keys (the ranges kept, and
+        the floor below which every id is revoked), window binds in flight."""
+        return {
+            "grants": len(self.grants),
+            "write_notices_queued": len(self._notices),
+            "write_notice_slots_held": len(self._held_slots),
+            "keys_revoked_by_peer": len(self.revoked_ids),
+            "revoked_key_floor": self.revoked_ids.floor,
+            "mw_binds_in_flight": len(self._binds),
+        }

@@ -1,12 +1,13 @@
-"""Batches of one-sided requests: ``fetch_add_many`` and ``rdma_read_many`` (a part of the one-sided engine).
+"""Batches of one-sided requests: ``fetch_add_many`` and ``rdma_read_many``, over the operation engine.
 
 A batch is checked as a whole before anything is posted, then goes out in waves: a wave is ONE op of the
-engine that stands for up to ``max_ops`` work requests (it takes that many op slots, so the send queue
-never overflows), has one piece of staging memory for all of its results, and is posted as one chain of
-which only the last request is signalled (``rdmaio_post_batch``). RC executes a send queue in order, so
-that one completion means the whole wave is done: one completion, one dispatch and one wake-up for the
-wave instead of one per request; a request that fails completes with its own error (the wave's wr_id),
-which fails the wave. The waves of one call follow each other; calls from several tasks overlap.
+:class:`~rdmaio.core.onesided.operations.OperationEngine` that stands for up to ``max_ops`` work requests
+(it takes that many op slots, so the send queue never overflows), has one piece of staging memory for all
+of its results, and is posted as one chain of which only the last request is signalled
+(``rdmaio_post_batch``). RC executes a send queue in order, so that one completion means the whole wave is
+done: one completion, one dispatch and one wake-up for the wave instead of one per request; a request that
+fails completes with its own error (the wave's wr_id), which fails the wave. The waves of one call follow
+each other; calls from several tasks overlap.
 """
 
 from __future__ import annotations
@@ -15,18 +16,26 @@ import struct
 from array import array
 from collections.abc import Iterable
 from itertools import accumulate
-from typing import Any
 
-from rdmaio.core.onesided_life import _STAGING_SLOT, _U64, _WR_FADD, _WR_READ, _Op
-from rdmaio.core.onesided_ops import Operations
-from rdmaio.core.remotekey import ACCESS_ATOMIC, ACCESS_READ, RemoteKey
+from rdmaio.core.onesided.keys import ACCESS_ATOMIC, ACCESS_READ, RemoteKey
+from rdmaio.core.onesided.operations import STAGING_SLOT, U64, WR_FADD, WR_READ, OperationEngine
 from rdmaio.errors import MessageTooLargeError, RemoteAccessError
 
-__all__ = ["Batches"]
+__all__ = ["BatchCalls"]
 
 
-class Batches(Operations):
-    """The batch calls of a one-sided engine (on top of :class:`~rdmaio.core.onesided_ops.Operations`)."""
+class BatchCalls:
+    """The batch calls of one connection's one-sided engine, posted through ``operations`` (its public
+    methods only; they are bound once here, as the single calls find theirs on their own object)."""
+
+    def __init__(self, operations: OperationEngine) -> None:
+        self._operations = operations
+        self._check_key = operations.check_key
+        self._raise_if_failed = operations.raise_if_failed
+        self._start = operations.start
+        self._post_wave = operations.post_wave
+        self._finish = operations.finish
+        self._release = operations.release
 
     async def fetch_add_many(
         self, key: RemoteKey, offsets: Iterable[int], add: int | Iterable[int] = 1
@@ -42,7 +51,7 @@ class Batches(Operations):
         if not where:
             self._raise_if_failed()
             return []
-        if min(adds) < -(1 << 63) or max(adds) > _U64:
+        if min(adds) < -(1 << 63) or max(adds) > U64:
             raise ValueError("every add must be an int in -2**63..2**64-1")
         self._check_key(key, min(where), 8, ACCESS_ATOMIC)
         self._check_key(key, max(where), 8, ACCESS_ATOMIC)
@@ -54,12 +63,12 @@ class Batches(Operations):
                     f"{base + offset:#x})"
                 )
         remote = array("Q", [base + offset for offset in where])
-        operands = array("Q", [value & _U64 for value in adds])
+        operands = array("Q", [value & U64 for value in adds])
         results: list[int] = []
-        step = self.max_ops
+        step = self._operations.max_ops
         for i in range(0, len(where), step):
             wave = remote[i : i + step]
-            op = await self._start(key, _WR_FADD, 8 * len(wave), count=len(wave))
+            op = await self._start(key, WR_FADD, 8 * len(wave), count=len(wave))
             self._post_wave(op, key, wave, compare_add=operands[i : i + step])
             await self._finish(op)
             assert op.buffer is not None
@@ -74,9 +83,9 @@ class Batches(Operations):
         for item in ranges:
             offset, length = item
             self._check_key(key, offset, length, ACCESS_READ)
-            if length > _STAGING_SLOT:
+            if length > STAGING_SLOT:
                 raise MessageTooLargeError(
-                    f"rdma_read_many() reads at most {_STAGING_SLOT} bytes per range; use rdma_read() for "
+                    f"rdma_read_many() reads at most {STAGING_SLOT} bytes per range; use rdma_read() for "
                     f"the range of {length} bytes"
                 )
             wanted.append((offset, length))
@@ -84,12 +93,12 @@ class Batches(Operations):
         results: list[bytes] = [b""] * len(wanted)
         todo = [i for i, (_, length) in enumerate(wanted) if length]  # zero-length ranges post nothing
         while todo:
-            wave = _next_wave(todo, wanted, self.max_ops)
+            wave = _next_wave(todo, wanted, self._operations.max_ops)
             todo = todo[len(wave) :]
             lengths = array("I", [wanted[i][1] for i in wave])
             starts = array("Q", [0, *accumulate(lengths)][:-1])
             total = starts[-1] + lengths[-1]
-            op = await self._start(key, _WR_READ, total, count=len(wave))
+            op = await self._start(key, WR_READ, total, count=len(wave))
             remote = array("Q", [key.addr + wanted[i][0] for i in wave])
             self._post_wave(op, key, remote, length=lengths, local_offset=starts)
             await self._finish(op)
@@ -99,20 +108,6 @@ class Batches(Operations):
                 results[i] = bytes(view[start : start + length])
             self._release(op)
         return results
-
-    def _post_wave(self, op: _Op, key: RemoteKey, remote: array[int], **arrays: Any) -> None:
-        """Post one wave (``op.count`` requests) as one chain, only the last signalled."""
-        addr, lkey = self._local_of(op)
-        try:
-            self._qp.post_batch(self._wr_base | op.index, op.opcode, addr, lkey, key.rkey, remote, **arrays)
-        except Exception as exc:
-            self._complete(op, exc)
-            self._fail_connection(exc)
-            return
-        op.posted = True
-        self._stats["rdma_ops_posted"] += op.count
-        self._stats["rdma_doorbells"] += 1
-        self._stats["rdma_batches"] += 1
 
 
 def _ints(values: Iterable[int], name: str) -> list[int]:
@@ -129,7 +124,7 @@ def _next_wave(todo: list[int], wanted: list[tuple[int, int]], max_ops: int) -> 
     total = 0
     for i in todo:
         length = wanted[i][1]
-        if len(wave) == max_ops or (wave and total + length > _STAGING_SLOT):
+        if len(wave) == max_ops or (wave and total + length > STAGING_SLOT):
             break
         wave.append(i)
         total += length

@@ -1,0 +1,827 @@
+"""The operation engine of one connection's one-sided RDMA: the requests (READ, WRITE with or without
+immediate data, atomics), their op slots, local memory, posting, completions and release.
+
+Every call is checked locally (range, access, alignment, revocation) before anything is posted. An op then
+takes ``count`` of ``max_ops`` slots (one per work request: the send queue has room for that many) and
+local memory (a staging slot, a pooled large buffer, or the caller's buffer registered through the
+Domain's cache), is posted alone or with others of the same loop iteration in one doorbell (writes with
+immediate data and control messages after a send credit), and completes through
+:meth:`OperationEngine.on_completion`. A cancelled call leaves its op orphaned: the completion frees it.
+The batch calls (:mod:`~rdmaio.core.onesided.batches`) and the exporter's control messages
+(:mod:`~rdmaio.core.onesided.exporter`) go through this engine's methods.
+
+Work requests carry ``wr_id = 2 << 56 | tag << 32 | index`` (:data:`WR_KIND_ONESIDED`); ops and window
+binds draw their indexes from one counter, so the index tells which: a completion whose index is no op of
+this engine goes to :attr:`OperationEngine.on_other_completion` (the exporter's window binds).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rdmaio import verbs
+from rdmaio._ffi import ffi, lib
+from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.onesided.interfaces import Credits, RdmaQueue, Region
+from rdmaio.core.onesided.keys import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, RemoteKey, access_str
+from rdmaio.core.onesided.revoked import RevokedKeys
+from rdmaio.errors import (
+    EndpointClosedError,
+    FeatureNotSupportedError,
+    MessageTooLargeError,
+    RdmaError,
+    RemoteAccessError,
+    RemoteAccessRefusedError,
+    RemoteKeyRevokedError,
+)
+
+__all__ = [
+    "MAX_OP_BYTES",
+    "STAGING_SLOT",
+    "U64",
+    "WR_FADD",
+    "WR_KIND_ONESIDED",
+    "WR_READ",
+    "Op",
+    "OperationEngine",
+]
+
+MAX_OP_BYTES = 1 << 30
+"""Largest single READ or WRITE (1 GiB; rxe's limit is 2 GiB - 1)."""
+WR_KIND_ONESIDED = verbs.WR_KIND_ONESIDED
+"""``wr_id >> 56`` of one-sided work requests (the verbs layer's wr_id layout)."""
+STAGING_SLOT = 64 * 1024
+"""Bytes of rdmaio-owned registered memory per op; larger ops get their own MR (and batches fit one)."""
+U64 = (1 << 64) - 1
+"""The largest u64 (atomics' operands and results)."""
+WR_READ: int = lib.IBV_WR_RDMA_READ
+"""Opcode of an RDMA READ work request."""
+WR_FADD: int = lib.IBV_WR_ATOMIC_FETCH_AND_ADD
+"""Opcode of an atomic fetch-and-add work request."""
+
+_INDEX_MASK = verbs.WR_INDEX_MASK  # bits 32..55 are the connection's tag (shared-CQ dispatch)
+# Larger ops' MRs are kept for reuse, in power-of-two size classes, up to this many bytes per connection:
+# registering (pinning) 1 MiB per op cost more than the op itself (docs/benchmarks.md, "One-sided").
+_LARGE_POOL_BYTES = 32 << 20
+_WR_WRITE: int = lib.IBV_WR_RDMA_WRITE
+_WR_WRITE_IMM: int = lib.IBV_WR_RDMA_WRITE_WITH_IMM
+_WR_SEND: int = lib.IBV_WR_SEND
+_WR_CSWAP: int = lib.IBV_WR_ATOMIC_CMP_AND_SWP
+_SEND_SIGNALED: int = lib.IBV_SEND_SIGNALED
+_SEND_INLINE: int = lib.IBV_SEND_INLINE
+_WC_REM_ACCESS_ERR = int(verbs.WcStatus.REM_ACCESS_ERR)
+_WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
+_PACK_OP = verbs.RDMA_OP.pack_into
+_OP_SIZE = verbs.RDMA_OP.size
+_INLINE_OPCODES = frozenset((_WR_WRITE, _WR_WRITE_IMM, _WR_SEND))
+_DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
+# Calls completed at their post that may return in a row without yielding to the loop (see _wait).
+_AT_POST_BUDGET = 16
+
+
+class Op:
+    """One pending request (or one wave of a batch): its slots, local memory, work request and outcome.
+
+    ``count`` is the work requests it stands for, ``buffer`` the local memory the NIC reads or writes (a
+    memoryview; None once released), ``error`` its failure once ``done``. The engine that made it owns
+    it; batch calls read ``count`` and ``buffer`` and hand it back to the engine's methods.
+    """
+
+    __slots__ = (
+        "buffer",
+        "count",
+        "done",
+        "error",
+        "index",
+        "key_id",
+        "length",
+        "mr",
+        "opcode",
+        "orphan",
+        "pooled",
+        "posted",
+        "result",
+        "staging",
+        "waiter",
+        "wr",
+    )
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.count = 1  # work requests (send queue entries) it stands for: a batch has several
+        # Made when a caller has to wait (most serial calls complete at their post and never need one).
+        self.waiter: Waiter | None = None
+        self.done = False
+        self.posted = False
+        self.orphan = False  # nobody waits for it any more: its completion releases its memory
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.staging: int | None = None  # staging slot index, or None
+        self.mr: Any = None  # a Registration (rdma_read_into)
+        self.pooled: _Large | None = None  # a large op's registered memory, from the pool
+        self.buffer: Any = None  # memoryview of the local memory the NIC reads or writes
+        self.key_id: int | None = None
+        self.length = 0
+        self.opcode = 0
+        self.wr: tuple[int, ...] = ()
+
+
+class _Large:
+    """A registered rdmaio-owned buffer for ops above the staging slot (reused through the pool)."""
+
+    __slots__ = ("region", "size", "view")
+
+    def __init__(self, region: Region, view: memoryview) -> None:
+        self.region = region
+        self.view = view
+        self.size = view.nbytes
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A new instance of a stored error (an exception instance raised twice accumulates tracebacks)."""
+    if isinstance(error, RdmaError):
+        copy = type(error)(error.message, errno=error.errno, call=error.call)
+        copy.__cause__ = error.__cause__
+        return copy
+    return error
+
+
+class OperationEngine:
+    """The requests of one connection's one-sided engine: calls, op slots, memory, posting, completions.
+
+    Given: the loop backend ``io``, the queue pair ``qp``, the session's ``credits``, ``register_local``
+    (local-access registration of rdmaio-owned memory), ``cache_get`` (the Domain's registration cache,
+    for ``read_into``), ``fail`` (fails the whole connection), ``wr_base`` (kind and tag of our wr_ids),
+    ``indexes`` (the counter shared with the window binds), ``revoked_ids`` (the keys the peer revoked,
+    kept by the exporter), the connection's ``stats`` counter, and ``post_polled(count, wr_id)`` (post and
+    look at the CQ in one C call; True when the request's own successful completion was all it found).
+
+    Documented plain attributes: :attr:`ops` (pending ops by index), :attr:`in_flight` (work requests of
+    those ops), :attr:`max_ops`, :attr:`revoked_ids`, :attr:`peer_onesided`, :attr:`error` and
+    :attr:`closed` (the state every part checks, set by :meth:`close`), :attr:`on_other_completion`.
+    """
+
+    def __init__(
+        self,
+        io: Backend,
+        qp: RdmaQueue,
+        credits: Credits,
+        *,
+        register_local: Callable[[Any], Region],
+        cache_get: Callable[[Any], Any],
+        fail: Callable[[BaseException], None],
+        max_ops: int,
+        max_inline: int,
+        stats: collections.Counter[str],
+        wr_base: int,
+        indexes: Iterator[int],
+        revoked_ids: RevokedKeys,
+        peer_onesided: bool,
+        post_polled: Callable[[int, int], bool] | None,
+    ) -> None:
+        self._io = io
+        self._qp = qp
+        self._wr_entries = ffi.buffer(qp.rdma_array)  # filled with verbs.RDMA_OP.pack_into
+        self._credits = credits
+        self._register_local = register_local
+        self._cache_get = cache_get
+        self._fail_connection = fail
+        self.max_ops = max_ops
+        """Work requests in flight at most (op slots): the send queue has room for that many."""
+        self._max_inline = max_inline
+        self._stats = stats
+        # The connection's tag routes our completions to us through the Domain's shared CQ.
+        self._wr_base = wr_base
+        self._index = indexes
+        self.revoked_ids = revoked_ids
+        """The key ids the peer revoked (the exporter adds them when a REVOKE arrives)."""
+        # The peer announced FEATURE_ONESIDED: it understands write notices.
+        self.peer_onesided = peer_onesided
+        """The peer understands write notices and control messages (FEATURE_ONESIDED)."""
+        # Posts a lone request of a task calling serially and polls the completion queue once right after
+        # (see _post): post_polled(count, wr_id) is True when the request's own successful completion was
+        # all the poll found.
+        self._post_polled = post_polled
+        self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
+        self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
+        self.ops: dict[int, Op] = {}
+        """Posted or waiting for a credit, by op index."""
+        self.in_flight = 0
+        """Work requests of :attr:`ops` (a batch op stands for several)."""
+        self._slot_waiters: collections.deque[Waiter] = collections.deque()
+        self._credit_queue: collections.deque[Op] = collections.deque()
+        self._pending_sends: collections.deque[bytes] = collections.deque()  # control messages to post
+        self._staging: Any = None  # a Region: registered rdmaio-owned memory, max_ops slots of STAGING_SLOT
+        self._staging_view: memoryview | None = None
+        self._free_staging = list(range(max_ops))
+        self._doorbell: list[Op] = []  # requests to post together at the end of this loop iteration
+        self._ring_handle: Any = None
+        self._large_pool: dict[int, list[_Large]] = {}  # free large buffers by size class
+        self._large_pooled = 0  # bytes in _large_pool
+        self.error: BaseException | None = None
+        """Why the engine closed (set by :meth:`close`), or None."""
+        self.closed = False
+        """:meth:`close` ran: the connection is gone."""
+        self.on_other_completion: Callable[[int, int, int], bool] = _not_ours
+        """Called with ``(index, status, vendor_err)`` for a completion whose index is no op of ours (the
+        exporter's window binds); returns whether it was one."""
+
+    # --- the state every part checks ------------------------------------------------------------------------
+
+    def raise_if_failed(self) -> None:
+        """Raise the engine's error (a fresh copy), the connection's, or EndpointClosedError once closed."""
+        if self.error is not None:
+            raise _fresh(self.error)
+        error = self._credits.flush_error()
+        if error is not None:
+            raise error
+        if self.closed:
+            raise EndpointClosedError("endpoint is closed")
+
+    def check_key(self, key: RemoteKey, offset: int, length: int, need: int) -> None:
+        """Raise unless ``key`` grants the ``need`` access bits on ``[offset, offset + length)`` and was not
+        revoked by the peer (the local checks before anything is posted)."""
+        if not isinstance(key, RemoteKey):
+            raise TypeError(f"expected a RemoteKey, got {type(key).__name__}")
+        if key.key_id in self.revoked_ids:
+            raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
+        if not key.access_bits & need:
+            raise RemoteAccessError(f"{key!r} does not grant {access_str(need)!r} access")
+        if not isinstance(offset, int) or not isinstance(length, int):
+            raise TypeError("offset and length must be ints")
+        if offset < 0 or length < 0 or offset + length > key.length:
+            raise RemoteAccessError(
+                f"range offset={offset} length={length} is outside {key!r} (0..{key.length})"
+            )
+
+    # --- the calls ------------------------------------------------------------------------------------------
+
+    async def read(self, key: RemoteKey, offset: int, length: int) -> bytes:
+        """RDMA READ into rdmaio-owned memory; see ``Endpoint.rdma_read``."""
+        self.check_key(key, offset, length, ACCESS_READ)
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
+        if length == 0:
+            self.raise_if_failed()
+            return b""
+        op = self._start_now(key, WR_READ, length) or await self.start(key, WR_READ, length)
+        self._post(op, key.addr + offset, key.rkey)
+        if self._must_await(op):
+            await self.finish(op)
+        assert op.buffer is not None
+        data = bytes(op.buffer[:length])
+        self.release(op)
+        return data
+
+    async def read_into(self, key: RemoteKey, offset: int, buffer: Any) -> int:
+        """RDMA READ straight into a caller buffer; see ``Endpoint.rdma_read_into``."""
+        view = memoryview(buffer)
+        if view.readonly:
+            raise TypeError("rdma_read_into() needs a writable buffer")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        length = view.nbytes
+        self.check_key(key, offset, length, ACCESS_READ)
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
+        if length == 0:
+            self.raise_if_failed()
+            return 0
+        op = await self.start(key, WR_READ, length, staging=False)
+        try:
+            registration = self._cache_get(view)
+        except BaseException:
+            self._abandon(op)
+            raise
+        op.mr = registration
+        op.buffer = view
+        self._post(op, key.addr + offset, key.rkey, local=(registration.addr, registration.lkey))
+        try:
+            await self._wait(op)
+        except BaseException:
+            if not op.done:
+                # The NIC may still write into the caller's buffer: the only way to stop it before we
+                # return is to destroy the queue pair. Documented in Endpoint.rdma_read_into.
+                self._fail_connection(
+                    EndpointClosedError("rdma_read_into() was cancelled with the READ in flight")
+                )
+            self.release(op)
+            raise
+        self.release(op)
+        if op.error is not None:
+            raise op.error
+        return length
+
+    async def read_registered(
+        self, key: RemoteKey, remote_addr: int, length: int, local: tuple[int, int]
+    ) -> None:
+        """RDMA READ of ``length`` bytes at ``remote_addr`` of ``key`` into memory the caller registered
+        (``local`` is its address and lkey; no local checks: a rendezvous pull of a descriptor it checked).
+        Cancelled, the op is left to its completion (or the teardown), which releases it."""
+        op = await self.start(key, WR_READ, length, staging=False)
+        self._post(op, remote_addr, key.rkey, local=local)
+        try:
+            await self._wait(op)
+        except BaseException:
+            op.orphan = True  # the caller is ending: its completion (or the teardown) releases it
+            raise
+        self.release(op)
+        if op.error is not None:
+            raise op.error
+
+    async def write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
+        """RDMA WRITE (with immediate data when ``imm`` is given); see ``Endpoint.rdma_write``."""
+        view = memoryview(data)
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        length = view.nbytes
+        self.check_key(key, offset, length, ACCESS_WRITE)
+        if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
+            raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
+        if imm is not None and not self.peer_onesided:
+            raise FeatureNotSupportedError(
+                "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in its "
+                "handshake); this peer's rdmaio does not: write without imm and notify it with send()"
+            )
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
+        if length == 0 and imm is None:
+            self.raise_if_failed()
+            return
+        opcode = _WR_WRITE if imm is None else _WR_WRITE_IMM
+        op = self._start_now(key, opcode, length) or await self.start(key, opcode, length)
+        if length:
+            assert op.buffer is not None
+            op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
+        self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
+        if self._must_await(op):
+            await self.finish(op)
+        self.release(op)
+
+    async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
+        """Atomic fetch-and-add on a u64; see ``Endpoint.fetch_add``."""
+        self._check_atomic(key, offset)
+        if not isinstance(add, int) or not -(1 << 63) <= add <= U64:
+            raise ValueError(f"add must be an int in -2**63..2**64-1, not {add!r}")
+        op = self._start_now(key, WR_FADD, 8) or await self.start(key, WR_FADD, 8)
+        self._post(op, key.addr + offset, key.rkey, compare_add=add & U64)
+        return await self._atomic_result(op)
+
+    async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
+        """Atomic compare-and-swap on a u64; see ``Endpoint.compare_swap``."""
+        self._check_atomic(key, offset)
+        for name, value in (("expected", expected), ("desired", desired)):
+            if not isinstance(value, int) or not 0 <= value <= U64:
+                raise ValueError(f"{name} must be an int in 0..2**64-1, not {value!r}")
+        op = self._start_now(key, _WR_CSWAP, 8) or await self.start(key, _WR_CSWAP, 8)
+        self._post(op, key.addr + offset, key.rkey, compare_add=expected, swap=desired)
+        return await self._atomic_result(op)
+
+    def _check_atomic(self, key: RemoteKey, offset: int) -> None:
+        self.check_key(key, offset, 8, ACCESS_ATOMIC)
+        if (key.addr + offset) % 8:
+            raise RemoteAccessError(
+                f"atomic at offset {offset} of {key!r} is not 8-byte aligned (remote address "
+                f"{key.addr + offset:#x})"
+            )
+
+    async def _atomic_result(self, op: Op) -> int:
+        if self._must_await(op):
+            await self.finish(op)
+        assert op.buffer is not None
+        # The NIC stores the original value as a u64 in this host's byte order.
+        old = int.from_bytes(op.buffer[:8], sys.byteorder)
+        self.release(op)
+        return old
+
+    # --- slots and memory -----------------------------------------------------------------------------------
+
+    async def start(
+        self, key: RemoteKey, opcode: int, length: int, *, staging: bool = True, count: int = 1
+    ) -> Op:
+        """Wait for ``count`` op slots (at most ``max_ops`` work requests in flight: the send queue has
+        room for that many), then give the op its local memory (a staging slot or a pooled large buffer,
+        unless ``staging`` is False)."""
+        self.raise_if_failed()
+        while self.in_flight + count > self.max_ops or self._slot_waiters:
+            waiter = self._io.waiter()
+            self._slot_waiters.append(waiter)
+            try:
+                await waiter.wait()
+            except BaseException:
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+                else:
+                    self._wake_slot_waiter()  # we were woken but give up: pass the wake-up on
+                raise
+            self.raise_if_failed()
+            if self.in_flight + count <= self.max_ops:
+                break
+        # Re-checked after the wait: a REVOKE may have arrived meanwhile.
+        if key.key_id in self.revoked_ids:
+            self._wake_slot_waiter()
+            raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
+        return self._new_op(key.key_id, opcode, length, staging, count)
+
+    def _start_now(self, key: RemoteKey, opcode: int, length: int) -> Op | None:
+        """The op of a single request at once when a slot is free and nobody waits for one (the common
+        case, without the cost of awaiting :meth:`start`); None when the caller must await ``start``."""
+        if self.in_flight >= self.max_ops or self._slot_waiters:
+            return None
+        self.raise_if_failed()
+        return self._new_op(key.key_id, opcode, length, True, 1)
+
+    def _new_op(self, key_id: int | None, opcode: int, length: int, staging: bool, count: int) -> Op:
+        """A new op in :attr:`ops`, taking ``count`` slots (:meth:`_forget` gives them back)."""
+        op = Op(next(self._index) & _INDEX_MASK)
+        op.key_id = key_id
+        op.length = length
+        op.opcode = opcode
+        op.count = count
+        if staging and length:
+            self._give_memory(op, length)
+        self.ops[op.index] = op
+        self.in_flight += count
+        return op
+
+    def _give_memory(self, op: Op, length: int) -> None:
+        if length <= STAGING_SLOT:
+            if self._staging is None:
+                buf = bytearray(STAGING_SLOT * self.max_ops)
+                self._staging = self._register_local(buf)
+                self._staging_view = memoryview(buf)
+            slot = self._free_staging.pop()
+            op.staging = slot
+            assert self._staging_view is not None
+            op.buffer = self._staging_view[slot * STAGING_SLOT : slot * STAGING_SLOT + length]
+        else:
+            size = 1 << (length - 1).bit_length()  # size class: the next power of two
+            free = self._large_pool.get(size)
+            if free:
+                large = free.pop()
+                self._large_pooled -= size
+                self._stats["rdma_large_reused"] += 1
+            else:
+                buf = bytearray(size)
+                large = _Large(self._register_local(buf), memoryview(buf))
+                self._stats["rdma_large_registered"] += 1
+            op.pooled = large
+            op.buffer = large.view[:length]
+
+    def _local_of(self, op: Op) -> tuple[int, int]:
+        if op.staging is not None:
+            return self._staging.addr + op.staging * STAGING_SLOT, self._staging.lkey
+        if op.pooled is not None:
+            return op.pooled.region.addr, op.pooled.region.lkey
+        if op.mr is not None:
+            return op.mr.addr, op.mr.lkey
+        return 0, 0
+
+    # --- posting --------------------------------------------------------------------------------------------
+
+    def _post(
+        self,
+        op: Op,
+        remote_addr: int,
+        rkey: int,
+        *,
+        imm: int = 0,
+        compare_add: int = 0,
+        swap: int = 0,
+        local: tuple[int, int] | None = None,
+    ) -> None:
+        addr, lkey = local if local is not None else self._local_of(op)
+        op.wr = (addr, lkey, remote_addr, rkey, imm, compare_add, swap)
+        if op.opcode == _WR_WRITE_IMM:
+            self._credit_queue.append(op)  # consumes a peer receive: needs a credit
+            self.pump()
+        elif len(self.ops) == 1 and not self._doorbell:
+            # Alone in flight: post at once (nothing to share a doorbell with).
+            poster = id(self._io.current_task())
+            serial = poster == self._last_poster
+            self._last_poster = poster
+            if not serial or self._post_polled is None:
+                self._post_now(op)
+            else:
+                # One task calling one request at a time: look once before sleeping, as asyncio's
+                # sock_recv tries the call before it waits for the fd. A device may have completed the
+                # request before ibv_post_send returned (rxe runs a whole loopback READ inside the call),
+                # and then the caller resumes without a sleep in epoll and a wake-up of the completion
+                # channel (which still fires later and finds the CQ empty). One non-blocking poll of the
+                # shared CQ, no spinning: on a NIC that has not finished yet it costs one look at the CQ.
+                # Not when another task posted the previous request: several tasks calling concurrently
+                # are served better by waiting, so that their requests share doorbells (one system call
+                # for up to 16 on rxe) and one wake-up, than by completing one by one.
+                # The post and the look are one C call; when the request's own completion is all there
+                # was, it is completed right here rather than through the dispatcher and the
+                # connection's completion processing.
+                self._post_now(op, polled=True)
+        else:
+            # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
+            # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
+            # system call that runs the requester) for up to _DOORBELL requests.
+            self._last_poster = id(self._io.current_task())
+            self._doorbell.append(op)
+            if len(self._doorbell) >= _DOORBELL:
+                self._ring()
+            elif self._ring_handle is None:
+                self._ring_handle = self._io.call_soon(self._ring)
+
+    def _ring(self) -> None:
+        """Post the requests collected for one doorbell, as one chain."""
+        if self._ring_handle is not None:
+            self._ring_handle.cancel()
+            self._ring_handle = None
+        ops = [op for op in self._doorbell if not op.done]
+        self._doorbell.clear()
+        if not ops or self.error is not None or self.closed:
+            return
+        revoked = self.revoked_ids
+        if len(revoked) or revoked.floor > 1:
+            # A REVOKE may have arrived since these calls checked their key (its ACK is already queued or
+            # posted): a request posted after the ACK would meet a deallocated window, a remote access
+            # error that ends the connection. Fail such calls as if they had found the key revoked.
+            kept = []
+            for op in ops:
+                if op.key_id is not None and op.key_id in revoked:
+                    self._stats["rdma_revoked_at_post"] += 1
+                    self._complete(op, RemoteKeyRevokedError("the key was revoked by the peer"))
+                else:
+                    kept.append(op)
+            ops = kept
+            if not ops:
+                return
+        for i, op in enumerate(ops):
+            self._fill(i, op)
+        try:
+            self._qp.post_rdma(len(ops))
+        except Exception as exc:
+            # Requests before the failing one may have been posted; the connection fails either way
+            # (its QP is destroyed), which completes every op.
+            self._fail_connection(exc)
+            for op in ops:
+                self._complete(op, exc)
+            return
+        for op in ops:
+            op.posted = True
+        self._stats["rdma_ops_posted"] += len(ops)
+        self._stats["rdma_doorbells"] += 1
+
+    def _post_now(self, op: Op, *, polled: bool = False) -> None:
+        """Post ``op`` alone; ``polled``: and look at the CQ in the same C call (a serial call, see
+        :meth:`_post`), completing ``op`` here when its own completion is all the look found."""
+        self._fill(0, op)
+        own = False
+        try:
+            if polled:
+                assert self._post_polled is not None
+                own = self._post_polled(1, self._wr_base | op.index)
+            else:
+                self._qp.post_rdma(1)
+        except Exception as exc:
+            self._complete(op, exc)
+            self._fail_connection(exc)
+            return
+        op.posted = True
+        self._stats["rdma_ops_posted"] += 1
+        self._stats["rdma_doorbells"] += 1
+        if not polled:
+            return
+        if own:
+            self._complete(op, None)
+        if op.done:
+            self._stats["rdma_completed_at_post"] += 1
+            self._at_post_streak += 1
+        else:
+            self._at_post_streak = 0
+
+    def _fill(self, index: int, op: Op) -> None:
+        """Write ``op``'s work request into entry ``index`` of the QP's scratch array (one ``pack_into``)."""
+        addr, lkey, remote_addr, rkey, imm, compare_add, swap = op.wr
+        opcode = op.opcode
+        flags = _SEND_SIGNALED
+        if opcode in _INLINE_OPCODES and 0 < op.length <= self._max_inline:
+            flags |= _SEND_INLINE
+        _PACK_OP(
+            self._wr_entries,
+            index * _OP_SIZE,
+            self._wr_base | op.index,
+            addr,
+            op.length,
+            lkey,
+            opcode,
+            flags,
+            imm,
+            rkey,
+            remote_addr,
+            compare_add,
+            swap,
+        )
+
+    def post_wave(self, op: Op, key: RemoteKey, remote: Any, **arrays: Any) -> None:
+        """Post one wave of a batch (``op.count`` requests on ``key`` at the ``remote`` addresses, with the
+        per-request ``arrays`` of ``QueuePair.post_batch``) as one chain, only the last signalled."""
+        addr, lkey = self._local_of(op)
+        try:
+            self._qp.post_batch(self._wr_base | op.index, op.opcode, addr, lkey, key.rkey, remote, **arrays)
+        except Exception as exc:
+            self._complete(op, exc)
+            self._fail_connection(exc)
+            return
+        op.posted = True
+        self._stats["rdma_ops_posted"] += op.count
+        self._stats["rdma_doorbells"] += 1
+        self._stats["rdma_batches"] += 1
+
+    def queue_send(self, payload: bytes) -> None:
+        """Queue a SEND without immediate data of ``payload`` (a one-sided control message, a few bytes):
+        posted in call order once an op slot and a send credit are free (it consumes a peer receive)."""
+        self._pending_sends.append(payload)
+        self.pump()
+
+    def pump(self) -> None:
+        """Post what waits for a credit: control messages first, then writes with immediate data.
+
+        Called after every batch of completions (credits may have arrived) and when something is queued.
+        """
+        if self.error is not None or self.closed:
+            return
+        credits = self._credits
+        while self._pending_sends and self.in_flight < self.max_ops and credits.can_take_slot():
+            payload = self._pending_sends.popleft()
+            op = self._new_op(None, _WR_SEND, len(payload), True, 1)
+            op.orphan = True
+            assert op.buffer is not None
+            op.buffer[:] = payload
+            addr, lkey = self._local_of(op)
+            op.wr = (addr, lkey, 0, 0, 0, 0, 0)
+            credits.take_slot()
+            self._post_now(op)
+            self._stats["control_sent"] += 1
+        while self._credit_queue and credits.can_take_slot():
+            op = self._credit_queue.popleft()
+            if op.done:
+                continue
+            if op.key_id in self.revoked_ids:
+                self._complete(op, RemoteKeyRevokedError("the key was revoked by the peer"))
+                continue
+            credits.take_slot()
+            self._post_now(op)
+
+    # --- completion -----------------------------------------------------------------------------------------
+
+    def _must_await(self, op: Op) -> bool:
+        """False for a call that completed successfully at its post within the budget (see :meth:`_wait`):
+        it returns without awaiting :meth:`finish` (whose coroutine would only return at once)."""
+        return not op.done or op.error is not None or self._at_post_streak >= _AT_POST_BUDGET
+
+    async def finish(self, op: Op) -> None:
+        """Wait for the op's completion and raise its error (its memory released then). A cancelled wait
+        leaves the op to complete on its own: its memory is rdmaio's (staging or a private MR) and is
+        released only by the completion. After a successful one, the caller reads ``op.buffer`` and
+        calls :meth:`release`."""
+        try:
+            await self._wait(op)
+        except BaseException:
+            if op.done:
+                self.release(op)
+            else:
+                op.orphan = True
+            raise
+        if op.error is not None:
+            self.release(op)
+            raise op.error
+
+    async def _wait(self, op: Op) -> None:
+        """Wait for the op's completion. An op that completed at its post returns at once, without a
+        waiter (on any loop), so a task calling in a loop would never let the event loop run: after
+        ``_AT_POST_BUDGET`` such calls in a row on this engine, one yields to the loop first (a
+        cooperative budget, as Tokio gives each task)."""
+        if op.done:
+            if self._at_post_streak >= _AT_POST_BUDGET:
+                self._at_post_streak = 0
+                await self._io.sleep(0)
+            return
+        waiter = op.waiter = self._io.waiter()
+        await waiter.wait()
+
+    def on_completion(self, wr_id: int, status: int, vendor_err: int = 0) -> None:
+        """A completion of one of our work requests (``wr_id >> 56 == 2``), successful or not: an op's,
+        or another's of the same kind (a window bind's: :attr:`on_other_completion`)."""
+        op = self.ops.get(wr_id & _INDEX_MASK)
+        if op is None:
+            self.on_other_completion(wr_id & _INDEX_MASK, status, vendor_err)
+            return
+        if status == 0:
+            self._complete(op, None)
+            return
+        if status == _WC_REM_ACCESS_ERR:
+            error: BaseException = RemoteAccessRefusedError(
+                "the peer's NIC refused the request (remote access error: a stale or forged key, or a "
+                "peer that is dying); the connection is lost",
+                errno=errno.ECONNRESET,
+                call="ibv_poll_cq",
+            )
+        elif status == _WC_FLUSH:
+            error = self.error or EndpointClosedError("the request was flushed: the connection is closing")
+        else:
+            error = EndpointClosedError(
+                f"one-sided request failed: {verbs.wc_status_str(status)} (vendor {vendor_err})",
+                call="ibv_poll_cq",
+            )
+        self._complete(op, error)
+
+    def _complete(self, op: Op, error: BaseException | None) -> None:
+        if op.done:
+            return
+        op.done = True
+        op.error = error
+        self._forget(op)
+        if op.orphan:  # a cancelled call or a control message: nobody will release its memory
+            self.release(op)
+        if op.waiter is not None:
+            op.waiter.set()
+        self._wake_slot_waiter()
+
+    def _wake_slot_waiter(self) -> None:
+        if self._slot_waiters and self.in_flight < self.max_ops:
+            self._slot_waiters.popleft().set()
+        if self._pending_sends:
+            self.pump()
+
+    def release(self, op: Op) -> None:
+        """Give back the op's local memory (only once the NIC is done with it)."""
+        if op.staging is not None:
+            self._free_staging.append(op.staging)
+            op.staging = None
+        if op.pooled is not None:
+            large, op.pooled = op.pooled, None
+            if not self.closed and self._large_pooled + large.size <= _LARGE_POOL_BYTES:
+                self._large_pool.setdefault(large.size, []).append(large)
+                self._large_pooled += large.size
+            else:
+                large.region.close()
+        if op.mr is not None:
+            mr, op.mr = op.mr, None
+            if hasattr(mr, "release"):
+                mr.release()
+            else:
+                mr.close()
+        op.buffer = None
+
+    def _forget(self, op: Op) -> None:
+        """Take ``op`` out of :attr:`ops` and give back its slots (once: a second call does nothing)."""
+        if self.ops.pop(op.index, None) is not None:
+            self.in_flight -= op.count
+
+    def _abandon(self, op: Op) -> None:
+        self._forget(op)
+        self.release(op)
+        self._wake_slot_waiter()
+
+    # --- the end --------------------------------------------------------------------------------------------
+
+    def close(self, error: BaseException | None) -> None:
+        """The connection is gone (its QP destroyed, so the NIC touches none of our memory any more): fail
+        every pending op with ``error`` and deregister the staging memory and the pooled large buffers."""
+        if self.closed:
+            return
+        self.closed = True
+        self.error = error or EndpointClosedError("endpoint is closed")
+        # Waiting calls release their op's memory when they resume, cancelled ones (orphans) right here.
+        for op in list(self.ops.values()):
+            self._complete(op, _fresh(self.error))
+        self._credit_queue.clear()
+        self._doorbell.clear()
+        if self._ring_handle is not None:
+            self._ring_handle.cancel()
+            self._ring_handle = None
+        while self._slot_waiters:
+            self._slot_waiters.popleft().set()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        for pooled in self._large_pool.values():
+            for large in pooled:
+                large.region.close()
+        self._large_pool.clear()
+        self._large_pooled = 0
+
+    def statistics(self) -> dict[str, int]:
+        """Requests posted, doorbells (post calls), batch waves, serial calls completed at their post, and
+        ops pending (always present, 0 until counted)."""
+        stats = self._stats
+        return {
+            "rdma_ops_posted": stats["rdma_ops_posted"],
+            "rdma_doorbells": stats["rdma_doorbells"],
+            "rdma_batches": stats["rdma_batches"],
+            "rdma_completed_at_post": stats["rdma_completed_at_post"],
+            "rdma_ops_pending": len(self.ops),
+        }
+
+
+def _not_ours(index: int, status: int, vendor_err: int) -> bool:
+    """The default :attr:`OperationEngine.on_other_completion`: nothing else shares our indexes."""
+    return False
