@@ -19,7 +19,7 @@ from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, HandshakeError, VerbsError
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
-from rdmaio.protocol.shared_credits import MIN_WINDOW
+from rdmaio.protocol.reclaim import MIN_WINDOW
 from rdmaio.verbs import CMEvent, CMEventType, CMId
 
 __all__ = ["Handler", "StreamServer", "listen", "serve"]

@@ -17,6 +17,8 @@ and the public API.
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
 * :mod:`~rdmaio.core.onesided`: one-sided RDMA, a package: remote keys, the operation engine, the
   exporter (grants, revocation, write notices) and the facade each connection holds.
+* :mod:`~rdmaio.core.shared_receive`: per device and loop, the optional shared receive queue (its buffers,
+  its credit ledger) and each connection's place on it.
 
 The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`; nothing in
 it imports the public API.

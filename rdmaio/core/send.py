@@ -46,8 +46,8 @@ from rdmaio.errors import EndpointClosedError, ForkError
 from rdmaio.options import Options
 from rdmaio.protocol import Session
 from rdmaio.protocol.frames import BATCH_RECORD_HEADER
+from rdmaio.protocol.reclaim import ReclaimSession
 from rdmaio.protocol.sendqueue import RNDV_FRAME, Payload, SendQueue
-from rdmaio.protocol.shared_credits import ReclaimSession
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every send: no call
 
 __all__ = ["RendezvousSends", "SendArray", "SendRing", "Sender", "check_fork"]

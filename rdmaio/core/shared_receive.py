@@ -2,11 +2,13 @@
 
 One :class:`SharedReceivePool` per Domain (device and loop), created by the first connection that asks for
 it (:func:`shared_pool`): an SRQ, one :class:`~rdmaio.core.rings.SlotRing` of receive buffers registered
-chunk by chunk as the pool grows, and the :class:`~rdmaio.protocol.shared_credits.SharedCreditLedger` that
+chunk by chunk as the pool grows, and the :class:`~rdmaio.protocol.credit_ledger.SharedCreditLedger` that
 lends the posted receives to connections as credits. A connection on it (:class:`SharedMember`, owned by its
 :class:`~rdmaio.core.transport.Transport`) has no receive queue or ring of its own; its session is a
-:class:`SharedSession`, which reports every consumed and reposted receive to the ledger itself, so the
-endpoint's receive path is the same in both modes.
+:class:`~rdmaio.protocol.shared_session.SharedSession`, which reports every reposted receive and RETURN frame
+to the ledger through callbacks bound here (:func:`new_session`), so the endpoint's receive path is the same
+in both modes. (This module knows a Transport only as "something with a ``shared`` member", so that
+:mod:`rdmaio.core.transport`, which imports it, is not imported back.)
 
 Completions: a receive posted on the SRQ cannot carry a connection's tag in its ``wr_id`` (nobody knows
 which QP will take it), so SRQ receives carry tag 0 (never a connection's) and each QP on the SRQ registers
@@ -16,26 +18,28 @@ Completions of a QP that is gone go to the pool's orphan handler, which puts the
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rdmaio.core.dispatch import CompletionHandler
 from rdmaio.core.rings import SlotRing
 from rdmaio.errors import FrameError, RdmaError
 from rdmaio.protocol import FEATURE_RECLAIM, Handshake, Session
-from rdmaio.protocol.frames import FrameKind, returned_credits
-from rdmaio.protocol.shared_credits import ReclaimSession, SharedCreditLedger
+from rdmaio.protocol.credit_ledger import SharedCreditLedger
+from rdmaio.protocol.reclaim import ReclaimSession
+from rdmaio.protocol.shared_session import SharedSession
 from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_RECV, MemoryRegion, SharedReceiveQueue, make_wr_id
 
 if TYPE_CHECKING:
     from rdmaio.core.domain import Domain
-    from rdmaio.core.transport import Transport
     from rdmaio.options import Options
 
 __all__ = [
     "SRQ_TAG",
+    "OnSharedQueue",
     "SharedMember",
     "SharedReceivePool",
     "SharedReceiveQueueFullError",
@@ -56,39 +60,6 @@ SRQ_TAG = 0
 """The connection tag of SRQ receives' wr_ids: the dispatcher never gives a connection tag 0."""
 _RECV_BASE = make_wr_id(WR_KIND_RECV, SRQ_TAG, 0)
 _TICK = 1.0  # seconds between idle checks (windows of idle connections go back to the reserve)
-
-
-class SharedSession(ReclaimSession):
-    """The session of a connection on a shared receive queue: every receive its frames consume and every
-    buffer the endpoint reposts goes through the pool's ledger (credits back to this connection or to the
-    pool); grants of other connections' pool share arrive through :meth:`SharedMember.grant`."""
-
-    __slots__ = ("_member",)
-
-    def __init__(self, local: Handshake, peer: Handshake, member: SharedMember) -> None:
-        super().__init__(local, peer, shared=True)
-        self._member = member
-        member.attach(self)
-
-    def on_frame(self, imm: int, byte_len: int) -> FrameKind:
-        """:meth:`ReclaimSession.on_frame`; a RETURN frame's credits go back to the pool. (The consumed
-        receive itself was reported to the ledger when its completion arrived.)"""
-        kind = super().on_frame(imm, byte_len)
-        if kind is FrameKind.RETURN:
-            member = self._member
-            member.pool.ledger.on_returned(member.key, returned_credits(imm))
-            member.pool.apply()
-        return kind
-
-    def on_recv_reposted(self, n: int) -> None:
-        """``n`` buffers were posted on the SRQ again: the ledger says how many credits stay ours."""
-        member = self._member
-        back, released = member.pool.ledger.on_reposted(member.key, n)
-        if back:
-            super().on_recv_reposted(back)
-        if released:
-            self.release_receives(released)
-        member.pool.apply()
 
 
 class SharedMember:
@@ -410,12 +381,32 @@ def shared_pool(
     return pool
 
 
-def new_session(local: Handshake, peer: Handshake, transport: Transport) -> Session:
-    """The session of a new connection: a :class:`SharedSession` on a shared receive queue, a
-    :class:`~rdmaio.protocol.shared_credits.ReclaimSession` (to answer RECLAIM) if both sides announced
-    ``FEATURE_RECLAIM``, else a plain :class:`~rdmaio.protocol.Session`."""
-    if transport.shared is not None:
-        return SharedSession(local, peer, transport.shared)
+class OnSharedQueue(Protocol):
+    """What :func:`new_session` needs of a connection's transport: its place on a shared receive queue."""
+
+    @property
+    def shared(self) -> SharedMember | None:
+        """The connection's :class:`SharedMember`, or None if it has a receive queue of its own."""
+
+
+def new_session(local: Handshake, peer: Handshake, transport: OnSharedQueue) -> Session:
+    """The session of a new connection: a :class:`~rdmaio.protocol.shared_session.SharedSession` on a shared
+    receive queue (reporting to its pool's ledger), a :class:`~rdmaio.protocol.reclaim.ReclaimSession` (to
+    answer RECLAIM) if both sides announced ``FEATURE_RECLAIM``, else a plain
+    :class:`~rdmaio.protocol.Session`."""
+    member = transport.shared
+    if member is not None:
+        pool = member.pool
+        session = SharedSession(
+            local,
+            peer,
+            # Partials of the ledger's own methods: no Python call of ours between a repost and the ledger.
+            reposted=functools.partial(pool.ledger.on_reposted, member.key),
+            returned=functools.partial(pool.ledger.on_returned, member.key),
+            settled=pool.apply,
+        )
+        member.attach(session)
+        return session
     if local.features & peer.features & FEATURE_RECLAIM:
         return ReclaimSession(local, peer)
     return Session(local, peer)

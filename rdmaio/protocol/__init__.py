@@ -63,6 +63,21 @@ returns a pre-bound :class:`FrameKind` member, no enum is constructed), validate
 test and only fall back to the slower, message-building checks (``_frame_error``) when that test fails, and
 derive rarely-read statistics instead of counting them per frame. Every check of the straightforward version
 is still made, in the same order for the purpose of error messages; ``tools/bench_protocol.py`` measures it.
+
+Modules
+-------
+* :mod:`~rdmaio.protocol.handshake`: the handshake in rdma_cm private data, its limits and feature bits.
+* :mod:`~rdmaio.protocol.frames`: frame kinds and credits in immediate values; DATA_BATCH payloads.
+* :mod:`~rdmaio.protocol.session`: the :class:`Session` (credits taken and granted, frames validated and
+  counted, receives reposted and grown): one class, so the per-frame path makes no call of its own.
+* :mod:`~rdmaio.protocol.closestate`: the close state a Session holds as an object, with its rules as tables.
+* :mod:`~rdmaio.protocol.reclaim`: the reclaim protocol of one connection (RECLAIM/RETURN frames, a window
+  that shrinks): ``ReclaimSession``.
+* :mod:`~rdmaio.protocol.credit_ledger`: the credit ledger of one shared receive queue (per device).
+* :mod:`~rdmaio.protocol.shared_session`: the session of a connection on a shared receive queue, reporting
+  to the pool's ledger through callbacks.
+* :mod:`~rdmaio.protocol.rxbuffer`: the receive buffer (reassembly, reads, slots back-pressure may hold).
+* :mod:`~rdmaio.protocol.rendezvous`: the rendezvous descriptors and transfer states.
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
-"""The close state machine of a :class:`~rdmaio.protocol.session.Session` (sans-IO), as tables.
+"""The close state of one connection (sans-IO): :class:`CloseState`, an object its
+:class:`~rdmaio.protocol.session.Session` holds, and the tables it answers from.
 
-As in h11's ``_state.py``, the rules are data: the connection's condition is a set of facts (``_aborted``,
-``_local_closed``, ``_eof_requested``, ``_peer_eof``, ``_transport_lost``, ``_torn_down``), set by the
-events (:meth:`CloseState.close`, :meth:`~CloseState.abort`, :meth:`~CloseState.on_disconnected`,
-:meth:`~CloseState.on_transport_error`, :meth:`~CloseState.mark_closed`, and the EOF frames), and each
-question the I/O layer asks (the :class:`State`, what a send, a drain or a read must raise) is answered by
-the first row of its table whose fact holds. The order of the rows is the priority of the causes: an abort
-wins over everything, a local close over a lost transport, the peer's EOF over a later disconnect.
+As in h11 (a connection holds its state as an object, with the rules as tables in ``_state.py``), the
+rules are data: the connection's condition is a set of facts (``aborted``, ``local_closed``,
+``eof_requested``, ``peer_eof``, ``transport_lost``, ``torn_down``), each set by one event
+(:meth:`CloseState.close`, :meth:`~CloseState.write_eof`, :meth:`~CloseState.abort`,
+:meth:`~CloseState.on_disconnected`, :meth:`~CloseState.on_transport_error`,
+:meth:`~CloseState.mark_closed`, :meth:`~CloseState.on_peer_eof`), and each question the I/O layer asks
+(the :class:`State`, what a send, a drain or a read must raise) is answered by the first row of its table
+whose fact holds. The order of the rows is the priority of the causes: an abort wins over everything, a
+local close over a lost transport, the peer's EOF over a later disconnect.
+
+The close state knows nothing of frames or credits; the Session tells it the events and copies the one
+fact its per-frame path reads (:attr:`CloseState.wire_down`) into a plain attribute of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import enum
 from typing import Final
 
 from rdmaio.errors import ConnectionAbortedError, ConnectionResetError, EndpointClosedError
-from rdmaio.protocol.sessionfields import SessionFields
 
 __all__ = ["EOF", "CloseState", "EOFType", "State"]
 
@@ -53,7 +58,7 @@ def _chained(err: BaseException, cause: BaseException) -> BaseException:
     return err
 
 
-# What each answer stands for (see CloseState._outcome).
+# What each answer stands for (see CloseState._answer).
 _ABORT = ("abort", "")
 _CLOSED = ("closed", "endpoint is closed")
 _AFTER_EOF = ("closed", "cannot send after write_eof() was called")
@@ -64,53 +69,81 @@ _EOF_OUTCOME = ("eof", "")
 Row = tuple[str, tuple[str, str]]
 
 STATE_TABLE: Final[tuple[tuple[str, State], ...]] = (
-    ("_torn_down", State.CLOSED),
-    ("_aborted", State.ABORTED),
-    ("_local_closed", State.CLOSING),
-    ("_transport_lost", State.DISCONNECTED),
+    ("torn_down", State.CLOSED),
+    ("aborted", State.ABORTED),
+    ("local_closed", State.CLOSING),
+    ("transport_lost", State.DISCONNECTED),
 )
 """The :class:`State` of the first fact that holds (none: OPEN)."""
 
 SEND_ERROR: Final[tuple[Row, ...]] = (
-    ("_aborted", _ABORT),
-    ("_local_closed", _CLOSED),
-    ("_eof_requested", _AFTER_EOF),
-    ("_transport_lost", _PEER_CLOSED),
-    ("_torn_down", _CLOSED),
+    ("aborted", _ABORT),
+    ("local_closed", _CLOSED),
+    ("eof_requested", _AFTER_EOF),
+    ("transport_lost", _PEER_CLOSED),
+    ("torn_down", _CLOSED),
 )
 """What a send/write must raise (:meth:`CloseState.send_error`)."""
 
 FLUSH_ERROR: Final[tuple[Row, ...]] = (
-    ("_aborted", _ABORT),
-    ("_local_closed", _CLOSED),
-    ("_transport_lost", _PEER_CLOSED),
-    ("_torn_down", _CLOSED),
+    ("aborted", _ABORT),
+    ("local_closed", _CLOSED),
+    ("transport_lost", _PEER_CLOSED),
+    ("torn_down", _CLOSED),
 )
 """What a wait for data already accepted must raise (:meth:`CloseState.flush_error`): a requested EOF is
 no error here."""
 
 RECV_OUTCOME: Final[tuple[Row, ...]] = (
-    ("_aborted", _ABORT),
-    ("_local_closed", _CLOSED),
-    ("_peer_eof", _EOF_OUTCOME),
-    ("_transport_lost", _RESET_NO_EOF),
-    ("_torn_down", _CLOSED),
+    ("aborted", _ABORT),
+    ("local_closed", _CLOSED),
+    ("peer_eof", _EOF_OUTCOME),
+    ("transport_lost", _RESET_NO_EOF),
+    ("torn_down", _CLOSED),
 )
 """What a read that finds no buffered data gets (:meth:`CloseState.recv_outcome`)."""
 
 WIRE_ERROR: Final[tuple[Row, ...]] = (
-    ("_aborted", _ABORT),
-    ("_transport_lost", _PEER_CLOSED),
-    ("_torn_down", _CLOSED),
+    ("aborted", _ABORT),
+    ("transport_lost", _PEER_CLOSED),
+    ("torn_down", _CLOSED),
 )
-"""What taking a frame raises once no frame may be sent (:meth:`CloseState._raise_wire_error`)."""
+"""What taking a frame raises once no frame may be sent (:meth:`CloseState.wire_error`)."""
 
 
-class CloseState(SessionFields):
-    """The close state machine: events in, answers out (a part of the
-    :class:`~rdmaio.protocol.session.Session`)."""
+class CloseState:
+    """The close state of one connection: events in (each sets one fact), answers out (from the tables).
 
-    __slots__ = ()
+    Every fact is a plain attribute, False until its event; :attr:`wire_down` (aborted, transport lost or
+    torn down: no frame may be sent any more) is kept with them because every fast path asks it first.
+    """
+
+    __slots__ = (
+        "abort_exc",
+        "aborted",
+        "eof_requested",
+        "local_closed",
+        "peer_eof",
+        "torn_down",
+        "transport_error",
+        "transport_lost",
+        "wire_down",
+    )
+
+    def __init__(self) -> None:
+        self.local_closed = False  #: close() was called
+        self.eof_requested = False  #: write_eof() or close() was called: no new data is accepted
+        self.peer_eof = False  #: the peer's EOF frame arrived
+        self.aborted = False  #: abort() was called or the peer broke the protocol
+        self.abort_exc: BaseException | None = None  #: the first cause of the abort, if any
+        self.transport_lost = False  #: the transport reported a disconnect or an error
+        self.transport_error: BaseException | None = None  #: the first transport error, if any
+        self.torn_down = False  #: the I/O layer finished tearing the connection down
+        self.wire_down = False  #: aborted or transport lost or torn down: no frame may be sent
+
+    def __repr__(self) -> str:
+        facts = [name for name in self.__slots__ if getattr(self, name) is True]
+        return f"<CloseState {self.state.name} {' '.join(facts)}>"
 
     @property
     def state(self) -> State:
@@ -119,6 +152,94 @@ class CloseState(SessionFields):
             if getattr(self, fact):
                 return state
         return State.OPEN
+
+    # -- events ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Graceful local close: implies :meth:`write_eof`; the state becomes CLOSING. Idempotent."""
+        self.local_closed = True
+        self.eof_requested = True
+
+    def write_eof(self) -> None:
+        """Half-close: new data is refused from now on (the EOF frame follows the pending data)."""
+        self.eof_requested = True
+
+    def on_peer_eof(self) -> None:
+        """The peer's EOF frame arrived: a read that finds no data gets :data:`EOF`."""
+        self.peer_eof = True
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Abort the connection now (state ABORTED); ``exc``, if any, is reported to pending operations.
+
+        Idempotent: the first cause is kept. A no-op once :meth:`mark_closed` was called.
+        """
+        if self.aborted or self.torn_down:
+            return
+        self.aborted = True
+        self.abort_exc = exc
+        self.wire_down = True
+
+    def on_disconnected(self) -> None:
+        """The transport reported DISCONNECTED (the peer left or our disconnect completed)."""
+        self.transport_lost = True
+        self.wire_down = True
+
+    def on_transport_error(self, exc: BaseException) -> None:
+        """A completion or rdma_cm error made the transport unusable.
+
+        Only the first cause is kept: errors after a disconnect (e.g. flushed work requests) are
+        consequences, not news.
+        """
+        if not self.transport_lost:
+            self.transport_lost = True
+            self.transport_error = exc
+            self.wire_down = True
+
+    def mark_closed(self) -> None:
+        """The I/O layer finished tearing the connection down; the state becomes CLOSED."""
+        self.torn_down = True
+        self.wire_down = True
+
+    # -- answers --------------------------------------------------------------------------------------------
+
+    def send_error(self) -> BaseException | None:
+        """The exception a send/write/drain must raise now, or None if the state allows new data.
+
+        Credits are a separate matter (``Session.can_send_data``). A new instance is returned on each call.
+        """
+        if not (self.wire_down or self.local_closed or self.eof_requested):
+            return None  # fast path: wire_down is set with aborted, transport_lost and torn_down
+        error = self._answer(SEND_ERROR)
+        assert not isinstance(error, EOFType)
+        return error
+
+    def flush_error(self) -> BaseException | None:
+        """The exception a wait for data already accepted (``drain()``) must raise now, or None.
+
+        Unlike :meth:`send_error`, a requested EOF is no error here: the data written before
+        ``write_eof()`` is still sent, and waiting for it is legitimate. A new instance on each call.
+        """
+        if not (self.wire_down or self.local_closed):
+            return None
+        error = self._answer(FLUSH_ERROR)
+        assert not isinstance(error, EOFType)
+        return error
+
+    def recv_outcome(self) -> BaseException | EOFType | None:
+        """What a read that finds no buffered data gets.
+
+        None means wait for more, :data:`EOF` is the clean end of stream (the peer's EOF wins over a later
+        disconnect or transport error), an exception instance is to be raised.
+        """
+        if not (self.wire_down or self.local_closed or self.peer_eof):
+            return None
+        return self._answer(RECV_OUTCOME)
+
+    def wire_error(self) -> BaseException | None:
+        """What taking a frame must raise once :attr:`wire_down` is set (a new instance), or None."""
+        error = self._answer(WIRE_ERROR)
+        assert not isinstance(error, EOFType)
+        return error
 
     def _answer(self, table: tuple[Row, ...]) -> BaseException | EOFType | None:
         """The outcome of the first row of ``table`` whose fact holds (a new exception instance), or None."""
@@ -133,94 +254,14 @@ class CloseState(SessionFields):
                 return EndpointClosedError(message)
         return None
 
-    def close(self) -> None:
-        """Graceful local close: implies :meth:`write_eof`; the state becomes CLOSING. Idempotent."""
-        self._local_closed = True
-        self._eof_requested = True
-
-    def abort(self, exc: BaseException | None = None) -> None:
-        """Abort the connection now (state ABORTED); ``exc``, if any, is reported to pending operations.
-
-        Idempotent: the first cause is kept. A no-op once :meth:`mark_closed` was called.
-        """
-        if self._aborted or self._torn_down:
-            return
-        self._aborted = True
-        self._abort_exc = exc
-        self._wire_down = True
-
-    def on_disconnected(self) -> None:
-        """The transport reported DISCONNECTED (the peer left or our disconnect completed)."""
-        self._transport_lost = True
-        self._wire_down = True
-
-    def on_transport_error(self, exc: BaseException) -> None:
-        """A completion or rdma_cm error made the transport unusable.
-
-        Only the first cause is kept: errors after a disconnect (e.g. flushed work requests) are
-        consequences, not news.
-        """
-        if not self._transport_lost:
-            self._transport_lost = True
-            self._transport_error = exc
-            self._wire_down = True
-
-    def mark_closed(self) -> None:
-        """The I/O layer finished tearing the connection down; the state becomes CLOSED."""
-        self._torn_down = True
-        self._wire_down = True
-
-    def send_error(self) -> BaseException | None:
-        """The exception a send/write/drain must raise now, or None if the state allows new data.
-
-        Credits are a separate matter (:meth:`can_send_data`). A new instance is returned on each call.
-        """
-        if not (self._wire_down or self._local_closed or self._eof_requested):
-            return None  # fast path: _wire_down is set with _aborted, _transport_lost and _torn_down
-        error = self._answer(SEND_ERROR)
-        assert not isinstance(error, EOFType)
-        return error
-
-    def flush_error(self) -> BaseException | None:
-        """The exception a wait for data already accepted (``drain()``) must raise now, or None.
-
-        Unlike :meth:`send_error`, a requested EOF is no error here: the data written before
-        ``write_eof()`` is still sent, and waiting for it is legitimate. A new instance on each call.
-        """
-        if not (self._wire_down or self._local_closed):
-            return None
-        error = self._answer(FLUSH_ERROR)
-        assert not isinstance(error, EOFType)
-        return error
-
-    def recv_outcome(self) -> BaseException | EOFType | None:
-        """What a read that finds no buffered data gets.
-
-        None means wait for more, :data:`EOF` is the clean end of stream (the peer's EOF wins over a later
-        disconnect or transport error), an exception instance is to be raised.
-        """
-        if not (self._wire_down or self._local_closed or self._peer_eof):
-            return None
-        return self._answer(RECV_OUTCOME)
-
     def _abort_error(self) -> BaseException:
-        exc = self._abort_exc
+        exc = self.abort_exc
         if exc is None:
             return EndpointClosedError("endpoint was aborted")
         return _chained(ConnectionAbortedError(f"connection aborted: {_describe(exc)}"), exc)
 
     def _reset_error(self, message: str) -> BaseException:
-        exc = self._transport_error
+        exc = self.transport_error
         if exc is None:
             return ConnectionResetError(message)
         return _chained(ConnectionResetError(f"connection lost: transport error: {_describe(exc)}"), exc)
-
-    def _wire_ok(self) -> bool:
-        # A local close() still lets the I/O layer flush data, EOF and credits until teardown.
-        return not self._wire_down
-
-    def _raise_wire_error(self) -> None:
-        error = self._answer(WIRE_ERROR)
-        if error is not None:
-            assert not isinstance(error, EOFType)
-            raise error

@@ -39,7 +39,7 @@ is pulled with RDMA READ; :mod:`rdmaio.protocol.rendezvous`). Used only if both 
 FEATURE_RECLAIM: Final = 0x10
 """Handshake feature bit: this side answers a RECLAIM frame with a RETURN frame that gives back the credits
 it holds beyond a small reserve, and accepts both frames (a receiver drawing credits from a shared receive
-queue uses them to take back idle credits; :mod:`rdmaio.protocol.shared_credits`). Used only if both sides
+queue uses them to take back idle credits; :mod:`rdmaio.protocol.reclaim`). Used only if both sides
 announce it."""
 KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW | FEATURE_ONESIDED | FEATURE_RNDV | FEATURE_RECLAIM
 """Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""

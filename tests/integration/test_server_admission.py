@@ -28,7 +28,7 @@ from rdmaio import verbs
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.shared_receive import SharedReceivePool
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, FrameKind, Handshake, encode_imm
-from rdmaio.protocol.shared_credits import MIN_WINDOW, ReclaimSession
+from rdmaio.protocol.reclaim import MIN_WINDOW, ReclaimSession
 from rdmaio.verbs import CMEvent, CMEventType, CMId, EventChannel
 
 __all__ = ["arun"]

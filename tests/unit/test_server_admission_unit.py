@@ -9,7 +9,7 @@ import pytest
 from rdmaio import Options
 from rdmaio.client import local_handshake
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
-from rdmaio.protocol.shared_credits import MIN_WINDOW
+from rdmaio.protocol.reclaim import MIN_WINDOW
 from rdmaio.server import accepting_handshake
 
 NO_GROW = Handshake(recv_depth=32, slot_size=65536, max_message_size=1 << 20)

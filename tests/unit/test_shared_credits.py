@@ -3,14 +3,19 @@ simulation of many connections drawing on one pool (no RNR, no deadlock or starv
 
 from __future__ import annotations
 
+import ast
+import functools
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import rdmaio
+from rdmaio.core import shared_receive
 from rdmaio.errors import FrameError
 from rdmaio.protocol import (
     FEATURE_GROW,
@@ -21,9 +26,11 @@ from rdmaio.protocol import (
     decode_imm,
     encode_imm,
 )
+from rdmaio.protocol.credit_ledger import SharedCreditLedger
 from rdmaio.protocol.frames import MAX_RETURN, encode_return_imm, returned_credits
 from rdmaio.protocol.handshake import FEATURE_RECLAIM
-from rdmaio.protocol.shared_credits import MIN_WINDOW, RETURN_KEEP, ReclaimSession, SharedCreditLedger
+from rdmaio.protocol.reclaim import MIN_WINDOW, RETURN_KEEP, ReclaimSession
+from rdmaio.protocol.shared_session import SharedSession
 
 # -- frames and handshake ---------------------------------------------------------------------------------
 
@@ -208,6 +215,72 @@ def test_ledger_limit_event_asks_for_growth() -> None:
     assert ledger.srq_limit == 4
     ledger.on_limit_event()
     assert ledger.want_buffers() == 8 and ledger.limit_events == 1
+
+
+# -- SharedSession ------------------------------------------------------------------------------------------
+
+
+def test_shared_session_reports_reposts_and_returns_to_its_ledger_through_callbacks() -> None:
+    """The session of a connection on a shared queue keeps its window equal to its lease: reposts are split
+    by the ledger (back to the connection or released to the pool) and a RETURN frame's credits go back to
+    it, each report followed by one ``settled()``; nothing else of a pool is needed."""
+    ledger = SharedCreditLedger(buffers=32, max_buffers=32)
+    assert ledger.open("a", 16, 16, reclaimable=True)
+    lender_hs = Handshake(16, 64, 1024, features=FEATURE_RECLAIM, initial_depth=16)
+    peer_hs = Handshake(8, 64, 1024, features=FEATURE_RECLAIM)
+    settled: list[int] = []
+    lender = SharedSession(
+        lender_hs,
+        peer_hs,
+        reposted=functools.partial(ledger.on_reposted, "a"),
+        returned=functools.partial(ledger.on_returned, "a"),
+        settled=lambda: settled.append(ledger.window("a")),
+    )
+    peer = ReclaimSession(peer_hs, lender_hs)
+
+    def in_step() -> None:
+        assert lender.recv_depth == ledger.window("a") and lender.posted == ledger.outstanding("a")
+        ledger.check()
+
+    for _ in range(3):
+        assert ledger.on_consumed("a")
+        lender.on_frame(peer.take_data_frame(True, 8), 8)
+    lender.on_recv_reposted(3)  # the window is its target: every credit stays the connection's
+    assert settled == [16] and lender.ungranted == 3
+    in_step()
+    ledger.tick()
+    ledger.tick()  # idle for a whole tick: the target falls to the reserve, the peer is to be reclaimed
+    assert ledger.take_reclaims() == ["a"]
+    for _ in range(2):
+        assert ledger.on_consumed("a")
+        lender.on_frame(peer.take_data_frame(True, 8), 8)
+    lender.on_recv_reposted(2)  # above the target: released to the pool, the window shrinks
+    assert settled == [16, 14] and lender.statistics()["released"] == 2
+    in_step()
+    lender.request_reclaim()
+    peer.on_frame(lender.take_reclaim_frame(), 0)
+    imm = peer.take_return_frame()
+    given_back = returned_credits(imm)
+    assert given_back > 0
+    assert ledger.on_consumed("a")
+    assert lender.on_frame(imm, 0) is FrameKind.RETURN
+    assert settled[-1] == 14 - given_back == lender.recv_depth == ledger.window("a")
+    lender.on_recv_reposted(1)  # the RETURN frame's own receive
+    in_step()
+    assert lender.statistics()["credits_returned_received"] == given_back
+
+
+def test_the_shared_receive_pool_does_not_import_the_transport_that_imports_it() -> None:
+    """rdmaio.core.transport imports rdmaio.core.shared_receive; the pool knows a transport only by the
+    shape new_session() needs (no import back, not even for type checking)."""
+    source = (Path(rdmaio.__file__).parent / "core" / "shared_receive.py").read_text()
+    imported = {
+        node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+    assert "rdmaio.core.transport" not in imported
+    assert shared_receive.SharedSession is SharedSession  # the old import path still works
 
 
 # -- simulation ---------------------------------------------------------------------------------------------
