@@ -2,10 +2,10 @@
 
 This class is the public front of one started connection (set up by :mod:`rdmaio.core.dial` or
 :mod:`rdmaio.core.acceptor`); the work is done below it, one job per class:
-:class:`rdmaio.core.connection.Connection` owns the verbs resources, the protocol session, the send engine,
-the receive buffer and the one-sided and rendezvous engines, processes completions, posts, and handles the
-connection's lifetime and events; :class:`rdmaio.core.writer.Writer` does the send calls and
-:class:`rdmaio.core.reader.Reader` the read calls.
+:class:`rdmaio.core.connection.Connection` owns the verbs resources, the protocol session, the one-sided and
+rendezvous engines, demultiplexes completions and handles the connection's lifetime and events; its
+:class:`rdmaio.core.send.Sender` does the send calls and all posting, its
+:class:`rdmaio.core.receive.Receiver` the read calls and all re-posting of receives.
 
 Data path. Every frame travels as one SEND-with-immediate from a registered send slot into a registered
 receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
@@ -28,8 +28,6 @@ from typing import Any, Self
 
 from rdmaio.core.connection import Connection
 from rdmaio.core.onesided import RemoteKey, WriteNotice
-from rdmaio.core.reader import Reader
-from rdmaio.core.writer import Writer
 from rdmaio.errors import VerbsError
 from rdmaio.options import Options
 
@@ -57,8 +55,8 @@ class Endpoint:
         self._conn = (
             connection  # internal: the connection core (tests and tools reach the resources through it)
         )
-        self._reader = Reader(connection)
-        self._writer = Writer(connection)
+        self._reader = connection.receiver  # the read calls
+        self._writer = connection.sender  # the send calls
         self._onesided = connection.onesided
         self._transport = connection.transport
 
@@ -97,7 +95,7 @@ class Endpoint:
 
         ``data`` is copied, so the caller may reuse it at once - except a message of at least
         ``Options.rndv_threshold`` bytes to a peer that supports rendezvous: it is registered and pulled by
-        the peer (zero-copy, :mod:`rdmaio.core.rndv_engine`), and ``send()`` returns once the peer has it (a
+        the peer (zero-copy, :mod:`rdmaio.core.rendezvous`), and ``send()`` returns once the peer has it (a
         cancelled one waits until the peer withdrew or finished reading it); the buffer is free when
         ``send()`` returns or raises. A message up to ``Options.batch_limit``
         (8 KiB) is packed with the other small messages of the same loop iteration into one frame, and
@@ -171,7 +169,7 @@ class Endpoint:
 
     def get_write_buffer_size(self) -> int:
         """Bytes queued for sending and not yet posted to the NIC."""
-        return self._conn.tx.buffered
+        return self._writer.buffered
 
     def can_write_eof(self) -> bool:
         """Always True: half-close is supported."""

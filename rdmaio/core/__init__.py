@@ -5,7 +5,7 @@ and the public API.
 * :mod:`~rdmaio.core.reactor`: per loop, the rdma_cm event channel and async-event routing; the domains.
 * :mod:`~rdmaio.core.domain`: per device and loop, the protection domain, the registration cache, the
   ring-memory pool and the completion dispatcher; the device's settings (``max_pinned``).
-* :mod:`~rdmaio.core.completions`: the shared CQs on one completion channel, dispatched per connection.
+* :mod:`~rdmaio.core.dispatch`: the shared CQs on one completion channel, dispatched per connection.
 * :mod:`~rdmaio.core.rings`: slot rings registered chunk by chunk, and their pool.
 * :mod:`~rdmaio.core.transport`: one connection's verbs resources (QP, rings, CQ reservation) and their
   teardown order.
@@ -15,7 +15,11 @@ and the public API.
   per-source limit), pending connections and their establishment deadline, handshake, session choice.
 * :mod:`~rdmaio.core.negotiation`: the handshakes both sides of setup announce.
 * :mod:`~rdmaio.core.resolver`: host names to the numeric addresses rdma_cm takes.
-* :mod:`~rdmaio.core.txengine`: the send engine (queue, coalescing, send slots, work requests).
+* :mod:`~rdmaio.core.connection`: one connection's parts, the demultiplexing of its completions, its
+  lifetime (close, failure, teardown, rdma_cm and async events).
+* :mod:`~rdmaio.core.send`: the sender - the send calls, the send queue's owner, every post of a frame.
+* :mod:`~rdmaio.core.receive`: the receiver - received frames, the read calls, every re-post of a receive.
+* :mod:`~rdmaio.core.rendezvous`: zero-copy large messages (RDMA READ by the receiver).
 * :mod:`~rdmaio.core.keepalive`: idle-connection probes.
 * :mod:`~rdmaio.core.onesided`: one-sided RDMA, a package: remote keys, the operation engine, the
   exporter (grants, revocation, write notices) and the facade each connection holds.
@@ -23,6 +27,6 @@ and the public API.
   its credit ledger) and each connection's place on it.
 
 The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`, and reaches
-C through the verbs layer (``ffi``/``lib`` from :mod:`rdmaio.verbs.native`; tests/unit/test_layers.py lists
-the modules that still import :mod:`rdmaio._ffi` directly); nothing in it imports the public API.
+C only through the verbs layer (its objects, or ``ffi``/``lib`` from :mod:`rdmaio.verbs.native`, checked by
+tests/unit/test_layers.py); nothing in it imports the public API.
 """

@@ -1,17 +1,18 @@
-"""Connection: the core of one :class:`~rdmaio.Endpoint` - its resources, completions, posting and lifetime.
+"""Connection: the core of one :class:`~rdmaio.Endpoint` - its parts, its completions and its lifetime.
 
 Data path. Every frame travels as one SEND-with-immediate from a registered send slot into a registered
 receive slot of the peer; the immediate value carries the frame kind and piggybacked credits
-(:mod:`rdmaio.protocol`). Completions come from the domain's shared CQs (:mod:`rdmaio.core.completions`): one
-wake-up of its completion channel polls a whole batch through the C helper, grouped by connection, and
-this connection's :class:`~rdmaio.core.processing.CompletionProcessor` gets its own group of it. A send
-never meets an empty receive queue. The send side's queue, coalescing, slots and
-posting are :mod:`rdmaio.core.txengine`'s; this class decides when to stage and post, wakes who waits, and
-owns the connection's lifetime (close, failure, teardown, rdma_cm and async events, keepalive).
+(:mod:`rdmaio.protocol`). The send side is one :class:`~rdmaio.core.send.Sender` (the send calls, the send
+queue, every post of a frame); the receive side one :class:`~rdmaio.core.receive.Receiver` (received
+frames, the read calls, every re-post of a receive slot). One-sided operations are the
+:class:`~rdmaio.core.onesided.OneSidedEngine`'s, zero-copy messages the
+:class:`~rdmaio.core.rendezvous.RendezvousEngine`'s, idle probes the
+:class:`~rdmaio.core.keepalive.Keepalive`'s.
 
-The public front is :class:`rdmaio.Endpoint`; the reads are :mod:`rdmaio.core.reader`'s and the sends
-:mod:`rdmaio.core.writer`'s, both on top of this class. Internal: its attributes and methods are shared by
-those modules and the one-sided and rendezvous engines, not a public API.
+This class builds those parts (each gets what it needs in its constructor: no part imports this module),
+demultiplexes this connection's group of each completion batch from the domain's dispatcher
+(:mod:`rdmaio.core.dispatch`) to them, and owns the connection's lifetime: close, failure, teardown,
+rdma_cm and async events. Internal: the public front is :class:`rdmaio.Endpoint`.
 """
 
 from __future__ import annotations
@@ -24,31 +25,30 @@ from collections.abc import Callable
 from typing import Any
 
 from rdmaio import verbs
-from rdmaio.core.backend import Event, Handle, Waiter
+from rdmaio.core.backend import Event, Handle
 from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive
-from rdmaio.core.onesided import OneSidedEngine
-from rdmaio.core.processing import CompletionProcessor
+from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine
 from rdmaio.core.reactor import Reactor
-from rdmaio.core.rndv_engine import RendezvousEngine
+from rdmaio.core.receive import Receiver
+from rdmaio.core.rendezvous import RendezvousEngine
+from rdmaio.core.send import Sender, check_fork
 from rdmaio.core.transport import Transport
-from rdmaio.core.txengine import SendEngine
 from rdmaio.errors import (
     ConnectionAbortedError,
     ConnectionResetError,
-    EndpointClosedError,
-    ForkError,
     ProtocolError,
     VerbsError,
 )
 from rdmaio.options import Options
 from rdmaio.protocol import Session
-from rdmaio.protocol.rxbuffer import ReceiveBuffer
-from rdmaio.verbs import CMEvent, CMEventType, CMId, make_wr_id
-from rdmaio.verbs import _base as _fork_state  # its _generation is read on every send: no call
+from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
 
 __all__ = ["Connection"]
 
 log = logging.getLogger("rdmaio")
+
+_RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
+_FLUSH = int(WcStatus.WR_FLUSH_ERR)
 
 _STAT_KEYS = (
     "bytes_sent",
@@ -77,11 +77,11 @@ def _weak_call(method: Callable[[BaseException], None]) -> Callable[[BaseExcepti
 
 
 class Connection:
-    """One established connection's resources and machinery (see the module docstring).
+    """One established connection's parts and lifetime (see the module docstring).
 
-    It owns the transport (verbs resources), the session (sans-IO protocol state), the send engine, the
-    receive buffer, the one-sided and rendezvous engines and the keepalive; it processes this connection's
-    completions, stages and posts frames, wakes the waiting reader and writers, and tears everything down.
+    It owns the transport (verbs resources), the session (sans-IO protocol state), the sender, the
+    receiver, the one-sided and rendezvous engines and the keepalive; it hands each completion batch to
+    them and tears everything down.
     """
 
     def __init__(
@@ -92,7 +92,6 @@ class Connection:
         self._cm_id = cm_id
         self.transport = transport
         self.session = session
-        self.options = options  # replaced by Endpoint.set_write_buffer_limits()
         self.generation = verbs.fork_generation()
         qp = transport.qp
         self.qp = qp
@@ -108,30 +107,43 @@ class Connection:
             # The largest message the peer accepts (its handshake): what send() checks against.
             "peer_max_message_size": session.peer.max_message_size,
         }
-        # receive side
-        self.rxbuf = ReceiveBuffer(options.recv_buffer_limit)
-        self._rx_waiter: Waiter | None = None
-        # send side: the engine does the work; the connection decides when, and wakes who waits
         self.stats = collections.Counter[str]()
-        self.tx = SendEngine(
+        fail = _weak_call(self.fail)  # no part -> connection cycle: a closed connection is freed at once
+        self.sender = Sender(
             session,
             qp,
             transport.send_ring,
             transport.slot_size,
+            io=self.io,
+            options=options,
             initial=options.initial_depth,
             max_inline=self.max_inline,
             signal_interval=options.signal_interval,
             batch_limit=options.batch_limit,
             stats=self.stats,
             tag=transport.tag or 0,  # sharedcq: the connection tag of the send wr_ids
+            fail=fail,
+            generation=self.generation,
         )
-        self.onesided = OneSidedEngine.for_connection(self, transport, session, options)  # one-sided RDMA
+        self.receiver = Receiver(
+            session,
+            transport,
+            transport.recv_ring.view,
+            io=self.io,
+            options=options,
+            stats=self.stats,
+            stage=self.sender.stage,
+            generation=self.generation,
+        )
+        self.rxbuf = self.receiver.rxbuf
+        self._options = options
+        # one-sided RDMA: its held write-notice slots go back through the receiver (repost)
+        self.onesided = OneSidedEngine.for_connection(self, transport, session, options)
         self.rndv = RendezvousEngine.for_connection(self, transport, options)  # zero-copy (None: not used)
-        self.flush_handle: Handle | None = None  # the end-of-iteration flush of coalesced writes
-        self._post_handle: Handle | None = None
+        self.receiver.onesided = self.onesided
+        self.receiver.rndv = self.rndv
+        self.sender.rndv = self.rndv
         self._close_timer: Handle | None = None  # bounds a graceful close (Options.close_timeout)
-        self._in_callback = False  # in pump_and_post(): it posts right after pump, so pump must not
-        self.tx_waiters: dict[Waiter, None] = {}  # an ordered set: a cancelled wait removes its own
         # lifetime
         self.closing = False
         self.torn_down = False
@@ -139,11 +151,21 @@ class Connection:
         self._close_callbacks: list[Callable[[], None]] = []
         self._start(reactor, cm_id, transport)
 
+    @property
+    def options(self) -> Options:
+        """The connection's options (replaced by :meth:`rdmaio.Endpoint.set_write_buffer_limits`)."""
+        return self._options
+
+    @options.setter
+    def options(self, options: Options) -> None:
+        self._options = self.sender.options = self.receiver.options = options
+
     def _start(self, reactor: Reactor, cm_id: CMId, transport: Transport) -> None:
         """Route this connection's events and completions here and start the keepalive."""
         qp = self.qp
+        post_probe = self.sender.post_probe
         # keepalive (rdmaio.core.keepalive): probes the peer when idle, so a vanished peer fails the
-        # connection. Made first: the completion processor routes the probes' completions to it.
+        # connection. Its probes' completions are routed to it by on_completions.
         stats = self.stats
         # The tag routes the probe's completion back here through the shared CQ.
         keepalive_wr_id = make_wr_id(KEEPALIVE_WR_KIND, transport.tag or 0, 0)
@@ -151,7 +173,7 @@ class Connection:
             reactor.keepalive_timers,
             self.options.keepalive_interval,
             lambda: stats["completions"] + stats["frames_posted"],
-            lambda: qp.post_empty_write(keepalive_wr_id),
+            lambda: post_probe(keepalive_wr_id),  # through the sender, which owns posting on the send queue
             _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
         )
@@ -160,7 +182,7 @@ class Connection:
         reactor.watch_qp(*self._async_key, self._on_async_event)
         # sharedcq: completions come from the domain's dispatcher (those kept since the QP was registered
         # go first).
-        transport.set_completion_handler(CompletionProcessor(self, self._keepalive).on_completions)
+        transport.set_completion_handler(self.on_completions)
         shared = transport.shared
         if shared is not None:  # the shared receive pool fails us for an overrun or a silent peer
             shared.on_failure = _weak_call(self.fail)
@@ -182,8 +204,8 @@ class Connection:
         stats["credits_ungranted"] = self.session.ungranted
         stats["recv_buffered"] = self.rxbuf.buffered
         stats["recv_held_slots"] = self.rxbuf.held
-        stats["send_waiters"] = len(self.tx_waiters)
-        stats["send_buffered"] = self.tx.buffered
+        stats["send_waiters"] = len(self.sender.waiters)
+        stats["send_buffered"] = self.sender.buffered
         stats["keepalive_probes"] = self._keepalive.probes_sent
         stats.update(self.onesided.statistics())  # one-sided: pending ops, grants, queued notices
         for key, value in self.session.statistics().items():
@@ -192,150 +214,89 @@ class Connection:
             stats.update(self.rndv.statistics())
         return stats
 
-    # --- completion processing (dispatcher callback) ------------------------------------------------
+    # --- completions: each batch's group, demultiplexed ---------------------------------------------
 
     def poll_completions(self) -> None:
-        """Poll the shared CQs now: this connection's completions go to its
-        :class:`~rdmaio.core.processing.CompletionProcessor`."""
+        """Poll the shared CQs now: this connection's completions come to :meth:`on_completions`."""
         if not self.torn_down:
             self.transport.poll_completions()
 
     disconnected = False  # rdma_cm said DISCONNECTED: flush completions are cancellations
 
-    # --- posting ------------------------------------------------------------------------------------
+    def on_completions(self, records: Any, start: int, count: int) -> None:
+        """The dispatcher's handler: ``records[start:start + count]`` are this connection's, in CQ order.
 
-    def pump(self) -> None:
-        """Stage queued frames (and due EOF/credit frames) as far as credits and send slots allow.
-
-        Frames are copied into send slots at once (so callers' buffers are free) but posted to the NIC
-        together by :meth:`post_staged` at the end of the loop iteration: one doorbell for every frame
-        of the iteration, which on rxe saves a system call per frame.
-        """
+        Receives go to the receiver in one call per run of completions (:meth:`Receiver.on_batch`), send
+        completions to the sender, one-sided ones to the one-sided engine, a keepalive probe's to the
+        keepalive; a failed completion fails the connection unless it is a flush after a close or
+        disconnect (the receives before it in CQ order are processed first). Then the sender transmits
+        what the batch made possible."""
         if self.torn_down:
             return
-        if self.tx.stage() and self._post_handle is None and not self._in_callback:
-            self._post_handle = self.io.call_soon(self._post_staged_soon)
-
-    def pump_and_post(self) -> None:
-        """Stage what credits and send slots allow and post it now, in one doorbell with anything staged
-        earlier in this iteration, instead of at the end of the iteration."""
-        if not self.tx.has_work():
-            return  # the common case after a completion batch or a flush: nothing queued, nothing due
-        self._in_callback = True  # pump must not schedule the post: it happens right here
         try:
-            self.pump()
-        finally:
-            self._in_callback = False
-        if self._post_handle is not None:
-            self._post_handle.cancel()  # it would find nothing left to post
-        self.post_staged()
-
-    def _post_staged_soon(self) -> None:
-        """The end-of-iteration post (a loop callback): a failure fails the connection, nothing escapes."""
-        try:
-            self.post_staged()
+            stats = self.stats
+            stats["wakeups"] += 1
+            # sharedcq: the dispatcher calls once per group and re-polls while batches come back full.
+            stats["completions"] += count
+            run = start  # the receives from here on are not processed yet
+            receives = False
+            only_onesided = True  # every completion was a successful one-sided request of ours
+            for i in range(start, start + count):
+                wc = records[i]
+                if wc.status:
+                    only_onesided = False
+                    if receives:
+                        receives = False
+                        self.receiver.on_batch(records, run, i - run)
+                    run = i + 1
+                    if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided
+                        self.onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
+                    self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
+                    if self.torn_down:
+                        return
+                elif wc.opcode & _RECV_FLAG:
+                    receives = True
+                else:
+                    op_kind = wc.wr_id >> WR_KIND_SHIFT
+                    if op_kind == WR_KIND_ONESIDED:  # one-sided
+                        self.onesided.on_completion(int(wc.wr_id), 0)
+                        continue
+                    only_onesided = False
+                    if op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
+                        self._keepalive.on_completion()
+                    else:
+                        self.sender.on_send_completion(wc.wr_id & WR_INDEX_MASK)
+            if receives:
+                only_onesided = False
+                self.receiver.on_batch(records, run, start + count - run)
+            if only_onesided:
+                # READ/WRITE/atomic completions free no send slot, bring no credit and no data: the sender
+                # and the reader have nothing new (a serial one-sided caller polls after every post, so
+                # this is its per-request path). What waits for a free op slot was woken by on_completion.
+                self.onesided.pump()
+                return
+            self.onesided.pump()  # one-sided: credits may have arrived
+            self.sender.on_batch_end()
+            if self.closing:
+                self.finish_close()  # a graceful close ends when its last send completes
+        except ProtocolError as exc:
+            log.warning("rdmaio: protocol violation by %s: %s", self.extra["peername"], exc)
+            self.fail(exc)
         except Exception as exc:
-            log.exception("rdmaio: posting sends failed")
+            log.exception("rdmaio: completion processing failed")
             self.fail(exc)
 
-    def post_staged(self) -> None:
-        """Post every staged frame with one chained ibv_post_send."""
-        self._post_handle = None
-        if not self.torn_down:
-            self.tx.post()
-
-    def schedule_flush(self) -> None:
-        """Queue, stage and post what was coalesced at the end of this loop iteration (once)."""
-        if self.flush_handle is None:
-            self.flush_handle = self.io.call_soon(self._flush_and_pump)
-
-    def _flush_and_pump(self) -> None:
-        """End of a loop iteration's writes (a loop callback): queue what was coalesced, stage it and
-        post it at once. A failure fails the connection: nothing escapes into the loop's error log."""
-        self.flush_handle = None
-        self.tx.coalesce_next = False
-        try:
-            self.tx.flush_buffers()
-            self.pump_and_post()
-        except Exception as exc:
-            log.exception("rdmaio: sending coalesced writes failed")
-            self.fail(exc)
-        if self.tx_waiters:
-            self.wake_writers()
-
-    def repost_released(self) -> None:
-        """Post the receive slots the buffer no longer holds (their credits go to the peer)."""
-        slots = self.rxbuf.releasable()
-        if slots and not self.torn_down:
-            self.transport.post_receives(slots)
-            self.session.on_recv_reposted(len(slots))
-            self.pump()
-
-    # --- waiting ------------------------------------------------------------------------------------
-
-    def wake_reader(self) -> None:
-        waiter = self._rx_waiter
-        if waiter is not None:
-            self._rx_waiter = None
-            waiter.set()
-
-    def wake_writers(self) -> None:
-        waiters, self.tx_waiters = self.tx_waiters, {}
-        for waiter in waiters:
-            waiter.set()
-
-    async def wait_readable(self) -> None:
-        """Wait for received data or a state change. A reader that waits needs more than is buffered, so
-        held slots are released while it waits (as asyncio's StreamReader resumes reading)."""
-        if self._rx_waiter is not None and not self._rx_waiter.is_set():
-            raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self.io.waiter()
-        self._rx_waiter = waiter
-        self.rxbuf.reader_waiting = True
-        self.repost_released()
-        try:
-            await waiter.wait()
-        finally:
-            self.rxbuf.reader_waiting = False
-            if self._rx_waiter is waiter:
-                self._rx_waiter = None
-
-    async def wait_writable(self) -> None:
-        waiter = self.io.waiter()
-        self.tx_waiters[waiter] = None
-        try:
-            await waiter.wait()
-        finally:
-            self.tx_waiters.pop(waiter, None)  # cancelled: do not pile up until the next wake-up
+    def _on_wc_error(self, status: int, opcode: int, vendor_err: int) -> None:
+        if status == _FLUSH and (self.closing or self.session.peer_eof or self.disconnected):
+            return  # the QP was moved to error by a disconnect: outstanding requests are cancelled
+        message = (
+            f"work completion failed: {verbs.wc_status_str(status)} (opcode {opcode}, vendor {vendor_err})"
+        )
+        self.fail(ConnectionResetError(message, errno=104, call="ibv_poll_cq"))
 
     def check_fork(self) -> None:
-        if self.generation != _fork_state._generation:
-            raise ForkError(
-                "this Endpoint was created before fork(); RDMA connections cannot be used in "
-                "the child process: connect again there"
-            )
-
-    # The two checks below run on every send/write/drain: the common case (same process, open, no error)
-    # costs attribute reads and the session's own fast path, not a chain of calls.
-
-    def raise_send_error(self) -> None:
-        if self.generation != _fork_state._generation:
-            self.check_fork()
-        error = self.session.send_error()
-        if error is not None:
-            raise error
-        if self.closing:
-            raise EndpointClosedError("endpoint is closing")
-
-    def raise_flush_error(self) -> None:
-        """What waiting for data already accepted raises: not a requested EOF, which comes after it."""
-        if self.generation != _fork_state._generation:
-            self.check_fork()
-        error = self.session.flush_error()
-        if error is not None:
-            raise error
-        if self.closing:
-            raise EndpointClosedError("endpoint is closing")
+        """Raise :class:`~rdmaio.errors.ForkError` in a child process (the verbs objects are unusable)."""
+        check_fork(self.generation)
 
     # --- lifetime -----------------------------------------------------------------------------------
 
@@ -349,8 +310,7 @@ class Connection:
             return
         self.session.close()
         try:
-            self.tx.flush_buffers()
-            self.pump()
+            self.sender.close()
         except Exception as exc:  # never leave a close half done: release everything instead
             log.exception("rdmaio: flushing on close failed; aborting the connection")
             self.fail(exc)
@@ -366,14 +326,13 @@ class Connection:
         """Tear down a graceful close once the queued data, the EOF and any zero-copy send are done."""
         if self.torn_down or not self.closing:
             return
-        tx = self.tx
-        if tx.txq or not tx.eof_done or (self.rndv is not None and self.rndv.sending):
+        if not self.sender.done or (self.rndv is not None and self.rndv.sending):
             return
         self.teardown()
 
     def _close_timed_out(self) -> None:
         if not self.torn_down:
-            log.debug("rdmaio: close timed out with %d bytes unsent; aborting", self.tx.buffered)
+            log.debug("rdmaio: close timed out with %d bytes unsent; aborting", self.sender.buffered)
             self.teardown()
 
     def abort(self) -> None:
@@ -382,7 +341,7 @@ class Connection:
             return
         self.closing = True
         self.session.abort()
-        self.tx.clear()
+        self.sender.abort()
         self.teardown()
 
     def add_close_callback(self, callback: Callable[[], None]) -> None:
@@ -409,18 +368,18 @@ class Connection:
         self.torn_down = True
         self.closing = True
         self._keepalive.stop()
-        for handle in (self.flush_handle, self._post_handle, self._close_timer):
-            if handle is not None:
-                handle.cancel()
-        self.flush_handle = self._post_handle = self._close_timer = None
+        # Both stop at once (no more posts or re-posts); the waiters they wake run after this returns.
+        self.sender.stop()
+        self.receiver.stop()
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+            self._close_timer = None
         if self.generation == verbs.fork_generation():  # not forked
             self._release_verbs()
         self.session.mark_closed()
         self.onesided.close(self.session.flush_error())  # one-sided: the QP is gone now
         if self.rndv is not None:  # zero-copy: after the QP, so no READ runs any more
             self.rndv.close(self.session.flush_error())
-        self.wake_reader()
-        self.wake_writers()
         self.closed.set()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:

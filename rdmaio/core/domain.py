@@ -2,7 +2,7 @@
 
 A :class:`Domain` holds the protection domain (so that memory registered once can serve every connection on
 the device, which one-sided operations and zero-copy transfers need), a :class:`RegistrationCache`, and the
-completion dispatcher (:mod:`rdmaio.core.completions`): one completion channel on the loop and a pool
+completion dispatcher (:mod:`rdmaio.core.dispatch`): one completion channel on the loop and a pool
 of shared CQs whose completions are dispatched to the connections by QP number and connection tag, so that one
 wake-up serves every connection. One exists per device per loop (``Reactor.domain(device)``); it is closed
 with the loop (at the end of the trio run, or when the asyncio loop is garbage-collected) or explicitly.
@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rdmaio.core.completions import DEFAULT_BATCH, DEFAULT_CQ_CAPACITY, CompletionDispatcher
+from rdmaio.core.dispatch import DEFAULT_BATCH, DEFAULT_CQ_CAPACITY, CompletionDispatcher
 from rdmaio.core.rings import ArenaPool
 from rdmaio.verbs import (
     CompletionBatch,

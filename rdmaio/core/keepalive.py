@@ -25,7 +25,7 @@ sleeping tasks, and starting or stopping a keepalive is a set insertion or remov
 to wake at close: both sit on every connection's setup and teardown).
 
 The probe's work request id carries operation kind :data:`KEEPALIVE_WR_KIND` in its top 8 bits
-(``wr_id >> 56``), so the endpoint routes its completion here instead of to the send engine.
+(``wr_id >> 56``), so the connection routes its completion here instead of to the sender.
 """
 
 from __future__ import annotations

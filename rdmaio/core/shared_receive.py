@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rdmaio.core.completions import CompletionHandler
+from rdmaio.core.dispatch import CompletionHandler
 from rdmaio.core.rings import SlotRing
 from rdmaio.errors import FrameError, RdmaError
 from rdmaio.protocol import FEATURE_RECLAIM, Handshake, Session

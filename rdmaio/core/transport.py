@@ -4,7 +4,7 @@ A :class:`Transport` owns, for one connected cm id: a ring of receive slots and 
 (:class:`~rdmaio.core.rings.SlotRing`, registered in the device's shared protection domain chunk by chunk as
 load needs them), the RC queue pair, and a reservation of CQ entries (send depth + receive depth at their
 largest + a margin, so the CQ cannot overflow) on one of its domain's shared CQs
-(:mod:`rdmaio.core.completions`).
+(:mod:`rdmaio.core.dispatch`).
 The protection domain and the CQs are the domain's. The transport registers its QP with the domain's
 completion dispatcher, which gives it the connection tag of its wr_ids, and unregisters before the QP is
 destroyed. It knows nothing about framing or credits.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import cast
 
-from rdmaio.core.completions import CompletionHandler, CQReservation
+from rdmaio.core.dispatch import CompletionHandler, CQReservation
 from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.rings import SlotRing
@@ -186,7 +186,7 @@ class Transport:
     def post_rdma_polled(self, count: int, wr_id: int) -> bool:
         """Post the first ``count`` one-sided requests of the QP's scratch array, then poll this connection's
         CQ once for the completion of ``wr_id`` (one C call when the dispatcher can take the records now;
-        see :meth:`CompletionDispatcher.polled <rdmaio.core.completions.CompletionDispatcher.polled>`,
+        see :meth:`CompletionDispatcher.polled <rdmaio.core.dispatch.CompletionDispatcher.polled>`,
         else a post and :meth:`poll_completions`). True when that completion was there, successful and
         alone, and so was not dispatched. Raises :class:`~rdmaio.errors.VerbsError` when the post failed."""
         completions, cq, qp = self.completions, self.cq, self.qp

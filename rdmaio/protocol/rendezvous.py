@@ -30,7 +30,7 @@ receiver its connection; instead:
 So a cancelled ``send()`` delivers the whole message or nothing, as an eager one, and the peer never reads
 memory the caller got back.
 
-Everything in this module is pure bookkeeping: the I/O is :mod:`rdmaio.core.rndv_engine`'s.
+Everything in this module is pure bookkeeping: the I/O is :mod:`rdmaio.core.rendezvous`'s.
 """
 
 from __future__ import annotations

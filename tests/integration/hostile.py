@@ -24,7 +24,6 @@ from typing import Any
 
 import rdmaio
 from rdmaio import verbs
-from rdmaio.core.txengine import RNDV_FRAME
 from rdmaio.protocol.rendezvous import CTL_CANCEL, CTL_DONE, CTL_WITHDRAWN, Descriptor
 
 __all__ = [
@@ -48,14 +47,7 @@ def export_region(ep: rdmaio.Endpoint, data: bytes | bytearray) -> verbs.MemoryR
 
 def forge_rndv(ep: rdmaio.Endpoint, desc: Descriptor) -> None:
     """Queue one RNDV frame carrying ``desc`` on ``ep``'s send queue; it is posted as credits allow."""
-    conn = ep._conn
-    tx = conn.tx
-    encoded = bytearray(desc.encode())
-    tx.flush_buffers()
-    tx.txq.append((encoded, RNDV_FRAME))
-    tx.queued_frames += 1
-    tx.txq_bytes += len(encoded)
-    conn.pump()
+    ep._conn.sender.queue_rndv(bytearray(desc.encode()))
 
 
 def forge_rndv_many(

@@ -240,7 +240,7 @@ def test_failure_in_a_loop_callback_fails_the_endpoint(arun: Runner[Any], rdma_a
 
     async def main() -> None:
         async with pair("rdma", rdma_addr, server) as (_reader, ep, _result):
-            ep._conn.tx._qp = _FailingPosts(ep._conn.tx._qp)  # the send engine posts through it
+            ep._conn.sender._qp = _FailingPosts(ep._conn.sender._qp)  # the sender posts through it
             ep.write(b"x" * 100)  # coalesced: posted by the loop callback at the end of the iteration
             await asyncio.sleep(0.1)
             assert ep.is_closing()

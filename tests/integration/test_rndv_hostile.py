@@ -185,7 +185,7 @@ def test_announcement_flood_is_held_back_and_released_by_reading(arun: Runner[An
                 assert stats["recv_held_slots"] > 0, stats
                 assert rxbuf.pending + stats["rndv_received"] == stats["rndv_announced"]
                 assert rxbuf.committed <= limit + (1 + recv_depth) * (length + PLACEHOLDER_CHARGE)
-                assert len(attacker._conn.tx.txq) >= count - bound  # the rest waits for credits
+                assert len(attacker._conn.sender.queue.txq) >= count - bound  # the rest waits for credits
                 for i in range(count):
                     got = await asyncio.wait_for(victim.recv(), 60)
                     assert got == PATTERN[:length], i

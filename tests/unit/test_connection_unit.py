@@ -21,14 +21,11 @@ import pytest
 import rdmaio
 import rdmaio.core.onesided
 from rdmaio import verbs
-from rdmaio._ffi import ffi
-from rdmaio.core.backend import AsyncioBackend
 from rdmaio.core.connection import Connection
-from rdmaio.core.keepalive import KeepaliveTimers
-from rdmaio.core.rings import SlotRing
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, Handshake, Session
+from rdmaio.testing.fakes import FakeCMId, FakeReactor, FakeTransport, fake_completion, wire
 from rdmaio.verbs import CMEventType
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -43,148 +40,11 @@ OPTIONS = rdmaio.Options(
     keepalive_interval=None,
     rndv_threshold=0,
 )
-_RECV = int(verbs.WcOpcode.RECV)
 _SEND = int(verbs.WcOpcode.SEND)
 
 
 def _no_device(device: Any) -> Any:
     raise VerbsError("no device in unit tests", call="ibv_query_device")
-
-
-class FakeQP:
-    """Posts go to the peer's receive slots one loop iteration later (the wire)."""
-
-    def __init__(self, ring: SlotRing, qp_num: int) -> None:
-        self.qp_num = qp_num
-        self.send_array = [SimpleNamespace() for _ in range(DEPTH)]
-        self.rdma_array = ffi.new("struct rdmaio_rdma_op[]", 16)  # one-sided requests (none posted here)
-        self._ring = ring
-        self.wire: Callable[[list[tuple[int, bytes, int, int]]], None] | None = None
-        self.chains = 0
-
-    def post_sends(self, count: int) -> None:
-        chain = []
-        for wr in self.send_array[:count]:
-            # A slot of the ring, or an inline frame's scratch bytes: read them at post time, as the NIC does.
-            data = bytes(ffi.buffer(ffi.cast("char *", wr.addr), wr.length)) if wr.length else b""
-            chain.append((int(wr.wr_id), data, wr.imm_data, wr.send_flags))
-        self.chains += 1
-        assert self.wire is not None
-        asyncio.get_running_loop().call_soon(self.wire, chain)
-
-    def post_empty_write(self, wr_id: int) -> None:
-        raise AssertionError("keepalive is off in these tests")
-
-
-class FakeTransport:
-    """The verbs resources of one side: a send ring, a receive ring, a queue pair (all in memory)."""
-
-    def __init__(self, qp_num: int, tag: int) -> None:
-        self.slot_size = SLOT
-        self.max_inline = 0
-        self.tag = tag
-        registrar = lambda view: SimpleNamespace(lkey=100, close=lambda: None)  # noqa: E731
-        self.send_ring = SlotRing(SLOT, DEPTH, registrar)
-        self.qp = FakeQP(self.send_ring, qp_num)
-        self.recv_ring = SimpleNamespace(view=memoryview(bytearray(SLOT * DEPTH)))
-        self.device = SimpleNamespace(name="fake0", handle=1)
-        self.cq = SimpleNamespace(handle=2)
-        self.pd = None
-        self.domain = SimpleNamespace(registrations=None)
-        self.registered_bytes = 2 * SLOT * DEPTH
-        self.shared = None  # receives of its own, no shared receive queue
-        self.posted: collections.deque[int] = collections.deque(range(DEPTH))
-        self.handler: Callable[[Any, int, int], None] | None = None
-        self.closed = False
-
-    def set_completion_handler(self, handler: Callable[[Any, int, int], None]) -> None:
-        self.handler = handler
-
-    def poll_completions(self) -> None:
-        pass  # the fake wire delivers completions itself
-
-    def post_rdma_polled(self, count: int, wr_id: int) -> bool:
-        raise AssertionError("these tests post no one-sided requests")
-
-    def post_receives(self, slots: list[int]) -> None:
-        self.posted.extend(slots)
-
-    def grow_receives(self, n: int) -> int:
-        return 0
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeReactor:
-    def __init__(self) -> None:
-        self.backend = AsyncioBackend(asyncio.get_running_loop())
-        self.keepalive_timers = KeepaliveTimers(self.backend)
-        self.cm_handlers: dict[Any, Callable[[Any], None]] = {}
-        self.released: list[Any] = []
-        self.watched: set[Any] = set()
-
-    def set_handler(self, cm_id: Any, handler: Callable[[Any], None]) -> None:
-        self.cm_handlers[cm_id] = handler
-
-    def watch_qp(self, *key: Any) -> None:
-        self.watched.add(key[:-1])
-
-    def unwatch_qp(self, *key: Any) -> None:
-        self.watched.discard(key)
-
-    def watch_port(self, *args: Any) -> None:
-        pass
-
-    def unwatch_port(self, *args: Any) -> None:
-        pass
-
-    def release_id(self, cm_id: Any) -> None:
-        self.released.append(cm_id)
-
-
-class FakeCMId:
-    def __init__(self, name: str) -> None:
-        self.peer_address = ("198.18.0.2", 1)
-        self.local_address = (name, 2)
-        self.port_num = 1
-        self.disconnects = 0
-        self.on_disconnect: Callable[[], None] | None = None
-
-    def disconnect(self) -> None:
-        self.disconnects += 1
-        if self.on_disconnect is not None:
-            asyncio.get_running_loop().call_soon(self.on_disconnect)
-
-
-def _wire(
-    sender: FakeTransport, receiver: FakeTransport
-) -> Callable[[list[tuple[int, bytes, int, int]]], None]:
-    """The NIC: each frame lands in the receiver's next posted slot; signalled sends complete here."""
-
-    def deliver(chain: list[tuple[int, bytes, int, int]]) -> None:
-        recvs = []
-        sends = []
-        for wr_id, data, imm, flags in chain:
-            slot = receiver.posted.popleft()  # credits guarantee one is posted (no RNR)
-            receiver.recv_ring.view[slot * SLOT : slot * SLOT + len(data)] = data
-            recv_id = verbs.make_wr_id(verbs.WR_KIND_RECV, receiver.tag, slot)
-            recvs.append(_wc(recv_id, _RECV, len(data), imm, verbs.WC_WITH_IMM))
-            if flags & verbs.SEND_SIGNALED:
-                sends.append(_wc(wr_id, _SEND, 0, 0, 0))
-        assert receiver.handler is not None and sender.handler is not None
-        if not receiver.closed:
-            receiver.handler(recvs, 0, len(recvs))
-        if sends and not sender.closed:
-            sender.handler(sends, 0, len(sends))
-
-    return deliver
-
-
-def _wc(wr_id: int, opcode: int, byte_len: int, imm: int, flags: int) -> Any:
-    return SimpleNamespace(
-        wr_id=wr_id, status=0, opcode=opcode, byte_len=byte_len, imm_data=imm, flags=flags, vendor_err=0
-    )
 
 
 def pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Endpoint, Endpoint]:
@@ -193,8 +53,8 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Endpoint, Endpoint]:
     hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH | FEATURE_ONESIDED)
     transports = [FakeTransport(10, 1), FakeTransport(11, 2)]
     for a, b in ((0, 1), (1, 0)):
-        transports[a].qp.wire = _wire(transports[a], transports[b])
-    ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
+        transports[a].qp.wire = wire(transports[a], transports[b])
+    ids = [FakeCMId(local_address=("198.18.0.1", 2)), FakeCMId(local_address=("198.18.0.2", 2))]
     reactor: Any = FakeReactor()
     endpoints = [
         Endpoint(Connection(reactor, ids[i], transports[i], Session(hs, hs), OPTIONS))  # type: ignore[arg-type]
@@ -286,7 +146,7 @@ def test_close_needs_no_task_and_a_close_the_peer_never_acknowledges_ends_at_clo
         assert len(asyncio.all_tasks()) == tasks  # no close task
         await asyncio.wait_for(a.wait_closed(), 5)
         await asyncio.wait_for(b.wait_closed(), 5)
-        assert a._conn.torn_down and a._conn.tx.eof_done
+        assert a._conn.torn_down and a._conn.sender.eof_done
 
         c, d = pair(monkeypatch)
         c._conn.options = dataclasses.replace(c._conn.options, close_timeout=0.2)
@@ -296,7 +156,7 @@ def test_close_needs_no_task_and_a_close_the_peer_never_acknowledges_ends_at_clo
         c.close()
         await asyncio.wait_for(c.wait_closed(), 5)
         assert 0.15 <= loop.time() - start < 4  # the close timer, not the test's bound, ended it
-        assert c._conn.torn_down and not c._conn.tx.eof_done
+        assert c._conn.torn_down and not c._conn.sender.eof_done
         assert c._conn.transport.closed  # type: ignore[attr-defined]
         d.abort()
 
@@ -315,21 +175,21 @@ def test_a_message_posted_at_once_schedules_no_flush_and_the_next_ones_are_batch
         conn, qp = a._conn, a._conn.transport.qp  # type: ignore[attr-defined]
         await a.send(b"hello")  # the send ring starts empty: the first message grows it (batched)
         assert await b.recv() == b"hello"
-        assert qp.chains == 1 and conn.tx.room_for(7)
+        assert qp.chains == 1 and conn.sender.room_for(7)
         await a.send(b"request")
-        assert qp.chains == 2 and conn.flush_handle is None and conn.tx.coalesce_next
+        assert qp.chains == 2 and conn.sender.flush_handle is None and conn.sender.coalesce_next
         for i in range(5):
             await a.send(b"more %d" % i)  # same iteration: batched into one frame, flushed at its end
-        assert qp.chains == 2 and conn.tx.mbuf_count == 5 and conn.flush_handle is not None
+        assert qp.chains == 2 and conn.sender.queue.mbuf_count == 5 and conn.sender.flush_handle is not None
         for expected in [b"request"] + [b"more %d" % i for i in range(5)]:
             assert await b.recv() == expected
         assert qp.chains == 3  # the request, then one chain for the batch
-        assert not conn.tx.coalesce_next
+        assert not conn.sender.coalesce_next
         await b.send(b"reply")
         assert await a.recv() == b"reply"  # a completion batch came back
-        assert not conn.tx.coalesce_next
+        assert not conn.sender.coalesce_next
         await a.send(b"next request")
-        assert qp.chains == 4 and conn.flush_handle is None  # at once again
+        assert qp.chains == 4 and conn.sender.flush_handle is None  # at once again
         assert await b.recv() == b"next request"
 
     arun(main())
@@ -344,8 +204,7 @@ def test_a_failed_completion_fails_pending_reads_with_a_reset(
         await asyncio.sleep(0)
         conn: Connection = b._conn
         transport: Any = conn.transport
-        failed = _wc(0, _SEND, 0, 0, 0)
-        failed.status = int(verbs.WcStatus.RETRY_EXC_ERR)
+        failed = fake_completion(0, _SEND, status=int(verbs.WcStatus.RETRY_EXC_ERR))
         transport.handler([failed], 0, 1)
         with pytest.raises(rdmaio.ConnectionResetError, match="work completion failed"):
             await reader
@@ -365,6 +224,23 @@ def test_abort_drops_queued_data_and_fails_waiters(arun: Run, monkeypatch: pytes
             await reader
         assert a._conn.transport.closed and a.get_write_buffer_size() == 0  # type: ignore[attr-defined]
         assert a.get_extra_info("qp_num") == 10 and a.get_extra_info("device") == "fake0"
+        b.abort()
+
+    arun(main())
+
+
+def test_every_re_post_goes_through_the_receiver(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-sided engine's held write-notice slots go back through the connection's receiver (the one
+    owner of re-posting), not through a path of its own."""
+
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        conn = a._conn
+        routed: list[int] = []
+        monkeypatch.setattr(conn.receiver, "repost", routed.append)
+        conn.onesided.exporter._repost(3)  # what the engine calls for a consumed notice
+        assert routed == [3] and list(conn.transport.posted) == list(range(DEPTH))  # type: ignore[attr-defined]
+        a.abort()
         b.abort()
 
     arun(main())
@@ -406,8 +282,8 @@ def test_the_receive_window_grows_for_full_frames_arriving_one_per_wake_up(
         )
         transports = [GrowingTransport(10, 1), GrowingTransport(11, 2)]
         for x, y in ((0, 1), (1, 0)):
-            transports[x].qp.wire = _wire(transports[x], transports[y])
-        ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
+            transports[x].qp.wire = wire(transports[x], transports[y])
+        ids = [FakeCMId(local_address=("198.18.0.1", 2)), FakeCMId(local_address=("198.18.0.2", 2))]
         reactor: Any = FakeReactor()
         options = dataclasses.replace(OPTIONS, initial_depth=GrowingTransport.INITIAL)
         a, b = (
@@ -440,9 +316,9 @@ def test_request_reply_sends_no_credit_frame_per_message(arun: Run, monkeypatch:
         hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH | FEATURE_GROW, initial_depth=initial)
         transports = [GrowingTransport(10, 1), GrowingTransport(11, 2)]
         for x, y in ((0, 1), (1, 0)):
-            transports[x].qp.wire = _wire(transports[x], transports[y])
+            transports[x].qp.wire = wire(transports[x], transports[y])
             transports[x].max_inline = 256  # small frames go inline, as on the test host's rxe
-        ids = [FakeCMId("198.18.0.1"), FakeCMId("198.18.0.2")]
+        ids = [FakeCMId(local_address=("198.18.0.1", 2)), FakeCMId(local_address=("198.18.0.2", 2))]
         reactor: Any = FakeReactor()
         options = dataclasses.replace(OPTIONS, initial_depth=initial)
         a, b = (

@@ -13,7 +13,7 @@ import pytest
 from rdmaio.core import domain as domain_module
 from rdmaio.core.domain import DEFAULT_MAX_PINNED, RegistrationCache
 from rdmaio.core.reactor import Reactor
-from rdmaio.core.rndv_engine import RendezvousEngine
+from rdmaio.core.rendezvous import RendezvousEngine
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_RNDV, Handshake, Session
 from rdmaio.protocol.rxbuffer import ReceiveBuffer

@@ -257,12 +257,11 @@ class OneSidedEngine:
         conn_ref = weakref.ref(conn)
 
         def repost(slot: int) -> None:
-            # A held receive (write-notice back-pressure) goes back to the NIC; its credit is granted.
+            # A held receive (write-notice back-pressure) goes back to the NIC through the connection's
+            # receiver, the one owner of re-posting; its credit is granted.
             owner = conn_ref()
-            if owner is not None and not owner.torn_down:
-                transport.post_receives([slot])
-                session.on_recv_reposted(1)  # type: ignore[attr-defined]
-                owner.pump()
+            if owner is not None:
+                owner.receiver.repost(slot)
 
         # --- end of the repost -----------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rdmaio import verbs
-from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
+from rdmaio.verbs.native import ffi, lib
 
 __all__ = ["OneSidedCaps", "cached_caps", "query_caps", "rd_atomic_depth"]
 

@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rdmaio import verbs
-from rdmaio._ffi import lib
 from rdmaio.core.backend import Backend, Waiter
 from rdmaio.core.onesided.interfaces import BindWindow, Credits, Region, Window
 from rdmaio.core.onesided.keys import (
@@ -46,6 +45,7 @@ from rdmaio.errors import (
     RemoteAccessError,
     VerbsError,
 )
+from rdmaio.verbs.native import lib
 
 __all__ = [
     "CONTROL_SIZE",
@@ -416,7 +416,7 @@ class Exporter:
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
         if version == KEY_VERSION and kind >= CTL_FIRST_EXTERNAL and self.control_handler is not None:
-            # The rendezvous engine's handler: raises if the kind is unknown.
+            # The rendezvous engine's handler (rdmaio.core.rendezvous): raises if the kind is unknown.
             self.control_handler(kind, key_id)
             return True
         if version != KEY_VERSION or kind not in (CTL_REVOKE, CTL_REVOKE_ACK):

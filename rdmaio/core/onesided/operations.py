@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rdmaio import verbs
-from rdmaio._ffi import ffi, lib
 from rdmaio.core.backend import Backend, Waiter
 from rdmaio.core.onesided.interfaces import Credits, RdmaQueue, Region
 from rdmaio.core.onesided.keys import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, RemoteKey, access_str
@@ -38,6 +37,7 @@ from rdmaio.errors import (
     RemoteAccessRefusedError,
     RemoteKeyRevokedError,
 )
+from rdmaio.verbs.native import ffi, lib
 
 __all__ = [
     "MAX_OP_BYTES",

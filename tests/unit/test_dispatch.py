@@ -1,4 +1,4 @@
-"""Unit tests of rdmaio.core.completions.CompletionDispatcher with fake verbs objects (no device).
+"""Unit tests of rdmaio.core.dispatch.CompletionDispatcher with fake verbs objects (no device).
 
 The fakes keep what matters: a channel that reports which CQs fired, CQs that hand out scripted completion
 records grouped by (qp_num << 24) | tag in first-seen order (as the C helper does), a poll buffer of a fixed
@@ -13,91 +13,28 @@ from typing import Any
 import pytest
 
 from rdmaio import verbs
-from rdmaio.core.completions import CompletionDispatcher
+from rdmaio.core.dispatch import CompletionDispatcher
 from rdmaio.errors import VerbsError
-
-
-@dataclass
-class Rec:
-    wr_id: int
-    qp_num: int
-    status: int = 0
-
-
-@dataclass
-class Group:
-    key: int
-    start: int
-    count: int
-
-
-class FakeBatch:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.records: list[Rec] = []
-        self.groups: list[Group] = []
-        self.ngroups = 0
-
-    def copy_records(self, start: int, count: int) -> list[Rec]:
-        return list(self.records[start : start + count])
-
-
-class FakeCQ:
-    _next = 0x1000
-
-    def __init__(self, log: list[str], cqe: int) -> None:
-        FakeCQ._next += 0x40
-        self.handle = FakeCQ._next
-        self.cqe = cqe
-        self.pending: list[Rec] = []
-        self.closed = False
-        self.log = log
-
-    def poll_grouped(self, batch: FakeBatch) -> int:
-        taken, self.pending = self.pending[: batch.size], self.pending[batch.size :]
-        order: dict[int, list[Rec]] = {}
-        for rec in taken:
-            order.setdefault(verbs.dispatch_key(rec.qp_num, verbs.wr_tag(rec.wr_id)), []).append(rec)
-        batch.records, batch.groups, start = [], [], 0
-        for key, recs in order.items():
-            batch.groups.append(Group(key, start, len(recs)))
-            batch.records.extend(recs)
-            start += len(recs)
-        batch.ngroups = len(batch.groups)
-        return len(taken)
-
-    def close(self) -> None:
-        assert not self.closed
-        self.closed = True
-        self.log.append(f"destroy cq {self.cqe}")
-
-
-class FakeChannel:
-    fd = 42
-
-    def __init__(self, log: list[str]) -> None:
-        self.fired: list[int] = []
-        self.closed = False
-        self.log = log
-
-    def drain_events(self) -> tuple[list[int], bool, int]:
-        fired, self.fired = self.fired, []
-        return list(dict.fromkeys(fired)), False, len(fired)
-
-    def close(self) -> None:
-        self.closed = True
-        self.log.append("destroy channel")
+from rdmaio.testing.fakes import (
+    CompletionGroup,
+    FakeCompletionBatch,
+    FakeCompletionChannel,
+    FakeCQ,
+)
+from rdmaio.testing.fakes import (
+    CompletionRecord as Rec,
+)
 
 
 class Harness:
     def __init__(self, capacity: int = 100, max_cqe: int = 1000, batch: int = 4) -> None:
         self.log: list[str] = []
-        self.channel = FakeChannel(self.log)
+        self.channel = FakeCompletionChannel(self.log)
         self.watched: dict[int, Any] = {}
         self.created: list[FakeCQ] = []
 
         def create_cq(channel: Any, cqe: int) -> FakeCQ:
-            cq = FakeCQ(self.log, cqe)
+            cq = FakeCQ(cqe, self.log)
             self.created.append(cq)
             self.log.append(f"create cq {cqe}")
             return cq
@@ -111,7 +48,7 @@ class Harness:
             create_cq=create_cq,
             watch=lambda fd, cb: self.watched.__setitem__(fd, cb),
             unwatch=unwatch,
-            batch=FakeBatch(batch),
+            batch=FakeCompletionBatch(batch),
             max_cqe=max_cqe,
             cq_capacity=capacity,
         )
@@ -123,7 +60,7 @@ class Harness:
         self.channel.fired.append(cq.handle)
 
     def wake(self) -> None:
-        self.watched[FakeChannel.fd]()
+        self.watched[FakeCompletionChannel.fd]()
 
 
 def recorder(seen: list[tuple[str, list[int]]], name: str) -> Any:
@@ -155,7 +92,7 @@ def test_reservations_are_first_fit_and_a_new_cq_comes_only_when_none_has_room()
     d = h.d.reserve(10)  # first fit: the first CQ still has 10
     assert a.cq is b.cq is d.cq and c.cq is not a.cq
     assert h.log == ["create cq 100", "create cq 100"]
-    assert h.watched.keys() == {FakeChannel.fd}  # one fd for every CQ
+    assert h.watched.keys() == {FakeCompletionChannel.fd}  # one fd for every CQ
     stats = h.d.statistics()
     assert stats["cqs"] == 2 and stats["reserved"] == 150 and stats["capacity"] == 200
 
@@ -352,7 +289,10 @@ def test_anything_else_the_look_finds_is_dispatched() -> None:
     h, cq, seen, ta, tb = two_connections()
     mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, ta, 5)
     # another connection's completion came first: both are dispatched as a wake-up would
-    cq.pending += [Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tb, 1), 8), Rec(mine, 7)]
+    cq.pending += [
+        Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tb, 1), 8),
+        Rec(mine, 7),
+    ]
     assert not look(h, cq, 7, mine)
     assert seen == [("b", [1]), ("a", [5])]
     # a failed completion of the request itself goes to the connection's handler (which fails it)
@@ -400,7 +340,10 @@ def test_a_post_and_poll_in_one_call_uses_the_inline_batch_only_when_records_may
     assert batch is not None
     cq.pending.append(Rec(mine, 7))
     assert h.d.polled(cq, 7, mine, cq.poll_grouped(batch))  # alone and successful: the caller's
-    cq.pending += [Rec(mine, 7), Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tag, 2), 7)]
+    cq.pending += [
+        Rec(mine, 7),
+        Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tag, 2), 7),
+    ]
     assert not h.d.polled(cq, 7, mine, cq.poll_grouped(batch))  # not alone: dispatched
     assert seen == [("a", [0]), ("a", [4, 2])]
     inside: list[object] = []

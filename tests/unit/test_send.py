@@ -1,4 +1,5 @@
-"""Unit tests of rdmaio.core.txengine.SendEngine against a fake queue pair and a peer Session (no device)."""
+"""Unit tests of rdmaio.core.send.Sender's staging and posting against a fake queue pair and a peer Session
+(no device)."""
 
 from __future__ import annotations
 
@@ -8,53 +9,16 @@ from typing import Any
 
 import pytest
 
+import rdmaio
 from rdmaio import verbs
 from rdmaio._ffi import ffi
 from rdmaio.core.rings import SlotRing
-from rdmaio.core.txengine import SendEngine
+from rdmaio.core.send import Sender
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
+from rdmaio.testing.fakes import FakeQP, FakeRegistrar
 
 SLOT = 64
 SLOTLESS = 1 << 31  # wr index bit of a frame sent without a slot
-
-
-class FakeQP:
-    """Records every posted chain as (wr_id, bytes in the ring, imm, flags) tuples."""
-
-    def __init__(self, depth: int, ring: SlotRing) -> None:
-        self.send_array = [SimpleNamespace() for _ in range(depth)]
-        self._ring = ring  # its memory exists from its first grow (the engine's first frame)
-        self.posts: list[list[tuple[int, bytes, int, int]]] = []
-
-    def post_sends(self, count: int) -> None:
-        chain = []
-        ring = self._ring
-        for wr in self.send_array[:count]:
-            index = verbs.wr_index(wr.wr_id)
-            if index & SLOTLESS:
-                # No slot: empty, or inline (the bytes are read at post time, as ibv_post_send copies them).
-                assert wr.length == 0 or wr.send_flags & verbs.SEND_INLINE
-                data = bytes(ffi.buffer(ffi.cast("char *", wr.addr), wr.length)) if wr.length else b""
-            else:
-                # Every posted slot is registered, with the key of its chunk.
-                assert index < ring.slots and wr.length
-                assert wr.lkey == ring.lkeys[index] >= 100
-                assert not wr.send_flags & verbs.SEND_INLINE
-                off = wr.addr - ring.addr
-                data = bytes(ring.view[off : off + wr.length])
-            chain.append((wr.wr_id, data, wr.imm_data, wr.send_flags))
-        self.posts.append(chain)
-
-
-class FakeRegistrar:
-    """Registers ring chunks: chunk n gets lkey 100 + n; remembers the chunk sizes."""
-
-    def __init__(self) -> None:
-        self.chunks: list[int] = []
-
-    def __call__(self, view: memoryview) -> Any:
-        self.chunks.append(view.nbytes // SLOT)
-        return SimpleNamespace(lkey=100 + len(self.chunks) - 1, close=lambda: None)
 
 
 def make(
@@ -66,17 +30,19 @@ def make(
     initial: int = 64,
     tag: int = 0,
     max_inline: int = 0,
-) -> tuple[SendEngine, FakeQP, Session]:
+) -> tuple[Sender, FakeQP, Session]:
     features = FEATURE_BATCH if batch_limit else 0
     local = Handshake(8, SLOT, 1 << 20, features=features)
     peer = Handshake(peer_depth, SLOT, peer_max, features=features)
-    ring = SlotRing(SLOT, depth, FakeRegistrar())
-    qp = FakeQP(depth, ring)
-    engine = SendEngine(
+    ring = SlotRing(SLOT, depth, FakeRegistrar(SLOT))
+    qp = FakeQP(depth, ring=ring)  # checks every posted slot against the ring
+    engine = Sender(
         Session(local, peer),
         qp,
         ring,
         SLOT,
+        io=SimpleNamespace(),  # type: ignore[arg-type]  # staging and posting never reach the loop
+        options=rdmaio.Options(),
         initial=initial,
         max_inline=max_inline,
         signal_interval=signal_interval,
@@ -106,9 +72,9 @@ def deliver(peer: Session, chain: list[tuple[int, bytes, int, int]]) -> list[byt
 def test_a_message_is_fragmented_copied_and_posted_in_one_chain() -> None:
     engine, qp, peer = make()
     message = bytes(range(150))
-    assert engine.queue_message(memoryview(message)) == 3
-    assert engine.stage() and engine.staged == 3
-    engine.post()
+    assert engine.queue.queue_message(memoryview(message)) == 3
+    assert engine._stage_queued() and engine.staged == 3
+    engine._post()
     assert len(qp.posts) == 1 and deliver(peer, qp.posts[0]) == [message]
     assert engine.buffered == 0 and engine.posted_frames == 3
 
@@ -116,16 +82,16 @@ def test_a_message_is_fragmented_copied_and_posted_in_one_chain() -> None:
 def test_credits_limit_staging_and_keep_one_in_reserve() -> None:
     engine, qp, peer = make(peer_depth=4)
     for i in range(5):
-        engine.queue_message(memoryview(bytes([i]) * 10))
-    engine.stage()
-    engine.post()
-    assert len(qp.posts[0]) == 3 and len(engine.txq) == 2  # 4 credits, one kept for control frames
+        engine.queue.queue_message(memoryview(bytes([i]) * 10))
+    engine._stage_queued()
+    engine._post()
+    assert len(qp.posts[0]) == 3 and len(engine.queue.txq) == 2  # 4 credits, one kept for control frames
     got = deliver(peer, qp.posts[0])
     peer.on_recv_reposted(3)
     # The peer grants its 3 reposted slots back on its next frame (a CREDIT frame here).
     engine.session.on_frame(peer.take_credit_frame(), 0)
-    engine.stage()
-    engine.post()
+    engine._stage_queued()
+    engine._post()
     assert deliver(peer, qp.posts[1]) == [bytes([3]) * 10, bytes([4]) * 10]
     assert got == [bytes([i]) * 10 for i in range(3)]
 
@@ -133,25 +99,25 @@ def test_credits_limit_staging_and_keep_one_in_reserve() -> None:
 def test_send_slots_are_reused_only_after_their_completion() -> None:
     engine, qp, _peer = make(depth=2, signal_interval=1)
     for i in range(4):
-        engine.queue_message(memoryview(bytes([i])))
-    engine.stage()
-    engine.post()
+        engine.queue.queue_message(memoryview(bytes([i])))
+    engine._stage_queued()
+    engine._post()
     assert len(qp.posts[0]) == 2 and not engine.free_slots
-    assert engine.stage() is False  # no free slot
+    assert engine._stage_queued() is False  # no free slot
     first_slot = qp.posts[0][0][0]
     engine.on_send_completion(first_slot)
     assert engine.free_slots == [first_slot]
-    engine.stage()
-    engine.post()
+    engine._stage_queued()
+    engine._post()
     assert qp.posts[1][0][0] == first_slot
 
 
 def test_selective_signalling_and_a_signal_when_short_of_slots() -> None:
     engine, qp, _peer = make(depth=8, signal_interval=4)
     for i in range(5):
-        engine.queue_message(memoryview(bytes([i])))
-    engine.stage()
-    engine.post()
+        engine.queue.queue_message(memoryview(bytes([i])))
+    engine._stage_queued()
+    engine._post()
     signalled = [bool(flags & verbs.SEND_SIGNALED) for *_rest, flags in qp.posts[0]]
     assert signalled[3]  # every 4th request
     assert signalled[4]  # fewer free slots than the interval: the last one asks for a completion too
@@ -166,9 +132,9 @@ def test_a_small_ring_is_not_signalled_on_every_post() -> None:
     engine, qp, _peer = make(depth=8, peer_depth=64, signal_interval=8, initial=4)
     signalled = []
     for i in range(12):  # one message per post, as a request/reply connection sends
-        engine.queue_message(memoryview(bytes([i])))
-        assert engine.stage()
-        engine.post()
+        engine.queue.queue_message(memoryview(bytes([i])))
+        assert engine._stage_queued()
+        engine._post()
         ((wr_id, _data, _imm, flags),) = qp.posts[-1]
         signalled.append(bool(flags & verbs.SEND_SIGNALED))
         if signalled[-1]:
@@ -180,11 +146,11 @@ def test_a_small_ring_is_not_signalled_on_every_post() -> None:
 def test_stream_frames_respect_the_peers_max_message_size() -> None:
     # The peer accepts at most 20-byte messages although its slots hold 64: stream frames are cut at 20.
     engine, qp, peer = make(peer_max=20)
-    added, coalescing = engine.queue_stream(bytes(range(50)))
+    added, coalescing = engine.queue.queue_stream(bytes(range(50)))
     assert (added, coalescing) == (2, True)
-    engine.flush_buffers()
-    engine.stage()
-    engine.post()
+    engine.queue.flush_buffers()
+    engine._stage_queued()
+    engine._post()
     frames = deliver(peer, qp.posts[0])
     assert [len(f) for f in frames] == [20, 20, 10] and b"".join(frames) == bytes(range(50))
 
@@ -193,19 +159,19 @@ def test_small_messages_share_one_batch_frame() -> None:
     engine, qp, peer = make(batch_limit=32)
     messages = [b"a", b"", b"bcd", b"e" * 20]
     for m in messages:
-        engine.queue_small(memoryview(m), len(m))
-    engine.flush_buffers()
-    engine.stage()
-    engine.post()
+        engine.queue.queue_small(memoryview(m), len(m))
+    engine.queue.flush_buffers()
+    engine._stage_queued()
+    engine._post()
     assert len(qp.posts[0]) == 1 and deliver(peer, qp.posts[0]) == messages
 
 
 def test_eof_follows_the_data_and_completes() -> None:
     engine, qp, peer = make()
-    engine.queue_message(memoryview(b"last"))
+    engine.queue.queue_message(memoryview(b"last"))
     engine.session.write_eof()
-    engine.stage()
-    engine.post()
+    engine._stage_queued()
+    engine._post()
     chain = qp.posts[0]
     assert len(chain) == 2 and chain[1][1] == b"" and chain[1][3] & verbs.SEND_SIGNALED
     deliver(peer, chain)
@@ -216,39 +182,39 @@ def test_eof_follows_the_data_and_completes() -> None:
 
 def test_queued_frames_stop_referencing_the_callers_buffer() -> None:
     engine, _qp, _peer = make(depth=1, signal_interval=1)
-    engine.queue_message(memoryview(b"x"))
-    engine.stage()  # takes the only slot
+    engine.queue.queue_message(memoryview(b"x"))
+    engine._stage_queued()  # takes the only slot
     caller: Any = bytearray(b"hello")
-    added = engine.queue_message(memoryview(caller))
-    engine.own_queued(added)
+    added = engine.queue.queue_message(memoryview(caller))
+    engine.queue.own_queued(added)
     caller[:] = b"HELLO"
-    assert bytes(engine.txq[0][0]) == b"hello"
+    assert bytes(engine.queue.txq[0][0]) == b"hello"
 
 
 def test_clear_drops_everything_not_staged() -> None:
     engine, _qp, _peer = make(depth=1)
-    engine.queue_message(memoryview(b"x" * 10))
-    engine.queue_stream(b"y" * 5)
-    engine.stage()
-    engine.clear()
-    assert engine.buffered == 0 and not engine.txq
+    engine.queue.queue_message(memoryview(b"x" * 10))
+    engine.queue.queue_stream(b"y" * 5)
+    engine._stage_queued()
+    engine.queue.clear()
+    assert engine.buffered == 0 and not engine.queue.txq
 
 
 def test_the_send_ring_is_registered_by_the_first_frame_and_doubles_under_load() -> None:
     engine, qp, peer = make(depth=16, peer_depth=64, initial=4, signal_interval=1)
     registrar = engine._slot_ring._register
     assert engine._slot_ring.slots == 0 and engine.free_slots == []  # an idle connection pins nothing
-    engine.queue_message(memoryview(b"x" * 40))
-    engine.stage()
-    engine.post()
+    engine.queue.queue_message(memoryview(b"x" * 40))
+    engine._stage_queued()
+    engine._post()
     assert registrar.chunks == [4]
     # Keep every slot in flight: the ring doubles (4, 8, 16) and stops at its depth.
     for i in range(40):
-        engine.queue_message(memoryview(bytes([i]) * 40))
-    engine.stage()
-    engine.post()
+        engine.queue.queue_message(memoryview(bytes([i]) * 40))
+    engine._stage_queued()
+    engine._post()
     assert registrar.chunks == [4, 4, 8] and engine._slot_ring.slots == 16
-    assert len(qp.posts[1]) == 15 and len(engine.txq) == 25
+    assert len(qp.posts[1]) == 15 and len(engine.queue.txq) == 25
     assert engine._stats["send_ring_grown"] == 3
     messages = deliver(peer, qp.posts[0]) + deliver(peer, qp.posts[1])
     assert messages == [b"x" * 40] + [bytes([i]) * 40 for i in range(15)]
@@ -258,9 +224,9 @@ def test_the_send_ring_does_not_grow_when_credits_are_the_limit() -> None:
     engine, qp, _peer = make(depth=16, peer_depth=4, initial=4, signal_interval=1)
     registrar = engine._slot_ring._register
     for i in range(10):
-        engine.queue_message(memoryview(bytes([i]) * 40))
-    engine.stage()
-    engine.post()
+        engine.queue.queue_message(memoryview(bytes([i]) * 40))
+    engine._stage_queued()
+    engine._post()
     assert len(qp.posts[0]) == 3  # 4 credits, one in reserve
     assert registrar.chunks == [4]  # a free slot is left: no reason to pin more
 
@@ -274,8 +240,8 @@ def test_a_credit_frame_takes_no_slot_and_registers_nothing() -> None:
         )
     engine.session.on_recv_reposted(5)
     assert engine.session.credit_frame_due()
-    assert engine.stage()
-    engine.post()
+    assert engine._stage_queued()
+    engine._post()
     assert engine._slot_ring._register.chunks == []  # an empty frame needs no memory
     ((wr_id, data, imm, _flags),) = qp.posts[0]
     assert imm >> 28 == FrameKind.CREDIT and data == b"" and verbs.wr_index(wr_id) & SLOTLESS
@@ -292,9 +258,9 @@ def test_small_frames_go_inline_without_a_slot_and_are_signalled_every_interval(
     for i in range(24):
         message = bytes([i]) * (1 + i % 16)
         sent.append(message)
-        engine.queue_message(memoryview(message))
-        assert engine.stage()
-        engine.post()
+        engine.queue.queue_message(memoryview(message))
+        assert engine._stage_queued()
+        engine._post()
         ((wr_id, _data, _imm, flags),) = qp.posts[-1]
         assert flags & verbs.SEND_INLINE
         signalled.append(bool(flags & verbs.SEND_SIGNALED))
@@ -308,18 +274,18 @@ def test_small_frames_go_inline_without_a_slot_and_are_signalled_every_interval(
 def test_the_send_queue_bounds_slotless_frames_and_a_completion_releases_them() -> None:
     engine, qp, peer = make(depth=4, peer_depth=64, signal_interval=4, max_inline=16)
     for i in range(10):
-        engine.queue_message(memoryview(bytes([i]) * 8))
-    engine.stage()
-    engine.stage()  # staged again before the post: the inline bytes of every entry survive until it
-    engine.post()
+        engine.queue.queue_message(memoryview(bytes([i]) * 8))
+    engine._stage_queued()
+    engine._stage_queued()  # staged again before the post: the inline bytes of every entry survive until it
+    engine._post()
     chain = qp.posts[0]
-    assert len(chain) == 4 and len(engine.txq) == 6  # the send queue's 4 entries, no slot used
+    assert len(chain) == 4 and len(engine.queue.txq) == 6  # the send queue's 4 entries, no slot used
     assert chain[-1][3] & verbs.SEND_SIGNALED
-    assert not engine.room_for(1) and engine.stage() is False
+    assert not engine.room_for(1) and engine._stage_queued() is False
     engine.on_send_completion(verbs.wr_index(chain[-1][0]))
     assert engine.room_for(1)
-    engine.stage()
-    engine.post()
+    engine._stage_queued()
+    engine._post()
     messages = deliver(peer, chain) + deliver(peer, qp.posts[1])
     assert messages == [bytes([i]) * 8 for i in range(8)]
 
@@ -328,9 +294,9 @@ def test_slot_frames_and_inline_frames_keep_their_order_and_release_only_slots()
     engine, qp, peer = make(depth=8, peer_depth=64, signal_interval=8, initial=4, max_inline=16)
     messages = [b"s" * 10, b"L" * 40, b"t" * 3, b"M" * 64, b""]
     for m in messages:
-        engine.queue_message(memoryview(m))
-    engine.stage()
-    engine.post()
+        engine.queue.queue_message(memoryview(m))
+    engine._stage_queued()
+    engine._post()
     chain = qp.posts[0]
     slotted = [verbs.wr_index(wr_id) for wr_id, *_ in chain if not verbs.wr_index(wr_id) & SLOTLESS]
     assert len(slotted) == 2 and engine._slot_ring.slots == 4
@@ -345,9 +311,9 @@ def test_send_wr_ids_carry_kind_send_and_the_connection_tag() -> None:
     tag = 0xABCDEF
     engine, qp, _peer = make(depth=2, signal_interval=1, initial=2, tag=tag)
     for i in range(3):
-        engine.queue_message(memoryview(bytes([i])))
-    engine.stage()
-    engine.post()
+        engine.queue.queue_message(memoryview(bytes([i])))
+    engine._stage_queued()
+    engine._post()
     wr_ids = [wr_id for wr_id, *_ in qp.posts[0]]
     assert len(wr_ids) == 2 and not engine.free_slots
     for wr_id in wr_ids:

@@ -10,7 +10,7 @@ The protocol and the per-message states are :mod:`rdmaio.protocol.rendezvous`'s;
   by default half of what the other connections leave free, :data:`SEND_SHARE`) and the Domain cache's
   ``max_pinned`` (:meth:`RegistrationCache.try_reserve`;
   over either bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in
-  the send engine's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's
+  the sender's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's
   DONE, at most ``Options.rndv_timeout``: then it cancels itself as a cancelled ``send()`` does (so the
   buffer is never given back while the peer may still read it) and raises
   :class:`~rdmaio.errors.RendezvousTimeoutError`. The region is closed before ``send()`` returns or raises.
@@ -47,7 +47,6 @@ from typing import Any
 
 from rdmaio import verbs
 from rdmaio.core.onesided import ACCESS_READ, MAX_OP_BYTES, OneSidedEngine, RemoteKey
-from rdmaio.core.txengine import RNDV_FRAME
 from rdmaio.errors import EndpointClosedError, ProtocolError, RendezvousTimeoutError
 from rdmaio.protocol.rendezvous import (
     CTL_CANCEL,
@@ -240,16 +239,11 @@ class RendezvousEngine:
         out.waiter = self._io.event()
         desc = Descriptor(out.msg_id, region.addr, size, region.rkey)
         encoded = bytearray(desc.encode())  # mutable: a cancellation before posting withdraws it in place
-        tx = ep.tx
-        tx.flush_buffers()  # earlier stream writes and batched messages go first
-        tx.txq.append((encoded, RNDV_FRAME))
-        tx.queued_frames += 1
-        tx.txq_bytes += len(encoded)
-        target = tx.queued_frames
-        log.debug("rndv send %d: %d bytes rkey %#x frame %d", out.msg_id, size, region.rkey, target)
+        # After earlier stream writes and batched messages, staged as credits allow.
         self._send_pinned += size  # given back with the region (_release_send)
         cache.send_pinned += size
-        ep.pump()
+        target = ep.sender.queue_rndv(encoded)
+        log.debug("rndv send %d: %d bytes rkey %#x frame %d", out.msg_id, size, region.rkey, target)
         timer = None
         if self._timeout is not None:
             # The deadline sets the same event as the peer's answer; the send then cancels itself.
@@ -297,19 +291,19 @@ class RendezvousEngine:
             "rndv send %d cancelled in %s (frames staged %d, ours %d)",
             out.msg_id,
             out.state.value,
-            ep.tx.posted_frames,
+            ep.sender.posted_frames,
             target,
         )
         if out.waiter.is_set():
             out.waiter = self._io.event()  # set by the deadline, not by an answer: wait for the answer
-        if ep.tx.posted_frames >= target:
+        if ep.sender.posted_frames >= target:
             self.sends.posted(out)
         if not self.sends.cancel(out):
             if out.state is SendState.WITHDRAWN:
                 desc.withdraw_in_place(encoded)  # still queued: the peer never learns the rkey
                 self._stats["rndv_withdrawn_before_post"] += 1
             return
-        ep.post_staged()  # the descriptor goes out before the CANCEL
+        ep.sender.transmit()  # the descriptor goes out before the CANCEL
         self._onesided.send_control(CTL_CANCEL, out.msg_id)
         self._stats["rndv_cancels_sent"] += 1
         if not await wait_shielded(self._io, out.waiter, self._close_timeout) and not out.finished:
@@ -348,7 +342,7 @@ class RendezvousEngine:
                 self._stats["rndv_withdrawn_by_peer"] += 1
                 ep = self._endpoint()
                 if ep is not None and self._rxbuf.held:
-                    ep.repost_released()  # its announced bytes no longer count against the limit
+                    ep.receiver.repost_released()  # its announced bytes no longer count against the limit
             return
         if kind in (CTL_DONE, CTL_WITHDRAWN):
             out = self.sends.on_control(kind, msg_id)
@@ -439,7 +433,7 @@ class RendezvousEngine:
     def _wake_reader(self) -> None:
         ep = self._endpoint()
         if ep is not None:
-            ep.wake_reader()
+            ep.receiver.wake_reader()
 
     async def _read_into(self, msg: Incoming, into: memoryview) -> None:
         """READ the whole message into the caller's buffer (registered through the cache)."""

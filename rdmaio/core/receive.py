@@ -1,0 +1,428 @@
+"""Receiver: the receive side of one connection - received frames, the read calls, and all re-posting of
+receive slots.
+
+One owner: every receive completion's frame goes through :meth:`Receiver.on_batch` into the receive buffer
+(:class:`rdmaio.protocol.rxbuffer.ReceiveBuffer`) or to an engine (one-sided write notices and control
+messages, rendezvous descriptors); every receive slot goes back to the NIC through this class - at the end
+of a batch, when a read releases held slots (:meth:`Receiver.repost_released`), and when the one-sided
+engine lets a held write notice's slot go (:meth:`Receiver.repost`, injected into it). A slot the buffer
+holds back (back-pressure) earns the peer no credit, and the peer's sender waits.
+
+The read calls (``recv``/``recv_into`` for messages, ``read``/``readexactly``/``readuntil``/``readline``/
+``at_eof`` for the byte stream; the public docstrings are :class:`rdmaio.Endpoint`'s) take data from the
+buffer only once they can return: a cancelled read consumes nothing. Rendezvous (zero-copy) messages are
+placeholders until pulled by :mod:`rdmaio.core.rendezvous`.
+
+**The seam for C.** :meth:`Receiver.on_batch` is the whole per-batch work with plain inputs: the
+completion records (``wr_id``, ``status``, ``opcode``, ``byte_len``, ``imm_data``, ``flags``) of one
+connection's group, the receive ring's memory, the session's credit counters and the receive buffer; it
+copies each frame out of its slot (one copy), re-posts the slots in one chained post and wakes the reader.
+A fast path can replace it without changing the connection that calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rdmaio import verbs
+from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.send import check_fork
+from rdmaio.errors import EndpointClosedError
+from rdmaio.options import Options
+from rdmaio.protocol import EOF, FrameKind, Session
+from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.verbs import WR_INDEX_MASK
+from rdmaio.verbs import _base as _fork_state  # its _generation is read on every wait: no call
+
+__all__ = ["OneSidedReceives", "Receiver", "RendezvousReceives", "SlotPoster"]
+
+_RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
+_DATA_MORE = FrameKind.DATA_MORE
+_DATA_END = FrameKind.DATA_END
+_DATA_BATCH = FrameKind.DATA_BATCH
+_EOF = FrameKind.EOF
+_RNDV = FrameKind.RNDV  # zero-copy: a rendezvous descriptor, handled by rdmaio.core.rendezvous
+_RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided: a write notice
+_WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided: a receive without it is a control message
+
+
+class SlotPoster(Protocol):
+    """What the receiver needs of the transport (:class:`rdmaio.core.transport.Transport`)."""
+
+    slot_size: int
+
+    def post_receives(self, slots: list[int]) -> None:
+        """Post these receive slots again (one chained post)."""
+
+    def grow_receives(self, n: int) -> int:
+        """Register and post up to ``n`` more receive slots; return how many."""
+
+
+class OneSidedReceives(Protocol):
+    """What the receiver needs of the one-sided engine (:class:`rdmaio.core.onesided.OneSidedEngine`)."""
+
+    def on_recv(self, opcode: int, imm: int, length: int, view: memoryview, slot: int) -> bool:
+        """A write notice or control message arrived in ``slot``; True: repost it now, False: held."""
+
+
+class RendezvousReceives(Protocol):
+    """What the receiver needs of the rendezvous engine (:class:`rdmaio.core.rendezvous.RendezvousEngine`)."""
+
+    def on_request(self, payload: memoryview) -> None:
+        """An RNDV frame arrived: its placeholder goes to the receive buffer."""
+
+    async def take_head(self, into: memoryview | None) -> int | None:
+        """Pull the placeholder at the buffer's head (into ``into`` if it fits)."""
+
+    async def pull_for(self, need: int) -> None:
+        """Pull the announced messages among the first ``need`` bytes of the stream."""
+
+    def kick(self) -> None:
+        """Pull unclaimed messages soon."""
+
+
+class Receiver:
+    """The receive side of one connection (see the module docstring; asyncio ``StreamReader`` semantics).
+
+    ``transport`` posts the receive slots (and grows the window); ``recv_view`` is the receive ring's
+    memory; ``stage()`` lets the sender stage what re-posted slots made due (their credits);
+    ``options.recv_buffer_limit`` bounds the buffer and ``options.read_limit`` a ``readuntil()``;
+    ``generation`` is the process's fork generation at connect. The one-sided engine (``onesided``) and
+    the rendezvous engine (``rndv``, None when off) are set by the connection once they exist: they are
+    built on this receiver's buffer and :meth:`repost`.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        transport: SlotPoster,
+        recv_view: memoryview,
+        *,
+        io: Backend,
+        options: Options,
+        stats: collections.Counter[str],
+        stage: Callable[[], None],
+        generation: int = 0,
+    ) -> None:
+        self.io = io
+        self.session = session
+        self.options = options
+        self.rxbuf = ReceiveBuffer(options.recv_buffer_limit)
+        self._rxbuf = self.rxbuf
+        self._transport = transport
+        self._recv_view = recv_view
+        self._stats = stats
+        self._stage = stage
+        self._generation = generation
+        self.onesided: OneSidedReceives | None = None
+        self.rndv: RendezvousReceives | None = None
+        self._slot_size = transport.slot_size
+        self._big_frame = transport.slot_size // 2  # frames at least this long count towards growth
+        self._big_frames = 0  # such frames received since the receive window last grew
+        self._waiter: Waiter | None = None
+        self.stopped = False  # torn down: nothing is re-posted any more, reads raise
+
+    # --- completions (the connection hands each batch's receives here) ------------------------------
+
+    def on_batch(self, records: Any, start: int, count: int) -> None:
+        """Process the successful receive completions among ``records[start:start + count]`` (others are
+        the connection's): each frame to the buffer or its engine, then re-post the slots not held (one
+        chained post), grow the window when the peer is credit-bound, and wake the reader."""
+        repost: list[int] = []
+        got_data = False
+        data_frames = 0
+        session = self.session
+        rxbuf = self._rxbuf
+        stats = self._stats
+        recv_view = self._recv_view
+        slot_size = self._slot_size
+        big_frame = self._big_frame
+        for i in range(start, start + count):
+            wc = records[i]
+            if wc.status or not wc.opcode & _RECV_FLAG:
+                continue
+            slot = wc.wr_id & WR_INDEX_MASK
+            length = wc.byte_len
+            off = slot * slot_size
+            if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided
+                assert self.onesided is not None
+                if self.onesided.on_recv(wc.opcode, wc.imm_data, length, recv_view[off : off + length], slot):
+                    repost.append(slot)  # else held: write-notice back-pressure
+                continue
+            kind = session.on_frame(wc.imm_data, length)
+            if length >= big_frame:
+                self._big_frames += 1
+            if kind == _DATA_END:
+                data = rxbuf.add_message(bytes(recv_view[off : off + length]))
+                stats["messages_received"] += 1
+                stats["bytes_received"] += len(data)
+                got_data = True
+            elif kind == _DATA_BATCH:
+                messages = session.on_batch(recv_view[off : off + length])
+                size = rxbuf.add_messages(messages)
+                stats["messages_received"] += len(messages)
+                stats["bytes_received"] += size
+                got_data = True
+            elif kind == _DATA_MORE:
+                rxbuf.add_fragment(bytes(recv_view[off : off + length]))
+            elif kind == _RNDV:  # zero-copy: a placeholder now, the data is pulled later
+                assert self.rndv is not None  # on_frame refuses RNDV frames unless negotiated
+                self.rndv.on_request(recv_view[off : off + length])
+                # The announced bytes count against the limit: past it the slot is held as a data frame's
+                # is, so a peer cannot queue announcements faster than the application reads.
+                if rxbuf.admit(slot):
+                    repost.append(slot)
+                got_data = True
+                continue
+            else:
+                # CREDIT and EOF carry no payload and never hold their slot: holding it would
+                # withhold the credit the peer needs to keep granting ours (two-way liveness).
+                repost.append(slot)
+                if kind == _EOF:
+                    got_data = True
+                continue
+            data_frames += 1
+            if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
+                repost.append(slot)
+        if repost:
+            self._transport.post_receives(repost)
+            session.on_recv_reposted(len(repost))
+        if (
+            data_frames
+            and session.can_grow
+            and not rxbuf.held
+            and (data_frames > session.credit_threshold or self._big_frames >= 2 * session.recv_depth)
+        ):
+            self._grow_receives()
+        if got_data:
+            self.wake_reader()
+
+    def _grow_receives(self) -> None:
+        """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer is
+        sending as fast as our credits let it: one wake-up brought more than half a window of data frames, or
+        two windows of big frames (at least half a slot) arrived since the window last grew. The second rule
+        is for a loop that wakes for every frame (a VM, a busy host): it never sees half a 4-slot window at
+        once, and a bulk sender stayed at 3 frames per round trip. Small messages never add up to it, so a
+        request/reply connection keeps its small window. Not while slots are held: then the application, not
+        the window, is the limit."""
+        self._big_frames = 0
+        added = self._transport.grow_receives(max(self.session.recv_depth, 1))
+        if added:
+            self.session.grow_receives(added)
+            self._stats["recv_ring_grown"] += 1
+
+    # --- re-posting ---------------------------------------------------------------------------------
+
+    def repost_released(self) -> None:
+        """Post the receive slots the buffer no longer holds (their credits go to the peer)."""
+        slots = self._rxbuf.releasable()
+        if slots and not self.stopped:
+            self._transport.post_receives(slots)
+            self.session.on_recv_reposted(len(slots))
+            self._stage()
+
+    def repost(self, slot: int) -> None:
+        """Post one held receive slot again (a write notice the application consumed: the one-sided
+        engine's back-pressure); its credit is granted."""
+        if not self.stopped:
+            self._transport.post_receives([slot])
+            self.session.on_recv_reposted(1)
+            self._stage()
+
+    # --- waiting ------------------------------------------------------------------------------------
+
+    def wake_reader(self) -> None:
+        """Wake the task waiting in a read call (it looks again at the buffer)."""
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            waiter.set()
+
+    def stop(self) -> None:
+        """The connection is torn down: re-post nothing more; the waiting read call wakes and raises."""
+        self.stopped = True
+        self.wake_reader()
+
+    # --- messages -----------------------------------------------------------------------------------
+
+    def recv_nowait(self) -> bytes | None:
+        """The next message if one is here and needs no pulling, else None (nothing taken)."""
+        rxbuf = self._rxbuf
+        if not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes)):
+            return None
+        data = rxbuf.pop_message()
+        if rxbuf.held or rxbuf.pending:
+            self._after_read()
+        return data
+
+    async def recv(self) -> bytes | None:
+        """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`)."""
+        rxbuf = self._rxbuf
+        while True:
+            while not rxbuf.has_message():
+                if not await self._wait_more():
+                    return None
+            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                break
+            assert self.rndv is not None
+            await self.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
+        data = rxbuf.pop_message()
+        if rxbuf.held or rxbuf.pending:
+            self._after_read()
+        return data
+
+    async def recv_into(self, target: memoryview) -> int:
+        """The next message copied (or READ) into ``target`` (:meth:`rdmaio.Endpoint.recv_into`)."""
+        rxbuf = self._rxbuf
+        while True:
+            while not rxbuf.has_message():
+                if not await self._wait_more():
+                    return 0
+            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                break
+            assert self.rndv is not None
+            n = await self.rndv.take_head(target)  # zero-copy: READ straight into target
+            if n is not None:
+                self._after_read()
+                return n
+        n = rxbuf.read_message_into(target)
+        self._after_read()
+        return n
+
+    async def _wait_more(self) -> bool:
+        """Wait for more received data or a state change; False if none will ever come (the peer's EOF);
+        raise if the connection failed or was closed here. A reader that waits needs more than is
+        buffered, so held slots are released while it waits (as asyncio's StreamReader resumes reading)."""
+        if self._generation != _fork_state._generation:
+            check_fork(self._generation)
+        outcome = self.session.recv_outcome()
+        if outcome is EOF:
+            return False
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if self.stopped:
+            raise EndpointClosedError("endpoint is closed")
+        if self._waiter is not None and not self._waiter.is_set():
+            raise RuntimeError("another task is already waiting to read from this endpoint")
+        waiter = self.io.waiter()
+        self._waiter = waiter
+        rxbuf = self._rxbuf
+        rxbuf.reader_waiting = True
+        if rxbuf.held:
+            self.repost_released()
+        try:
+            await waiter.wait()
+        finally:
+            rxbuf.reader_waiting = False
+            if self._waiter is waiter:
+                self._waiter = None
+        return True
+
+    async def _more_bytes(self, need: int) -> bool:
+        """A stream read needs ``need`` bytes readable and has fewer: pull the announced messages among
+        them if there are any (only those, in order: the rest waits for the automatic pull, within the
+        buffer's limit), else wait for more data. False if no more will ever come (EOF)."""
+        if self._rxbuf.pending:
+            assert self.rndv is not None
+            await self.rndv.pull_for(need)  # zero-copy
+            return True
+        return await self._wait_more()
+
+    def _after_read(self) -> None:
+        """The application took data: post the held slots again once the buffer allows it."""
+        if self._rxbuf.held:
+            self.repost_released()
+        if self._rxbuf.pending and self.rndv is not None:
+            self.rndv.kick()  # zero-copy: pulls held back by the buffer's limit may go now
+
+    # --- the byte stream ----------------------------------------------------------------------------
+    # The stream reads see the bytes before the first message announced and not pulled yet (rxbuf.ready);
+    # each pulls announced messages only as far as it needs them.
+
+    async def _read_some(self, n: int) -> bytes:
+        """Up to ``n`` bytes (n > 0) of the stream; b"" at EOF. Skips empty messages."""
+        rxbuf = self._rxbuf
+        while not rxbuf.ready:
+            rxbuf.skip_empty()
+            if not await self._more_bytes(1):
+                return b""
+        data = rxbuf.take(n)
+        self._after_read()
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        """:meth:`rdmaio.Endpoint.read`."""
+        if n == 0:
+            return b""
+        if n > 0:
+            return await self._read_some(n)
+        while await self._more_bytes(sys.maxsize):
+            pass
+        data = self._rxbuf.take_all()
+        self._after_read()
+        return data
+
+    async def readexactly(self, n: int) -> bytes:
+        """:meth:`rdmaio.Endpoint.readexactly`."""
+        if n < 0:
+            raise ValueError("readexactly size can not be less than zero")
+        if n == 0:
+            return b""
+        rxbuf = self._rxbuf
+        while rxbuf.ready < n:
+            if not await self._more_bytes(n):
+                partial = rxbuf.take_all()
+                self._after_read()
+                raise asyncio.IncompleteReadError(partial, n)
+        data = rxbuf.take(n)
+        self._after_read()
+        return data
+
+    async def readuntil(self, separator: bytes = b"\n") -> bytes:
+        """:meth:`rdmaio.Endpoint.readuntil`."""
+        if not separator:
+            raise ValueError("Separator should be at least one-byte string")
+        limit = self.options.read_limit
+        seplen = len(separator)
+        rxbuf = self._rxbuf
+        while True:
+            index = rxbuf.find(separator)
+            if index >= 0:
+                end = index + seplen
+                if end > limit:
+                    raise asyncio.LimitOverrunError(
+                        "Separator is found, but chunk is longer than limit", index
+                    )
+                data = rxbuf.take(end)
+                self._after_read()
+                return data
+            if rxbuf.ready > limit:
+                raise asyncio.LimitOverrunError(
+                    "Separator is not found, and chunk exceed the limit", rxbuf.ready - seplen + 1
+                )
+            if not await self._more_bytes(rxbuf.ready + 1):
+                partial = rxbuf.take_all()
+                self._after_read()
+                raise asyncio.IncompleteReadError(partial, None)
+
+    async def readline(self) -> bytes:
+        """:meth:`rdmaio.Endpoint.readline`."""
+        try:
+            return await self.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial
+        except asyncio.LimitOverrunError as exc:
+            if self._rxbuf.startswith(b"\n", exc.consumed):
+                self._rxbuf.take(exc.consumed + 1)
+            else:
+                self._rxbuf.clear()
+            self._after_read()
+            raise ValueError(exc.args[0]) from exc
+
+    def at_eof(self) -> bool:
+        """:meth:`rdmaio.Endpoint.at_eof`."""
+        return self._rxbuf.unread == 0 and not self._rxbuf.pending and (self.session.peer_eof or self.stopped)
