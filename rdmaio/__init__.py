@@ -3,6 +3,14 @@
 ``ep = await rdmaio.connect(host, port)`` and ``server = await rdmaio.serve(handler, host, port)`` give
 asyncio-streams-like endpoints backed by RDMA (rdma_cm + verbs), with credit-based flow control and a C
 helper that drains completion queues in batches.
+
+Packages and modules (layers, bottom up; docs/architecture.md draws them): :mod:`rdmaio._ffi` (cffi
+bindings and the C helper), :mod:`rdmaio.verbs` (verbs objects), :mod:`rdmaio.protocol` (the sans-IO
+protocol), :mod:`rdmaio.core` (loop backends, devices, connection setup, one connection's sender, receiver
+and engines); the public API: :mod:`rdmaio.endpoint`, :mod:`rdmaio.client` (``connect``),
+:mod:`rdmaio.server` (``serve``, ``listen``), :mod:`rdmaio.options`, :mod:`rdmaio.errors`; compatibility:
+:mod:`rdmaio.streams` (asyncio streams), :mod:`rdmaio.anyio` (anyio streams), :mod:`rdmaio.dask` (Dask's
+``rdma://``); tools: :mod:`rdmaio.cli` (``doctor``, ``ping``), :mod:`rdmaio.testing` (the test host, fakes).
 """
 
 from rdmaio.client import connect

@@ -1,6 +1,9 @@
 """FFI layer: the compiled cffi extension ``rdmaio._rdmaio_cffi`` (librdmacm, libibverbs, C helper).
 
 ``ffi`` and ``lib`` are re-exported from here so that no other module imports the extension directly.
+
+Modules: :mod:`rdmaio._ffi.build` (the cffi build script: ``cdefs.h`` declarations, ``helper.c`` and
+``onesided.c`` compiled into the extension).
 """
 
 from __future__ import annotations

@@ -1,4 +1,13 @@
 """Command-line tools of rdmaio: ``doctor`` (why RDMA does or does not work here) and ``ping``.
 
 Both are reached through ``python -m rdmaio COMMAND`` or the ``rdmaio`` console script.
+
+Modules:
+
+* :mod:`rdmaio.cli.doctor`: the ``doctor`` command (runs the checks, prints one line each, or JSON).
+* :mod:`rdmaio.cli.checks`: the checks themselves (libraries, kernel modules, devices, ports, GIDs, limits,
+  a loopback connection) and the fix each failure suggests.
+* :mod:`rdmaio.cli.system`: what the checks read of this machine (sysfs, ``/proc``, limits), behind one
+  object so tests can fake it.
+* :mod:`rdmaio.cli.ping`: the ``ping`` command (round trips over rdmaio, a ``min/avg/max/p99`` summary).
 """

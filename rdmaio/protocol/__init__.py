@@ -76,6 +76,7 @@ Modules
 * :mod:`~rdmaio.protocol.credit_ledger`: the credit ledger of one shared receive queue (per device).
 * :mod:`~rdmaio.protocol.shared_session`: the session of a connection on a shared receive queue, reporting
   to the pool's ledger through callbacks.
+* :mod:`~rdmaio.protocol.sendqueue`: the send queue (fragmentation, coalescing into DATA_BATCH frames).
 * :mod:`~rdmaio.protocol.rxbuffer`: the receive buffer (reassembly, reads, slots back-pressure may hold).
 * :mod:`~rdmaio.protocol.rendezvous`: the rendezvous descriptors and transfer states.
 """

@@ -10,6 +10,19 @@ raises :class:`~rdmaio.errors.ForkError`, and closing them in the child only for
 child cannot destroy the parent's resources through the shared device file.
 
 Nothing here knows about event loops; the reactor layer puts the file descriptors on a loop.
+
+Modules:
+
+* :mod:`rdmaio.verbs.cm`: rdma_cm event channels, ids and events (``EventChannel``, ``CMId``, ``CMEvent``).
+* :mod:`rdmaio.verbs.device`: device contexts, port and device attributes, async events.
+* :mod:`rdmaio.verbs.memory`: protection domains and memory regions (and type 2 memory windows).
+* :mod:`rdmaio.verbs.cq`: completion channels, completion queues and batches of completion records.
+* :mod:`rdmaio.verbs.qp`: queue pairs and their chained posts.
+* :mod:`rdmaio.verbs.srq`: shared receive queues.
+* :mod:`rdmaio.verbs.wr`: the ``wr_id`` layout (``make_wr_id``, ``wr_kind``, ``wr_tag``, ``wr_index``).
+* :mod:`rdmaio.verbs.enums`: the verbs constants as enums.
+* :mod:`rdmaio.verbs._base`: checks, the fork guard, and the dependency-ordered ``close()``.
+* :mod:`rdmaio.verbs.native`: the one gateway through which the core takes ``ffi``/``lib``.
 """
 
 from __future__ import annotations

@@ -75,3 +75,18 @@ def test_attribute_comments_become_docstrings() -> None:
     assert device.docstring.value.startswith("name of the RDMA device carrying the connection")
     endpoint = package["anyio"]["RdmaAttribute"]["endpoint"]  # a two-line comment with a role in it
     assert endpoint.docstring.value.startswith("the [`rdmaio.Endpoint`][rdmaio.Endpoint] under the stream")
+
+
+def test_every_package_maps_its_modules() -> None:
+    """Each package's docstring names every module and subpackage in it (its module map stays true)."""
+    import ast
+
+    missing: list[str] = []
+    for init in sorted((REPO / "rdmaio").rglob("__init__.py")):
+        package_dir = init.parent
+        dotted = ".".join(package_dir.relative_to(REPO).parts)
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        members = [p.stem for p in package_dir.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        members += [p.parent.name for p in package_dir.glob("*/__init__.py")]
+        missing += [f"{dotted}.{name}" for name in sorted(members) if f"{dotted}.{name}" not in doc]
+    assert missing == [], f"not in their package's module map: {missing}"
