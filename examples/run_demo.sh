@@ -52,6 +52,8 @@ ping_server=$!
 sleep 3
 "$PY" -m rdmaio ping -c 5 -i 0.2 "$ADDR" 7479 || { cat .testhost/ping_server.log; kill "$ping_server"; exit 1; }
 kill -INT "$ping_server"; wait "$ping_server" || true
+echo "== the Python path of one small message: files and calls of one send (to its post) and one recv =="
+"$PY" tools/trace_path.py
 echo "== benchmark (quick) =="
 "$PY" -m bench --quick --sizes 64,64K,1M --json reports/bench-demo.json
 echo "== one-sided benchmark (quick): fetch_add per call and in fetch_add_many batches against ib_atomic_bw, the READ round trip against ib_read_lat =="
