@@ -10,6 +10,6 @@ Modules:
 * :mod:`rdmaio.testing.skips` is the rule the device suites share: where a suite must really run, a
   skipped test is a failed one.
 * :mod:`rdmaio.testing.fakes` holds the in-memory stand-ins the unit tests run on instead of a device:
-  fake verbs objects (queue pair, cm id, channels, CQs, device, memory regions and windows), a fake core
-  backend, transport and reactor, and a fake Endpoint for the compatibility layers.
+  fake verbs objects (queue pair, cm id, channels, CQs, device, protection domain, memory regions and
+  windows), a fake core backend, transport and reactor, and a fake Endpoint for the compatibility layers.
 """

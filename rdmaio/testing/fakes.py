@@ -9,11 +9,12 @@ Verbs level (what :mod:`rdmaio.verbs` hands the core):
 
 * :class:`FakeQP` -- a queue pair that records posted sends and one-sided requests, optionally checks posted
   slots against their ring, and can hand chains to a "wire" one loop iteration later.
-* :class:`FakeCMId` -- an rdma_cm id: addresses, its device, disconnect counting, close.
-* :class:`FakeEventChannel` -- an rdma_cm event channel handing out scripted events.
+* :class:`FakeCMId` -- an rdma_cm id: addresses, its device, disconnect counting, accept/reject, close.
+* :class:`FakeEventChannel` -- an rdma_cm event channel handing out scripted events, counting its reads.
 * :class:`FakeCompletionChannel`, :class:`FakeCQ`, :class:`FakeCompletionBatch` -- a completion channel,
   CQs with scripted completion records grouped as the C helper groups them, and the poll buffer.
 * :class:`FakeDevice` -- a device context: handle, name, async fd, scripted async events.
+* :class:`FakeProtectionDomain` -- a protection domain: close recorded.
 * :class:`FakeRegion`, :class:`FakeRegistration`, :class:`FakeWindow`, :class:`FakeRegistrar` -- memory
   registrations (a real ``cffi`` view of the buffer, so addresses are real), a cached registration, a
   type-2 memory window, and a registrar for ring chunks.
@@ -24,10 +25,11 @@ Core level:
 
 * :class:`FakeBackend` -- the loop backend with a clock the test moves (:class:`FakeTimer`), recording
   readers and spawned tasks.
-* :class:`FakeDomain` -- a device's protection domain and caches, counting closes.
+* :class:`FakeDomain` -- a device's protection domain and caches, counting closes and recording failed CQs.
 * :class:`FakeTransport`, :class:`FakeReactor`, :func:`wire` -- the verbs resources of one connection
-  and the reactor it registers with; :func:`wire` makes one transport's posts land in another's receive
-  slots, as the NIC would, so two real connections can talk back to back.
+  and the reactor it registers with (or a server's acceptor adopts its ids from); :func:`wire` makes one
+  transport's posts land in another's receive slots, as the NIC would, so two real connections can talk
+  back to back.
 * :func:`fake_completion` -- a work completion record.
 
 Compatibility-layer level:
@@ -68,6 +70,7 @@ __all__ = [
     "FakeEndpoint",
     "FakeEventChannel",
     "FakeMemoryLib",
+    "FakeProtectionDomain",
     "FakeQP",
     "FakeReactor",
     "FakeRegion",
@@ -206,7 +209,9 @@ class FakeCMId:
     """An rdma_cm id: its handle, addresses, port and device; counts disconnects, records close.
 
     With :attr:`on_disconnect` set, each :meth:`disconnect` calls it one loop iteration later (the
-    peer's DISCONNECTED event, in a back-to-back pair).
+    peer's DISCONNECTED event, in a back-to-back pair). The id of a connection request records how a
+    server answers it: :meth:`accept` keeps the connection parameters in :attr:`accepted`,
+    :meth:`reject` sets :attr:`rejected`.
     """
 
     def __init__(
@@ -225,6 +230,8 @@ class FakeCMId:
         self.port_num = port_num
         self.disconnects = 0
         self.on_disconnect: Callable[[], None] | None = None
+        self.accepted: dict[str, int] | None = None
+        self.rejected = False
         self.closed = False
 
     def device(self) -> Any:
@@ -237,22 +244,36 @@ class FakeCMId:
         if self.on_disconnect is not None:
             asyncio.get_running_loop().call_soon(self.on_disconnect)
 
+    def accept(self, private_data: bytes, **params: int) -> None:
+        """Accept the connection request: the parameters (``rnr_retry_count``, ``responder_resources``,
+        ``initiator_depth``) are kept in :attr:`accepted`; the private data is not kept."""
+        self.accepted = params
+
+    def reject(self) -> None:
+        """Reject the connection request (recorded in :attr:`rejected`)."""
+        self.rejected = True
+
     def close(self) -> None:
         """Destroy the id (recorded in :attr:`closed`)."""
         self.closed = True
 
 
 class FakeEventChannel:
-    """An rdma_cm event channel that hands out the given events in order, then None."""
+    """An rdma_cm event channel that hands out the given events in order, then None. :attr:`events` may be
+    extended later; :attr:`calls` counts the reads (each one a system call on a real channel, the empty
+    read too)."""
 
     fd = 41
 
     def __init__(self, *events: verbs.CMEvent) -> None:
         self.closed = False
         self.events: collections.deque[verbs.CMEvent] = collections.deque(events)
+        self.calls = 0
 
     def get_event(self) -> verbs.CMEvent | None:
-        """The next scripted event, None when there is none (a non-blocking channel)."""
+        """The next scripted event, None when there is none (a non-blocking channel); counted in
+        :attr:`calls`."""
+        self.calls += 1
         return self.events.popleft() if self.events else None
 
     def close(self) -> None:
@@ -398,6 +419,20 @@ class FakeDevice:
     def get_async_event(self) -> verbs.AsyncEvent | None:
         """The next scripted async event, None when there is none."""
         return self.events.popleft() if self.events else None
+
+
+class FakeProtectionDomain:
+    """A protection domain on ``device`` (what a :class:`~rdmaio.core.domain.Domain` asks of its own):
+    :meth:`close` recorded in :attr:`closed`. Monkeypatch it in for ``rdmaio.core.domain``'s
+    ``ProtectionDomain`` to build a real Domain without a device."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.device = device
+        self.closed = False
+
+    def close(self) -> None:
+        """Deallocate the protection domain (recorded in :attr:`closed`)."""
+        self.closed = True
 
 
 # --- verbs: memory -------------------------------------------------------------------------------------
@@ -548,8 +583,9 @@ class FakeTimer:
 
 class FakeBackend:
     """The loop backend, with a clock the test moves: records readers added and removed, the names of
-    spawned tasks (their coroutines are closed, never run) and the timers :meth:`call_later` made
-    (:attr:`pending`, run by :meth:`advance`)."""
+    spawned tasks (their coroutines are closed, never run) and the timers :meth:`call_later` made: those
+    not run yet in :attr:`pending` (run by :meth:`advance`), all of them, in the order they were made, in
+    :attr:`timers` (so a test can also cancel-check or fire one by hand)."""
 
     def __init__(self) -> None:
         self.readers: dict[int, Callable[[], None]] = {}
@@ -557,6 +593,7 @@ class FakeBackend:
         self.spawned: list[str] = []
         self.now = 0.0
         self.pending: list[FakeTimer] = []
+        self.timers: list[FakeTimer] = []
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
         """Watch ``fd`` (recorded in :attr:`readers`)."""
@@ -580,6 +617,7 @@ class FakeBackend:
         """A timer due ``delay`` seconds from :attr:`now`."""
         timer = FakeTimer(self.now + delay, callback)
         self.pending.append(timer)
+        self.timers.append(timer)
         return timer
 
     def call_soon(self, callback: Callable[[], None]) -> FakeTimer:
@@ -597,11 +635,17 @@ class FakeBackend:
 
 
 class FakeDomain:
-    """A device's protection domain and registration caches: counts :meth:`close` calls."""
+    """A device's protection domain and registration caches: counts :meth:`close` calls and records the
+    CQs the reactor reports failed (:attr:`failed_cqs`)."""
 
     def __init__(self) -> None:
         self.closes = 0
         self.closed = False
+        self.failed_cqs: list[int] = []
+
+    def cq_failed(self, handle: int) -> None:
+        """The device reported an error on CQ ``handle`` (recorded in :attr:`failed_cqs`)."""
+        self.failed_cqs.append(handle)
 
     def close(self) -> None:
         """Close the domain (counted)."""
@@ -610,22 +654,48 @@ class FakeDomain:
 
 
 class FakeReactor:
-    """The per-loop reactor a connection registers with: an asyncio backend and keepalive timers, CM
-    handlers by id, watched QP keys, released ids. Create it inside a running asyncio loop."""
+    """The per-loop reactor a connection registers with (or a server's acceptor adopts the ids of
+    connection requests from): a backend and keepalive timers, CM handlers by id, the handlers of adopted
+    ids by id handle, watched QP keys, released ids, counted drains of the CM event channel.
 
-    def __init__(self) -> None:
+    ``backend`` defaults to an asyncio backend on the running loop (then create the reactor inside one);
+    pass a :class:`FakeBackend` to drive its timers by hand without a loop (:attr:`timers`).
+    """
+
+    def __init__(self, backend: Any = None) -> None:
         from rdmaio.core.backend import AsyncioBackend
         from rdmaio.core.keepalive import KeepaliveTimers
 
-        self.backend = AsyncioBackend(asyncio.get_running_loop())
+        self.backend: Any = AsyncioBackend(asyncio.get_running_loop()) if backend is None else backend
         self.keepalive_timers = KeepaliveTimers(self.backend)
         self.cm_handlers: dict[Any, Callable[[Any], None]] = {}
+        self.handlers: dict[int, Callable[[Any], None]] = {}
         self.released: list[Any] = []
         self.watched: set[Any] = set()
+        self.drained = 0
+
+    @property
+    def timers(self) -> list[FakeTimer]:
+        """Every timer made on the backend, in order (with a :class:`FakeBackend` as the backend)."""
+        timers: list[FakeTimer] = self.backend.timers
+        return timers
 
     def set_handler(self, cm_id: Any, handler: Callable[[Any], None]) -> None:
         """Route ``cm_id``'s events to ``handler``."""
         self.cm_handlers[cm_id] = handler
+
+    def adopt_id(self, event: Any, handler: Callable[[Any], None]) -> FakeCMId:
+        """The new id of a connection request: a :class:`FakeCMId` with the event's id handle, its peer
+        at ``(event.source, 40000 + handle)`` (a fake event names its source host in ``source``; without
+        one, the default peer host), and ``handler`` for its later events in :attr:`handlers`."""
+        handle = event.id_handle
+        self.handlers[handle] = handler
+        source = getattr(event, "source", "198.18.0.2")
+        return FakeCMId(handle, peer_address=(source, 40000 + handle))
+
+    def drain_cm_events(self) -> None:
+        """Handle the CM events waiting now: there are none here; counted in :attr:`drained`."""
+        self.drained += 1
 
     def watch_qp(self, *key: Any) -> None:
         """Watch a QP's async events: the key (all but the handler) is added to :attr:`watched`."""
@@ -648,15 +718,26 @@ class FakeReactor:
 
 class FakeTransport:
     """The verbs resources of one side of a connection, in memory: a send ring (real, over
-    :class:`FakeRegistrar`), a receive ring of ``depth`` slots, a :class:`FakeQP`, and the receive slots
-    posted (:attr:`posted`, in order). Completions come from :func:`wire` through the handler the
-    connection sets; :meth:`close` is recorded."""
+    :class:`FakeRegistrar`), a receive ring of ``depth`` slots (:attr:`initial`: all posted when it is
+    made), a :class:`FakeQP`, and the receive slots posted (:attr:`posted`, in order). Completions come
+    from :func:`wire` through the handler the connection sets; :meth:`close` is recorded.
+
+    Where the core makes a :class:`~rdmaio.core.transport.Transport` itself (a server's acceptor),
+    monkeypatch :meth:`for_cm_id` in for it: it takes the real constructor's arguments and records every
+    transport it makes in :attr:`made`.
+    """
+
+    #: The transports :meth:`for_cm_id` made, in order. A test that reads it gives it a fresh list first
+    #: (``monkeypatch.setattr(FakeTransport, "made", [])``), so no test sees another's.
+    made: ClassVar[list[FakeTransport]] = []
 
     def __init__(self, qp_num: int, tag: int, *, slot_size: int = 4096, depth: int = 8) -> None:
         from rdmaio.core.rings import SlotRing
 
         self.slot_size = slot_size
         self.depth = depth
+        self.initial = depth
+        self.cm_id: Any = None
         self.max_inline = 0
         self.tag = tag
         self.send_ring = SlotRing(slot_size, depth, FakeRegistrar(slot_size))
@@ -671,6 +752,19 @@ class FakeTransport:
         self.posted: collections.deque[int] = collections.deque(range(depth))
         self.handler: Callable[[Any, int, int], None] | None = None
         self.closed = False
+
+    @classmethod
+    def for_cm_id(
+        cls, reactor: Any, cm_id: Any, options: Options, initial_recv: int | None = None
+    ) -> FakeTransport:
+        """Made as the core makes a Transport: for ``cm_id`` (kept in :attr:`cm_id`), with
+        ``initial_recv`` receive slots (``options.recv_depth`` when None) of ``options.slot_size``
+        bytes; appended to :attr:`made`."""
+        depth = options.recv_depth if initial_recv is None else initial_recv
+        transport = cls(0, 0, slot_size=options.slot_size, depth=depth)
+        transport.cm_id = cm_id
+        cls.made.append(transport)
+        return transport
 
     def set_completion_handler(self, handler: Callable[[Any, int, int], None]) -> None:
         """Where completions of this transport go (``handler(wcs, start, count)``)."""

@@ -4,7 +4,6 @@ device's Domain and fd watch, and when librdmacm is asked to let go of the devic
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,79 +15,20 @@ from rdmaio.core import reactor as reactor_module
 from rdmaio.core.backend import AsyncioBackend, TrioBackend
 from rdmaio.core.reactor import Reactor
 from rdmaio.errors import DeviceError
+from rdmaio.testing.fakes import (
+    FakeBackend,
+    FakeCMId,
+    FakeDevice,
+    FakeDeviceHandles,
+    FakeDomain,
+    FakeEventChannel,
+)
 from rdmaio.verbs import CMEvent, CMEventType
 
 
-class FakeDevice:
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-        self.name = f"fake{handle}"
-        self.async_fd = 100 + handle
-
-
-class FakeDomain:
-    def __init__(self) -> None:
-        self.closes = 0
-        self.closed = False
-
-    def close(self) -> None:
-        self.closes += 1
-        self.closed = True
-
-
-class FakeCMId:
-    """What the reactor asks of a cm id: its handle, whether it is closed, its device."""
-
-    def __init__(self, handle: int, device: FakeDevice | None) -> None:
-        self.handle = handle
-        self._device = device
-        self.closed = False
-
-    def device(self) -> FakeDevice | None:
-        return self._device
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeChannel:
-    def __init__(self, *events: CMEvent) -> None:
-        self.closed = False
-        self._events = deque(events)
-
-    def get_event(self) -> CMEvent | None:
-        return self._events.popleft() if self._events else None
-
-
-class FakeBackend:
-    def __init__(self) -> None:
-        self.removed_readers: list[int] = []
-        self.spawned: list[str] = []
-
-    def remove_reader(self, fd: int) -> None:
-        self.removed_readers.append(fd)
-
-    def spawn(self, coro: Any, name: str) -> None:
-        coro.close()
-        self.spawned.append(name)
-
-
-class FakeLibrdmacm:
-    """``verbs.cm_device_handles``: answers from ``answers`` (the last one repeats), calls recorded."""
-
-    def __init__(self) -> None:
-        self.answers: list[set[int]] = [set()]
-        self.calls: list[set[int]] = []
-
-    def __call__(self) -> set[int]:
-        answer = self.answers[0] if len(self.answers) == 1 else self.answers.pop(0)
-        self.calls.append(answer)
-        return answer
-
-
 @pytest.fixture
-def listed(monkeypatch: pytest.MonkeyPatch) -> FakeLibrdmacm:
-    fake = FakeLibrdmacm()
+def listed(monkeypatch: pytest.MonkeyPatch) -> FakeDeviceHandles:
+    fake = FakeDeviceHandles()
     monkeypatch.setattr(verbs, "cm_device_handles", fake)
     return fake
 
@@ -113,7 +53,7 @@ def setup(backend: Any) -> tuple[Reactor, dict[str, list[int]], dict[int, FakeDo
 
 
 def test_removal_fails_only_that_devices_connections_and_drops_its_domain_and_fd(
-    listed: FakeLibrdmacm,
+    listed: FakeDeviceHandles,
 ) -> None:
     backend = FakeBackend()
     reactor, seen, domains, device = setup(backend)
@@ -130,7 +70,7 @@ def test_removal_fails_only_that_devices_connections_and_drops_its_domain_and_fd
     assert reactor._removed == {} and reactor.devices_removed == 1
 
 
-def test_a_device_fatal_async_event_is_a_removal(listed: FakeLibrdmacm) -> None:
+def test_a_device_fatal_async_event_is_a_removal(listed: FakeDeviceHandles) -> None:
     reactor, seen, domains, _device = setup(FakeBackend())
     fatal = verbs.AsyncEvent(verbs.EVENT_DEVICE_FATAL, "local catastrophic error", "device", 0, 0)
     reactor._dispatch_async_event(FakeDevice(2), fatal)  # type: ignore[arg-type]
@@ -138,7 +78,9 @@ def test_a_device_fatal_async_event_is_a_removal(listed: FakeLibrdmacm) -> None:
     assert domains[2].closed and 2 not in reactor._domains
 
 
-def test_cm_device_removal_goes_to_the_handler_first_then_removes_the_device(listed: FakeLibrdmacm) -> None:
+def test_cm_device_removal_goes_to_the_handler_first_then_removes_the_device(
+    listed: FakeDeviceHandles,
+) -> None:
     backend = FakeBackend()
     reactor, seen, domains, device = setup(backend)
     order: list[str] = []
@@ -150,13 +92,13 @@ def test_cm_device_removal_goes_to_the_handler_first_then_removes_the_device(lis
         reactor.release_id(own)  # type: ignore[arg-type] - an endpoint releases its id at once
 
     reactor._handlers[own.handle] = endpoint_handler
-    reactor._channel = FakeChannel(cm_event(CMEventType.DEVICE_REMOVAL, own.handle))  # type: ignore[assignment]
+    reactor._channel = FakeEventChannel(cm_event(CMEventType.DEVICE_REMOVAL, own.handle))  # type: ignore[assignment]
     reactor._on_cm_readable()
     assert order == ["handler DEVICE_REMOVAL, domain closed: False"]
     assert own.closed and domains[1].closed and seen["a"] and seen["b"] and not seen["c"]
 
 
-def test_librdmacm_is_asked_only_once_no_cm_id_is_left_on_the_device(listed: FakeLibrdmacm) -> None:
+def test_librdmacm_is_asked_only_once_no_cm_id_is_left_on_the_device(listed: FakeDeviceHandles) -> None:
     reactor, seen, domains, device = setup(FakeBackend())
     pending = FakeCMId(0xB0, device)  # an accept or connect still holding its id on the device
     other = FakeCMId(0xC0, FakeDevice(2))
@@ -176,7 +118,7 @@ def test_librdmacm_is_asked_only_once_no_cm_id_is_left_on_the_device(listed: Fak
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_removal_rechecks_while_librdmacm_still_lists_the_device(
-    listed: FakeLibrdmacm, monkeypatch: pytest.MonkeyPatch, backend: str
+    listed: FakeDeviceHandles, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
     """The recheck sleeps on the backend's timeout scope: asyncio and trio."""
     monkeypatch.setattr(reactor_module, "_REMOVAL_RECHECK", 0.01)
@@ -210,7 +152,7 @@ def test_removal_rechecks_while_librdmacm_still_lists_the_device(
 
 
 def test_connections_releasing_their_ids_while_failed_do_not_release_the_device_early(
-    listed: FakeLibrdmacm,
+    listed: FakeDeviceHandles,
 ) -> None:
     """Each failed endpoint releases its cm id at once; the last one must not make librdmacm close the
     device context before the Domain (PD, CQs, completion channel) is closed."""
@@ -219,7 +161,7 @@ def test_connections_releasing_their_ids_while_failed_do_not_release_the_device_
     domain = FakeDomain()
     reactor._domains[1] = domain  # type: ignore[assignment]
     order: list[str] = []
-    listed_then = FakeLibrdmacm()
+    listed_then = FakeDeviceHandles()
 
     def librdmacm() -> set[int]:
         order.append(f"librdmacm asked, domain closed: {domain.closed}")

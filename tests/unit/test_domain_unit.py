@@ -17,29 +17,15 @@ from rdmaio.core.rendezvous import RendezvousEngine
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_RNDV, Handshake, Session
 from rdmaio.protocol.rxbuffer import ReceiveBuffer
-
-
-class FakeRegion:
-    def __init__(self, buffer: Any, access: int, log: list[str]) -> None:
-        self.buffer = buffer  # a real MemoryRegion keeps the buffer alive too
-        self.length = len(buffer)
-        self.access = access
-        self.lkey = id(self) & 0xFFFF
-        self.addr = id(buffer)
-        self._log = log
-        self.closed = False
-        log.append(f"reg {len(buffer)}")
-
-    def close(self) -> None:
-        assert not self.closed
-        self.closed = True
-        self._log.append(f"dereg {self.length}")
+from rdmaio.testing.fakes import FakeBackend, FakeProtectionDomain, FakeRegion
 
 
 def make(max_pinned: int) -> tuple[RegistrationCache, list[str]]:
     log: list[str] = []
     cache = RegistrationCache(
-        lambda buf, access: FakeRegion(buf, access, log), lambda buf: (id(buf), len(buf)), max_pinned
+        lambda buf, access: FakeRegion(buf, access, log=log, strict=True),
+        lambda buf: (id(buf), len(buf)),
+        max_pinned,
     )
     return cache, log
 
@@ -143,22 +129,10 @@ def test_giving_back_a_reservation_or_closing_calls_the_room_waiters() -> None:
 # --- per-device settings: the Domain's, not a connection's ------------------------------------------
 
 
-class FakePD:
-    """What a Domain asks of its protection domain here: closed, close()."""
-
-    def __init__(self, device: Any) -> None:
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeBackend:
-    def call_later(self, delay: float, callback: Any) -> Any:
-        return SimpleNamespace(cancel=lambda: None)
-
-
 class FakeOneSided:
+    """A connection's one-sided engine, as much as a new rendezvous engine uses: it sets the
+    ``control_handler``."""
+
     control_handler: Any = None
 
 
@@ -176,7 +150,7 @@ class FakeConnection:
 
 @pytest.fixture
 def reactor(monkeypatch: pytest.MonkeyPatch) -> Reactor:
-    monkeypatch.setattr(domain_module, "ProtectionDomain", FakePD)
+    monkeypatch.setattr(domain_module, "ProtectionDomain", FakeProtectionDomain)
     return Reactor(FakeBackend())  # type: ignore[arg-type]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 from collections.abc import Callable, Coroutine
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from rdmaio import verbs
 from rdmaio._ffi import ffi, lib
 from rdmaio.core.rings import SlotRing
 from rdmaio.errors import VerbsError
+from rdmaio.options import Options
 from rdmaio.testing.fakes import (
     SLOTLESS,
     CompletionRecord,
@@ -28,6 +30,7 @@ from rdmaio.testing.fakes import (
     FakeDomain,
     FakeEventChannel,
     FakeMemoryLib,
+    FakeProtectionDomain,
     FakeQP,
     FakeReactor,
     FakeRegion,
@@ -258,3 +261,47 @@ def test_backend_records_readers_spawns_and_runs_due_timers_in_order() -> None:
     domain.close()
     domain.close()
     assert domain.closed and domain.closes == 2
+
+
+def test_a_server_side_reactor_adopts_ids_answers_requests_and_makes_transports_without_a_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a server's acceptor asks of the fakes: ids adopted from requests (answered by accept or
+    reject), timers on a FakeBackend, counted drains, transports made as the core makes them."""
+    monkeypatch.setattr(FakeTransport, "made", [])
+    reactor = FakeReactor(FakeBackend())
+    request = SimpleNamespace(id_handle=3, source="198.18.0.9")
+    cm_id = reactor.adopt_id(request, print)
+    assert (cm_id.handle, cm_id.peer_address) == (3, ("198.18.0.9", 40003)) and reactor.handlers == {3: print}
+    cm_id.accept(b"hello", responder_resources=4, initiator_depth=2)
+    assert cm_id.accepted == {"responder_resources": 4, "initiator_depth": 2} and not cm_id.rejected
+    cm_id.reject()
+    assert cm_id.rejected
+    fired: list[str] = []
+    first = reactor.backend.call_later(5.0, lambda: fired.append("first"))
+    reactor.backend.call_soon(lambda: fired.append("second"))
+    first.cancel()
+    reactor.backend.advance(10.0)
+    assert fired == ["second"] and reactor.timers[0] is first and len(reactor.timers) == 2
+    reactor.timers[0].callback()  # a test may fire one by hand
+    reactor.drain_cm_events()
+    assert fired == ["second", "first"] and reactor.drained == 1
+    transport = FakeTransport.for_cm_id(reactor, cm_id, Options(slot_size=SLOT), 4)
+    default = FakeTransport.for_cm_id(reactor, cm_id, Options(slot_size=SLOT, recv_depth=16))
+    assert FakeTransport.made == [transport, default] and transport.cm_id is cm_id
+    assert (transport.initial, transport.slot_size, default.initial) == (4, SLOT, 16)
+
+
+def test_reads_of_the_event_channel_failed_cqs_and_the_protection_domain_are_recorded() -> None:
+    event = verbs.CMEvent(verbs.CMEventType.ESTABLISHED, 0, 5, 0, b"", 0, 0, 0, 0, raw_id=None)
+    channel = FakeEventChannel()
+    assert channel.get_event() is None and channel.calls == 1  # the empty read counts too
+    channel.events.append(event)
+    assert channel.get_event() is event and channel.calls == 2
+    domain = FakeDomain()
+    domain.cq_failed(100)
+    assert domain.failed_cqs == [100] and not domain.closed
+    device = FakeDevice(1)
+    pd = FakeProtectionDomain(device)
+    pd.close()
+    assert pd.closed and pd.device is device

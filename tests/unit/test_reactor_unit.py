@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
-from collections import deque
 from typing import Any
 
 import trio
@@ -13,24 +12,7 @@ import uvloop
 
 from rdmaio import verbs
 from rdmaio.core.reactor import Reactor
-
-
-class FakeDevice:
-    """Stands in for a DeviceContext: a handle, a name and scripted async events."""
-
-    def __init__(self, handle: int, *events: verbs.AsyncEvent) -> None:
-        self.handle = handle
-        self.name = f"fake{handle}"
-        self.async_fd = -1
-        self._events = deque(events)
-
-    def get_async_event(self) -> verbs.AsyncEvent | None:
-        return self._events.popleft() if self._events else None
-
-
-class FakeBackend:
-    def remove_reader(self, fd: int) -> None:
-        pass
+from rdmaio.testing.fakes import FakeBackend, FakeDevice, FakeDomain, FakeEventChannel
 
 
 def qp_event(etype: int, qp_num: int) -> verbs.AsyncEvent:
@@ -115,13 +97,9 @@ def test_a_cq_error_on_a_shared_cq_reaches_every_connection_on_it_and_marks_it_f
     """Connections of one domain share CQs: a CQ error fails all of them, and the domain places no new
     connection on that CQ."""
     reactor = Reactor(FakeBackend())  # type: ignore[arg-type]
-    marked: list[int] = []
-
-    class FakeDomain:
-        def cq_failed(self, handle: int) -> None:
-            marked.append(handle)
-
-    reactor._domains[1] = FakeDomain()  # type: ignore[assignment]
+    domain = FakeDomain()
+    marked = domain.failed_cqs
+    reactor._domains[1] = domain  # type: ignore[assignment]
     seen: list[str] = []
     for name, qp in (("a", 7), ("b", 8), ("c", 9)):
         reactor.watch_qp(1, qp, 100, lambda event, name=name: seen.append(name))  # type: ignore[misc]
@@ -134,17 +112,6 @@ def test_a_cq_error_on_a_shared_cq_reaches_every_connection_on_it_and_marks_it_f
 def test_cm_events_are_read_one_per_wake_up() -> None:
     """A wake-up of the rdma_cm channel reads one event: the fd is level-triggered, so the next pending event
     wakes the reactor again, and the empty read that ends a drain (a system call) is never made."""
-
-    class FakeChannel:
-        closed = False
-
-        def __init__(self, events: list[verbs.CMEvent]) -> None:
-            self.events = deque(events)
-            self.calls = 0
-
-        def get_event(self) -> verbs.CMEvent | None:
-            self.calls += 1
-            return self.events.popleft() if self.events else None
 
     def event(handle: int) -> verbs.CMEvent:
         return verbs.CMEvent(
@@ -161,7 +128,7 @@ def test_cm_events_are_read_one_per_wake_up() -> None:
         )
 
     reactor = Reactor(FakeBackend())  # type: ignore[arg-type]
-    channel = FakeChannel([event(1), event(2)])
+    channel = FakeEventChannel(event(1), event(2))
     reactor._channel = channel  # type: ignore[assignment]
     seen: list[int] = []
     reactor._handlers[1] = reactor._handlers[2] = lambda e: seen.append(e.id_handle)

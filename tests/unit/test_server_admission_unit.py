@@ -6,9 +6,8 @@ admission of rdmaio.core.acceptor.Acceptor, with fakes: what it refuses before c
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -18,6 +17,7 @@ from rdmaio.core.acceptor import Acceptor
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
 from rdmaio.protocol.reclaim import MIN_WINDOW
+from rdmaio.testing.fakes import FakeBackend, FakeReactor, FakeTransport
 from rdmaio.verbs import CMEventType
 
 NO_GROW = Handshake(recv_depth=32, slot_size=65536, max_message_size=1 << 20)
@@ -63,70 +63,6 @@ def test_on_a_shared_receive_queue_a_peer_without_reclaim_gets_the_reserve(peer_
 # --- the acceptor's admission, with fakes: what is refused before anything is created ---------------
 
 
-class FakeCMId:
-    def __init__(self, handle: int, source: str) -> None:
-        self.handle = handle
-        self.peer_address = (source, 40000 + handle)
-        self.rejected = False
-        self.accepted: dict[str, Any] | None = None
-
-    def reject(self) -> None:
-        self.rejected = True
-
-    def accept(self, private_data: bytes, **params: int) -> None:
-        self.accepted = params
-
-
-class FakeTimer:
-    def __init__(self, callback: Callable[[], None]) -> None:
-        self.callback = callback
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakeReactor:
-    """What an Acceptor asks of its reactor: ids adopted and released, timers, the CM events drained."""
-
-    def __init__(self) -> None:
-        self.backend = self
-        self.handlers: dict[int, Callable[[Any], None]] = {}
-        self.released: list[FakeCMId] = []
-        self.timers: list[FakeTimer] = []
-        self.drained = 0
-
-    def adopt_id(self, event: Any, handler: Callable[[Any], None]) -> FakeCMId:
-        self.handlers[event.id_handle] = handler
-        return FakeCMId(event.id_handle, event.source)
-
-    def release_id(self, cm_id: FakeCMId) -> None:
-        self.released.append(cm_id)
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> FakeTimer:
-        self.timers.append(FakeTimer(callback))
-        return self.timers[-1]
-
-    def drain_cm_events(self) -> None:
-        self.drained += 1
-
-
-class FakeTransport:
-    made: ClassVar[list[FakeTransport]] = []
-
-    def __init__(self, reactor: Any, cm_id: FakeCMId, options: Options, initial: int) -> None:
-        self.cm_id = cm_id
-        self.initial = initial
-        self.device = None
-        self.shared = None
-        self.registered_bytes = initial * options.slot_size
-        self.closed = False
-        FakeTransport.made.append(self)
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def request(handle: int, source: str = "198.18.0.2", data: bytes | None = None) -> Any:
     hello = local_handshake(Options()).encode() if data is None else data
     return SimpleNamespace(
@@ -143,11 +79,11 @@ def request(handle: int, source: str = "198.18.0.2", data: bytes | None = None) 
 def acceptor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[Acceptor, FakeReactor, list[Any], collections.deque[Any]]:
-    FakeTransport.made = []
-    monkeypatch.setattr(acceptor_module, "Transport", FakeTransport)
+    monkeypatch.setattr(FakeTransport, "made", [])  # restored after the test: the class is shared
+    monkeypatch.setattr(acceptor_module, "Transport", FakeTransport.for_cm_id)
     monkeypatch.setattr(acceptor_module, "rd_atomic_depth", lambda device, wanted: 4)
     monkeypatch.setattr(acceptor_module, "Connection", lambda *args: SimpleNamespace(args=args))
-    reactor = FakeReactor()
+    reactor = FakeReactor(FakeBackend())
     started: list[Any] = []
     queued: collections.deque[Any] = collections.deque()
     timed_out: list[None] = []
