@@ -156,6 +156,19 @@ _QP_EVENTS = {
 _PORT_EVENTS = {lib.IBV_EVENT_PORT_ACTIVE, lib.IBV_EVENT_PORT_ERR}
 
 
+@dataclass(frozen=True, slots=True)
+class OneSidedCaps:
+    """What a device offers one-sided operations (``ibv_query_device``)."""
+
+    atomic_cap: str
+    """``"NONE"``, ``"HCA"`` (atomic among this device's requests) or ``"GLOB"``."""
+    max_qp_rd_atom: int
+    max_qp_init_rd_atom: int
+    max_mw: int
+    mw_type1: bool
+    mw_type2: bool
+
+
 class DeviceContext:
     """A device context opened by librdmacm (``cm_id->verbs``): not owned, never closed by us."""
 
@@ -199,3 +212,20 @@ class DeviceContext:
     def query_port(self, port: int) -> PortInfo:
         """Query one port's attributes."""
         return _query_port(self._ptr, port)
+
+    def query_onesided_caps(self) -> OneSidedCaps:
+        """Query what the device offers one-sided RDMA: atomics, READ/atomic depths, memory windows."""
+        caps = ffi.new("struct rdmaio_onesided_caps *")
+        rc = lib.rdmaio_query_onesided_caps(self._ptr, caps)
+        if rc < 0:
+            raise VerbsError.from_errno("ibv_query_device", -rc)
+        names = {lib.IBV_ATOMIC_NONE: "NONE", lib.IBV_ATOMIC_HCA: "HCA", lib.IBV_ATOMIC_GLOB: "GLOB"}
+        flags = int(caps.device_cap_flags)
+        return OneSidedCaps(
+            atomic_cap=names.get(int(caps.atomic_cap), str(caps.atomic_cap)),
+            max_qp_rd_atom=int(caps.max_qp_rd_atom),
+            max_qp_init_rd_atom=int(caps.max_qp_init_rd_atom),
+            max_mw=int(caps.max_mw),
+            mw_type1=bool(flags & lib.IBV_DEVICE_MEM_WINDOW),
+            mw_type2=bool(flags & (lib.IBV_DEVICE_MEM_WINDOW_TYPE_2A | lib.IBV_DEVICE_MEM_WINDOW_TYPE_2B)),
+        )
