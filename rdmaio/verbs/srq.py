@@ -5,7 +5,7 @@ Queue pairs created with ``srq=`` (``CMId.create_qp``) take their receives from 
 queue of their own; a receive completion then arrives on the QP's receive CQ with the QP's number
 (``wc.qp_num``) and the ``wr_id`` the SRQ receive was posted with. Closing an SRQ closes the queue pairs using
 it first (a QP may not outlive its SRQ); the protection domain closes it after its QPs and before its memory
-regions. How many receives may be lent to peers as credits is :mod:`rdmaio.protocol.shared_credits`' business.
+regions. How many receives may be lent to peers as credits is :mod:`rdmaio.protocol.credit_ledger`'s business.
 """
 
 from __future__ import annotations
