@@ -115,10 +115,8 @@ class Endpoint:
         Raises :class:`~rdmaio.ConnectionResetError` if the peer went away without closing cleanly. A
         cancelled ``recv()`` takes nothing: the message stays for the next read.
         """
-        data = self._reader.recv_nowait()  # a message already here needs no coroutine below this one
-        if data is None:
-            return await self._reader.recv()
-        return data
+        # One coroutine below this one, found or waited for (Receiver.recv makes its fast test with no call).
+        return await self._reader.recv()
 
     async def recv_into(self, buffer: bytearray | memoryview) -> int:
         """Copy the next message into ``buffer`` and return its size (0 at end of stream).

@@ -110,6 +110,8 @@ class Backend(Protocol):
 
 
 class _FutureWaiter:
+    """A one-shot waiter on an asyncio future (:meth:`AsyncioBackend.waiter` makes them)."""
+
     __slots__ = ("_fut",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -125,6 +127,9 @@ class _FutureWaiter:
     def wait(self) -> asyncio.Future[None]:
         # The future itself: awaiting an exact asyncio.Future takes the C task's fast path.
         return self._fut
+
+
+_new_future_waiter = object.__new__  # a _FutureWaiter without the Python call of __init__
 
 
 class _LaterHandle:
@@ -174,7 +179,14 @@ class AsyncioBackend:
 
     def waiter(self) -> Waiter:
         """A future-backed one-shot waiter."""
-        return _FutureWaiter(self.loop)
+        # One Python call per wait (every read that waits makes one): the loop is read inline, not through
+        # the property, and the waiter is made without running its __init__.
+        loop = self._loop_ref()
+        if loop is None:
+            raise RuntimeError("the event loop of this rdmaio backend no longer exists")
+        waiter = _new_future_waiter(_FutureWaiter)
+        waiter._fut = loop.create_future()
+        return waiter
 
     def event(self) -> Event:
         """An ``asyncio.Event``."""

@@ -34,7 +34,7 @@ from rdmaio.core.send import check_fork
 from rdmaio.errors import EndpointClosedError
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
-from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
 from rdmaio.verbs import WR_INDEX_MASK
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every wait: no call
 
@@ -252,7 +252,11 @@ class Receiver:
     def recv_nowait(self) -> bytes | None:
         """The next message if one is here and needs no pulling, else None (nothing taken)."""
         rxbuf = self._rxbuf
-        if not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes)):
+        messages = rxbuf.messages
+        # Fast test, no call: a head that is not a placeholder is a complete message to pop as it is.
+        if (not messages or isinstance(messages[0], Placeholder)) and (
+            not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes))
+        ):
             return None
         data = rxbuf.pop_message()
         if rxbuf.held or rxbuf.pending:
@@ -260,16 +264,43 @@ class Receiver:
         return data
 
     async def recv(self) -> bytes | None:
-        """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`)."""
+        """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`).
+
+        The hot path of a request/reply connection: one coroutine (this one) with the wait of
+        :meth:`_wait_more` inline, and the buffer's fast test (a complete message at the head) made on its
+        attributes, without a call."""
         rxbuf = self._rxbuf
-        while True:
-            while not rxbuf.has_message():
-                if not await self._wait_more():
-                    return None
-            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
-                break
-            assert self.rndv is not None
-            await self.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
+        messages = rxbuf.messages
+        while not messages or isinstance(messages[0], Placeholder):
+            if messages and rxbuf.has_message():  # a placeholder at the head (settled ones are replaced now)
+                if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                    break
+                assert self.rndv is not None
+                await self.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
+                continue
+            # Nothing to read: wait for more (as _wait_more(), inline; keep the two the same).
+            if self._generation != _fork_state._generation:
+                check_fork(self._generation)
+            outcome = self.session.recv_outcome()
+            if outcome is EOF:
+                return None
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if self.stopped:
+                raise EndpointClosedError("endpoint is closed")
+            waiter = self._waiter
+            if waiter is not None and not waiter.is_set():
+                raise RuntimeError("another task is already waiting to read from this endpoint")
+            waiter = self._waiter = self.io.waiter()
+            rxbuf.reader_waiting = True
+            if rxbuf.held:
+                self.repost_released()
+            try:
+                await waiter.wait()
+            finally:
+                rxbuf.reader_waiting = False
+                if self._waiter is waiter:
+                    self._waiter = None
         data = rxbuf.pop_message()
         if rxbuf.held or rxbuf.pending:
             self._after_read()
@@ -306,10 +337,10 @@ class Receiver:
             raise outcome
         if self.stopped:
             raise EndpointClosedError("endpoint is closed")
-        if self._waiter is not None and not self._waiter.is_set():
+        waiter = self._waiter
+        if waiter is not None and not waiter.is_set():
             raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self.io.waiter()
-        self._waiter = waiter
+        waiter = self._waiter = self.io.waiter()
         rxbuf = self._rxbuf
         rxbuf.reader_waiting = True
         if rxbuf.held:

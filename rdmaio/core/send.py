@@ -186,6 +186,8 @@ class Sender:
         self._scratch_addr = 0
         self._stats = stats
         self._wr_id_base = verbs.make_wr_id(verbs.WR_KIND_SEND, tag, 0)  # | slot
+        # The peer's maximum message size (its handshake, fixed): a send within it needs no size check call.
+        self._peer_max = session.peer.max_message_size
         max_fragment = min(session.max_fragment, slot_size)
         # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
         # at the peer's maximum message size too (a peer may announce one below its slot size).
@@ -272,7 +274,8 @@ class Sender:
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
         size = view.nbytes
-        session.check_message_size(size)
+        if size > self._peer_max:
+            session.check_message_size(size)  # raises MessageTooLargeError
         rndv = self.rndv
         if size > self.queue.batch_limit or (rndv is not None and size >= rndv.threshold):
             return view
@@ -424,12 +427,15 @@ class Sender:
         earlier in this iteration (the seam for C: see the module docstring)."""
         if self.stopped:
             return
-        if not self.queue.txq and not self.staged and self._reclaim is None:
-            # The common case after a completion batch or a flush: nothing queued, nothing staged. Only a
-            # due EOF or CREDIT frame is left to look for.
-            session = self.session
-            if not session.eof_pending() and not session.credit_frame_due():
-                return
+        if (
+            not self.queue.txq
+            and not self.staged
+            and self._reclaim is None
+            and not self.session.control_frame_due()
+        ):
+            # The common case after a completion batch or a flush: nothing queued, nothing staged, and no
+            # EOF or CREDIT frame due (one question to the session).
+            return
         self._stage_queued()
         handle = self._post_handle
         if handle is not None:
@@ -480,7 +486,10 @@ class Sender:
         """A completion batch of this connection was processed: something came back, so the next small
         message may go at once; transmit what the batch made possible and wake the writers."""
         self.coalesce_next = False
-        self.transmit()
+        # transmit()'s early-out, here: after most batches nothing is queued or staged and no control frame
+        # is due, and that costs no transmit() call.
+        if self.queue.txq or self.staged or self._reclaim is not None or self.session.control_frame_due():
+            self.transmit()
         if self.waiters:
             self.wake_writers()
 

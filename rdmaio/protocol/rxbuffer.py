@@ -68,7 +68,13 @@ class Placeholder:
 
 
 class ReceiveBuffer:
-    """Complete messages not yet read, the message being reassembled, placeholders and the slots held back."""
+    """Complete messages not yet read, the message being reassembled, placeholders and the slots held back.
+
+    Plain attributes the per-message path reads without a call: :attr:`held` (receive slots held back for
+    back-pressure), :attr:`messages` (the queue of complete messages and placeholders, read-only: a head
+    that is not a :class:`Placeholder` is what :meth:`pop_message` returns next), :attr:`unread`,
+    :attr:`ready`, :attr:`pending`, :attr:`announced`, :attr:`assembling`.
+    """
 
     __slots__ = (
         "_held",
@@ -78,7 +84,9 @@ class ReceiveBuffer:
         "_unsettled",
         "announced",
         "assembling",
+        "held",
         "limit",
+        "messages",
         "pending",
         "reader_waiting",
         "ready",
@@ -92,12 +100,16 @@ class ReceiveBuffer:
         # Complete messages (bytes) and placeholders, in order. A settled placeholder stays until it
         # reaches the head, where it is replaced by its data (or dropped): settling costs no search.
         self._messages: collections.deque[bytes | Placeholder] = collections.deque()
+        # The same deque, for the readers' fast test: a head that is not a Placeholder is a complete message
+        # (bytes) that pop_message() returns as it is, with no settling to do. Read it, never change it.
+        self.messages = self._messages
         self._offset = 0  # bytes of _messages[0] already read by stream reads
         self.unread = 0  # bytes of complete messages not read yet (settled placeholders' data included)
         self.ready = 0  # of them, the bytes before the first unsettled placeholder (what stream reads see)
         self._parts: list[bytes] = []  # fragments of the message being reassembled
         self.assembling = 0  # their total size
         self._held: list[int] = []
+        self.held = 0  # len(_held): receive slots held back (not posted again) for back-pressure
         self.reader_waiting = False
         # Placeholders in order, from the first unsettled one on (settled ones behind it stay until it is
         # settled): each carries the bytes of complete messages between it and the next one.
@@ -117,11 +129,6 @@ class ReceiveBuffer:
         """What the back-pressure rule compares with ``limit``: :attr:`buffered` plus the announced bytes
         of the unsettled placeholders plus :data:`PLACEHOLDER_CHARGE` for each."""
         return self.unread + self.assembling + self.announced + self.pending * PLACEHOLDER_CHARGE
-
-    @property
-    def held(self) -> int:
-        """Receive slots held back (not posted again) for back-pressure."""
-        return len(self._held)
 
     def _added(self, size: int) -> None:
         self.unread += size
@@ -143,7 +150,13 @@ class ReceiveBuffer:
             self._parts.clear()
             self.assembling = 0
         self._messages.append(data)
-        self._added(len(data))
+        # _added(), inline: this runs once per message received.
+        size = len(data)
+        self.unread += size
+        if self._unsettled:
+            self._unsettled[-1]._trailing += size
+        else:
+            self.ready += size
         return data
 
     def add_messages(self, messages: list[bytes]) -> int:
@@ -229,8 +242,15 @@ class ReceiveBuffer:
     def admit(self, slot: int) -> bool:
         """Decide about the slot of a data or RNDV frame just added: True to post it again now, False if
         held."""
-        if self.committed > self.limit and (self.unread or self.pending) and not self.reader_waiting:
+        unread = self.unread
+        # committed, inline: this runs once per data frame received.
+        if (
+            unread + self.assembling + self.announced + self.pending * PLACEHOLDER_CHARGE > self.limit
+            and (unread or self.pending)
+            and not self.reader_waiting
+        ):
             self._held.append(slot)
+            self.held += 1
             return False
         return True
 
@@ -240,6 +260,7 @@ class ReceiveBuffer:
             self.committed <= self.limit or not (self.unread or self.pending) or self.reader_waiting
         ):
             held, self._held = self._held, []
+            self.held = 0
             return held
         return []
 

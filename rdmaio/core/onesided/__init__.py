@@ -121,7 +121,8 @@ class OneSidedEngine:
     Python call more than one on the object): ``read``, ``read_into``, ``write``, ``fetch_add``,
     ``compare_swap``, ``read_registered``, ``on_completion`` and ``pump`` (operations); ``fetch_add_many``
     and ``read_many`` (batches); ``export``, ``export_for_read``, ``revoke``, ``wait_write_notice``,
-    ``send_control`` and ``on_recv`` (exporter).
+    ``send_control`` and ``on_recv`` (exporter). ``credit_waiting`` is the pair of queues that wait for a
+    peer credit: :meth:`pump` has nothing to do while both are empty.
 
     ``register_local(buffer)`` registers rdmaio-owned or caller memory for local access only (no remote
     flags) and ``register_grant(view, access_bits)`` registers an exported range with exactly the remote
@@ -214,6 +215,9 @@ class OneSidedEngine:
         self.read_registered = operations.read_registered
         self.on_completion = operations.on_completion
         self.pump = operations.pump
+        # What waits for a peer credit (control messages, writes with immediate data), read without a call:
+        # pump() has work only while one of the two is not empty, so the connection calls it only then.
+        self.credit_waiting = operations.credit_waiting
         self.fetch_add_many = batches.fetch_add_many
         self.read_many = batches.read_many
         self.export = exporter.export

@@ -162,7 +162,8 @@ class OperationEngine:
 
     Documented plain attributes: :attr:`ops` (pending ops by index), :attr:`in_flight` (work requests of
     those ops), :attr:`max_ops`, :attr:`revoked_ids`, :attr:`peer_onesided`, :attr:`error` and
-    :attr:`closed` (the state every part checks, set by :meth:`close`), :attr:`on_other_completion`.
+    :attr:`closed` (the state every part checks, set by :meth:`close`), :attr:`on_other_completion`,
+    :attr:`credit_waiting`.
     """
 
     def __init__(
@@ -215,6 +216,9 @@ class OperationEngine:
         self._slot_waiters: collections.deque[Waiter] = collections.deque()
         self._credit_queue: collections.deque[Op] = collections.deque()
         self._pending_sends: collections.deque[bytes] = collections.deque()  # control messages to post
+        self.credit_waiting = (self._pending_sends, self._credit_queue)
+        """What waits for a peer credit (control messages, writes with immediate data), read without a call:
+        :meth:`pump` has work only while one of the two is not empty."""
         self._staging: Any = None  # a Region: registered rdmaio-owned memory, max_ops slots of STAGING_SLOT
         self._staging_view: memoryview | None = None
         self._free_staging = list(range(max_ops))
