@@ -59,6 +59,14 @@ class Endpoint:
         self._writer = connection.sender  # the send calls
         self._onesided = connection.onesided
         self._transport = connection.transport
+        # send() and recv() are the sender's and the receiver's own bound methods, set here once (as the
+        # one-sided facade's calls are): a message costs one coroutine, not this front's and one below it.
+        # A subclass that overrides them keeps its own.
+        cls = type(self)
+        if cls.send is Endpoint.send:
+            self.send = self._writer.send  # type: ignore[method-assign]
+        if cls.recv is Endpoint.recv:
+            self.recv = self._reader.recv  # type: ignore[method-assign]
 
     # --- information -------------------------------------------------------------------------------
 
@@ -105,9 +113,8 @@ class Endpoint:
         ``send()`` may still deliver the whole message (never a part of it) and leaves the endpoint
         usable.
         """
-        view = self._writer.send_nowait(data)  # a small message needs no coroutine below this one
-        if view is not None:
-            await self._writer.send_rest(view)
+        # An endpoint's send is the sender's (see __init__): this runs only through the class or a subclass.
+        await self._writer.send(data)
 
     async def recv(self) -> bytes | None:
         """Return the next message, or ``None`` at a clean end of stream (the peer closed or wrote EOF).
@@ -115,7 +122,7 @@ class Endpoint:
         Raises :class:`~rdmaio.ConnectionResetError` if the peer went away without closing cleanly. A
         cancelled ``recv()`` takes nothing: the message stays for the next read.
         """
-        # One coroutine below this one, found or waited for (Receiver.recv makes its fast test with no call).
+        # An endpoint's recv is the receiver's (see __init__): this runs only through the class or a subclass.
         return await self._reader.recv()
 
     async def recv_into(self, buffer: bytearray | memoryview) -> int:

@@ -60,9 +60,6 @@ _SEND_INLINE = verbs.SEND_INLINE
 _SLOTLESS = 1 << 31  # wr index bit of a frame that holds no send slot (inline or empty)
 _SEQ_MASK = _SLOTLESS - 1
 
-_DRAIN = memoryview(b"")
-"""What :meth:`Sender.send_nowait` returns for a message it queued when the caller must still drain."""
-
 
 def check_fork(generation: int) -> None:
     """Raise :class:`~rdmaio.errors.ForkError` if the process forked since ``generation`` was read
@@ -258,10 +255,10 @@ class Sender:
 
     # --- the send calls (Endpoint's) ---------------------------------------------------------------
 
-    def send_nowait(self, data: Any) -> memoryview | None:
-        """:meth:`rdmaio.Endpoint.send`'s synchronous part: check, and queue a small message at once.
-        None: done (most small messages end here, so the front creates no coroutine for them); otherwise
-        the view that :meth:`send_rest` must finish (nothing of it queued yet, or :data:`_DRAIN`)."""
+    async def send(self, data: Any) -> None:
+        """:meth:`rdmaio.Endpoint.send` (an endpoint's ``send`` is this bound method): check, and queue a
+        small message at once - most end here, with no call to another coroutine; the rest is
+        :meth:`send_rest`'s."""
         if self._generation != _fork_state._generation:
             check_fork(self._generation)
         session = self.session
@@ -278,20 +275,13 @@ class Sender:
             session.check_message_size(size)  # raises MessageTooLargeError
         rndv = self.rndv
         if size > self.queue.batch_limit or (rndv is not None and size >= rndv.threshold):
-            return view
-        return _DRAIN if self._queue_batched(view, size) else None
-
-    async def send(self, data: Any) -> None:
-        """:meth:`rdmaio.Endpoint.send`."""
-        view = self.send_nowait(data)
-        if view is not None:
             await self.send_rest(view)
+        elif self._queue_batched(view, size):
+            await self.drain()  # above the high-water mark
 
     async def send_rest(self, view: memoryview) -> None:
-        """What :meth:`send_nowait` left: wait below high water, or a rendezvous or a large message."""
-        if view is _DRAIN:
-            await self.drain()
-            return
+        """What :meth:`send` does not do at once, for a message above the batch limit or at the rendezvous
+        threshold: a rendezvous, or a large message (or a batched one when rendezvous had no room)."""
         size = view.nbytes
         rndv = self.rndv
         if rndv is not None and size >= rndv.threshold and await rndv.send(view):
