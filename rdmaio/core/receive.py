@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rdmaio import verbs
-from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.backend import Backend, OneShot
 from rdmaio.core.send import check_fork
 from rdmaio.errors import EndpointClosedError
 from rdmaio.options import Options
@@ -123,7 +123,9 @@ class Receiver:
         self._slot_size = transport.slot_size
         self._big_frame = transport.slot_size // 2  # frames at least this long count towards growth
         self._big_frames = 0  # such frames received since the receive window last grew
-        self._waiter: Waiter | None = None
+        # The read call's wake-up while it waits (on asyncio a future: made, woken and tested without a
+        # Python call but io.one_shot()); None when no read waits or it was woken.
+        self._waiter: OneShot | None = None
         self.stopped = False  # torn down: nothing is re-posted any more, reads raise
 
     # --- completions (the connection hands each batch's receives here) ------------------------------
@@ -240,7 +242,8 @@ class Receiver:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            waiter.set()
+            if not waiter.done():  # done: its task was cancelled (asyncio) and has not cleaned up yet
+                waiter.set_result(None)
 
     def stop(self) -> None:
         """The connection is torn down: re-post nothing more; the waiting read call wakes and raises."""
@@ -289,14 +292,14 @@ class Receiver:
             if self.stopped:
                 raise EndpointClosedError("endpoint is closed")
             waiter = self._waiter
-            if waiter is not None and not waiter.is_set():
+            if waiter is not None and not waiter.done():
                 raise RuntimeError("another task is already waiting to read from this endpoint")
-            waiter = self._waiter = self.io.waiter()
+            waiter = self._waiter = self.io.one_shot()
             rxbuf.reader_waiting = True
             if rxbuf.held:
                 self.repost_released()
             try:
-                await waiter.wait()
+                await waiter
             finally:
                 rxbuf.reader_waiting = False
                 if self._waiter is waiter:
@@ -338,15 +341,15 @@ class Receiver:
         if self.stopped:
             raise EndpointClosedError("endpoint is closed")
         waiter = self._waiter
-        if waiter is not None and not waiter.is_set():
+        if waiter is not None and not waiter.done():
             raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self._waiter = self.io.waiter()
+        waiter = self._waiter = self.io.one_shot()
         rxbuf = self._rxbuf
         rxbuf.reader_waiting = True
         if rxbuf.held:
             self.repost_released()
         try:
-            await waiter.wait()
+            await waiter
         finally:
             rxbuf.reader_waiting = False
             if self._waiter is waiter:
