@@ -304,7 +304,15 @@ class Receiver:
                 rxbuf.reader_waiting = False
                 if self._waiter is waiter:
                     self._waiter = None
-        data = rxbuf.pop_message()
+        # The head is a complete message now (bytes).
+        if rxbuf.offset:
+            data = rxbuf.pop_message()  # the rest of a message a stream read began
+        else:
+            # pop_message(), inline (as ReceiveBuffer's docstring allows): take it whole, count it read.
+            data = messages.popleft()  # type: ignore[assignment]
+            size = len(data)
+            rxbuf.unread -= size
+            rxbuf.ready -= size
         if rxbuf.held or rxbuf.pending:
             self._after_read()
         return data

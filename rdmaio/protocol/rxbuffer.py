@@ -72,14 +72,16 @@ class ReceiveBuffer:
 
     Plain attributes the per-message path reads without a call: :attr:`held` (receive slots held back for
     back-pressure), :attr:`messages` (the queue of complete messages and placeholders, read-only: a head
-    that is not a :class:`Placeholder` is what :meth:`pop_message` returns next), :attr:`unread`,
-    :attr:`ready`, :attr:`pending`, :attr:`announced`, :attr:`assembling`.
+    that is not a :class:`Placeholder` is what :meth:`pop_message` returns next, from :attr:`offset` on),
+    :attr:`offset`, :attr:`unread`, :attr:`ready`, :attr:`pending`, :attr:`announced`, :attr:`assembling`.
+    A reader may pop a complete message at the head itself when :attr:`offset` is 0, as
+    :meth:`pop_message` would: ``messages.popleft()`` and its length off :attr:`unread` and :attr:`ready`
+    (:meth:`rdmaio.core.receive.Receiver.recv` does, keep the two the same).
     """
 
     __slots__ = (
         "_held",
         "_messages",
-        "_offset",
         "_parts",
         "_unsettled",
         "announced",
@@ -87,6 +89,7 @@ class ReceiveBuffer:
         "held",
         "limit",
         "messages",
+        "offset",
         "pending",
         "reader_waiting",
         "ready",
@@ -103,7 +106,7 @@ class ReceiveBuffer:
         # The same deque, for the readers' fast test: a head that is not a Placeholder is a complete message
         # (bytes) that pop_message() returns as it is, with no settling to do. Read it, never change it.
         self.messages = self._messages
-        self._offset = 0  # bytes of _messages[0] already read by stream reads
+        self.offset = 0  # bytes of _messages[0] already read by stream reads (read it, never change it)
         self.unread = 0  # bytes of complete messages not read yet (settled placeholders' data included)
         self.ready = 0  # of them, the bytes before the first unsettled placeholder (what stream reads see)
         self._parts: list[bytes] = []  # fragments of the message being reassembled
@@ -231,7 +234,7 @@ class ReceiveBuffer:
                 return
             if head._data is None:
                 messages.popleft()
-                self._offset = 0
+                self.offset = 0
             else:
                 messages[0] = head._data
                 head._data = None
@@ -273,7 +276,7 @@ class ReceiveBuffer:
 
     def pop_message(self) -> bytes:
         """The rest of the next message (``IndexError`` if there is none; the head must not be an unsettled
-        placeholder)."""
+        placeholder). Receiver.recv does the common case inline (see the class docstring)."""
         data = self._messages.popleft()
         if isinstance(data, Placeholder):
             self._messages.appendleft(data)
@@ -282,9 +285,9 @@ class ReceiveBuffer:
             if isinstance(data, Placeholder):
                 self._messages.appendleft(data)
                 raise IndexError("the next message is announced, not received yet")
-        if self._offset:
-            data = data[self._offset :]
-            self._offset = 0
+        if self.offset:
+            data = data[self.offset :]
+            self.offset = 0
         self.unread -= len(data)
         self.ready -= len(data)
         return data
@@ -295,14 +298,14 @@ class ReceiveBuffer:
         data = self._messages[0]
         if isinstance(data, Placeholder):
             raise IndexError("the next message is announced, not received yet")
-        start = self._offset
+        start = self.offset
         n = min(len(data) - start, target.nbytes)
         target[:n] = memoryview(data)[start : start + n]
         if start + n == len(data):
             self._messages.popleft()
-            self._offset = 0
+            self.offset = 0
         else:
-            self._offset = start + n
+            self.offset = start + n
         self.unread -= n
         self.ready -= n
         return n
@@ -313,10 +316,10 @@ class ReceiveBuffer:
         self._settle_head()
         while messages:
             head = messages[0]
-            if isinstance(head, Placeholder) or len(head) != self._offset:
+            if isinstance(head, Placeholder) or len(head) != self.offset:
                 return
             messages.popleft()
-            self._offset = 0
+            self.offset = 0
             self._settle_head()
 
     def take(self, n: int) -> bytes:
@@ -332,14 +335,14 @@ class ReceiveBuffer:
                     break  # (cannot happen: `ready` ends at the first unsettled one)
                 self._settle_head()
                 continue
-            start = self._offset
+            start = self.offset
             end = min(len(head), start + remaining)
             parts.append(head if start == 0 and end == len(head) else head[start:end])
             if end == len(head):
                 messages.popleft()
-                self._offset = 0
+                self.offset = 0
             else:
-                self._offset = end
+                self.offset = end
             remaining -= end - start
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.unread -= len(data)
@@ -357,11 +360,11 @@ class ReceiveBuffer:
         if not messages or isinstance(messages[0], Placeholder):
             return
         first = messages[0]
-        if not self._offset and (len(messages) == 1 or isinstance(messages[1], Placeholder)):
+        if not self.offset and (len(messages) == 1 or isinstance(messages[1], Placeholder)):
             return
-        parts = [first[self._offset :]]
+        parts = [first[self.offset :]]
         messages.popleft()
-        self._offset = 0
+        self.offset = 0
         while messages:
             self._settle_head()
             if not messages or isinstance(messages[0], Placeholder):
@@ -383,7 +386,7 @@ class ReceiveBuffer:
     def startswith(self, prefix: bytes, start: int) -> bool:
         """True if the ready bytes (as merged by :meth:`find`) have ``prefix`` at ``start``."""
         head = self.head()
-        return isinstance(head, bytes | bytearray) and head.startswith(prefix, self._offset + start)
+        return isinstance(head, bytes | bytearray) and head.startswith(prefix, self.offset + start)
 
     def clear(self) -> int:
         """Drop every byte before the first unsettled placeholder; return how many."""
