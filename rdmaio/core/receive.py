@@ -320,17 +320,20 @@ class Receiver:
     async def recv_into(self, target: memoryview) -> int:
         """The next message copied (or READ) into ``target`` (:meth:`rdmaio.Endpoint.recv_into`)."""
         rxbuf = self._rxbuf
-        while True:
-            while not rxbuf.has_message():
-                if not await self._wait_more():
-                    return 0
-            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
-                break
-            assert self.rndv is not None
-            n = await self.rndv.take_head(target)  # zero-copy: READ straight into target
-            if n is not None:
-                self._after_read()
-                return n
+        messages = rxbuf.messages
+        # As recv(): the buffer's fast test first (a complete message at the head), no call.
+        while not messages or isinstance(messages[0], Placeholder):
+            if messages and rxbuf.has_message():  # a placeholder at the head (settled ones are replaced now)
+                if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                    break
+                assert self.rndv is not None
+                n = await self.rndv.take_head(target)  # zero-copy: READ straight into target
+                if n is not None:
+                    self._after_read()
+                    return n
+                continue
+            if not await self._wait_more():
+                return 0
         n = rxbuf.read_message_into(target)
         self._after_read()
         return n
