@@ -85,6 +85,7 @@ _WC_OPCODE = {
     _WR_CSWAP: int(lib.IBV_WC_COMP_SWAP),
 }
 _SIGNALED = int(lib.IBV_SEND_SIGNALED)
+_DEVICE_HANDLE = 0x4E55  # 'NU'
 _MASK64 = (1 << 64) - 1
 
 #: The methods by which the core calls into a queue pair and a transport (wrapped when metered).
@@ -218,10 +219,12 @@ class NullDevice:
         carries one-sided requests here)."""
         depth = options.recv_depth if initial is None else initial
         transport = FakeTransport(qp_num, tag, slot_size=options.slot_size, depth=depth)
-        caps = OneSidedCaps(
-            atomic_cap="HCA", max_qp_rd_atom=16, max_qp_init_rd_atom=16, max_mw=0, mw_type1=False, mw_type2=False
+        caps = OneSidedCaps("HCA", 16, 16, max_mw=0, mw_type1=False, mw_type2=False)
+        # The fakes' device name; a handle of its own, so the process-wide capability cache keeps these
+        # capabilities apart from other fake devices'.
+        transport.device = SimpleNamespace(
+            name=transport.device.name, handle=_DEVICE_HANDLE, query_onesided_caps=lambda: caps
         )
-        transport.device = SimpleNamespace(name="null0", handle=0x4E55, query_onesided_caps=lambda: caps)
         qp = transport.qp
         side = _Side(transport, FakeCMId(), qp.post_rdma)
         self._sides.append(side)
@@ -432,13 +435,15 @@ def _acceptor_on(device: NullDevice, made: list[FakeTransport]) -> Iterator[None
         made[-1].cm_id = cm_id
         return made[-1]
 
-    saved = acceptor_module.Transport, acceptor_module.rd_atomic_depth
-    acceptor_module.Transport = transport  # type: ignore[assignment,misc]
-    acceptor_module.rd_atomic_depth = lambda device, wanted: min(wanted, 16)
+    names = ("Transport", "rd_atomic_depth")
+    saved = [getattr(acceptor_module, name) for name in names]
+    setattr(acceptor_module, "Transport", transport)  # noqa: B010 (not a name the module exports)
+    setattr(acceptor_module, "rd_atomic_depth", lambda device, wanted: min(wanted, 16))  # noqa: B010
     try:
         yield
     finally:
-        acceptor_module.Transport, acceptor_module.rd_atomic_depth = saved  # type: ignore[misc]
+        for name, value in zip(names, saved, strict=True):
+            setattr(acceptor_module, name, value)
 
 
 async def null_connect(
@@ -488,7 +493,7 @@ async def null_connect(
         reactor,
         client_id,  # type: ignore[arg-type]
         client_transport,  # type: ignore[arg-type]
-        new_session(client_hs, peer, client_transport),  # type: ignore[arg-type]
+        new_session(client_hs, peer, client_transport),
         options,
     )
     a = device.start(client_conn, client_id)
