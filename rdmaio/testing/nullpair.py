@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -59,7 +60,7 @@ from rdmaio.testing.fakes import FakeCMId, FakeReactor, FakeRegion, FakeTranspor
 from rdmaio.verbs import CMEventType
 from rdmaio.verbs.device import OneSidedCaps
 
-__all__ = ["NULL_OPTIONS", "DeviceMeter", "NullDevice", "null_connect", "null_pair"]
+__all__ = ["NULL_OPTIONS", "DeviceMeter", "NullDevice", "NullListener", "null_connect", "null_pair"]
 
 #: Options of the pairs made here by default: 4 KiB slots, 8 deep, no keepalive, no rendezvous.
 NULL_OPTIONS = Options(
@@ -204,7 +205,7 @@ class NullDevice:
         self.meter = meter
         self.executed = 0
         """One-sided requests executed."""
-        self._sides: list[_Side] = []
+        self._sides: dict[int, _Side] = {}  # by id() of the transport, until start()
 
     # --- building --------------------------------------------------------------------------------------
 
@@ -216,7 +217,10 @@ class NullDevice:
 
     def transport(self, qp_num: int, tag: int, options: Options, initial: int | None = None) -> FakeTransport:
         """A transport of this device (a :class:`~rdmaio.testing.fakes.FakeTransport` whose queue pair
-        carries one-sided requests here)."""
+        carries one-sided requests here); its making is the device's time when metered."""
+        return self._device(self._make_transport)(qp_num, tag, options, initial)
+
+    def _make_transport(self, qp_num: int, tag: int, options: Options, initial: int | None) -> FakeTransport:
         depth = options.recv_depth if initial is None else initial
         transport = FakeTransport(qp_num, tag, slot_size=options.slot_size, depth=depth)
         caps = OneSidedCaps("HCA", 16, 16, max_mw=0, mw_type1=False, mw_type2=False)
@@ -227,7 +231,7 @@ class NullDevice:
         )
         qp = transport.qp
         side = _Side(transport, FakeCMId(), qp.post_rdma)
-        self._sides.append(side)
+        self._sides[id(transport)] = side
         qp.post_rdma = functools.partial(self._post_rdma, side)  # type: ignore[method-assign]
         qp.post_batch = functools.partial(self._post_batch, side)  # type: ignore[method-assign]
         transport.post_rdma_polled = functools.partial(self._post_polled, side)  # type: ignore[method-assign]
@@ -254,7 +258,7 @@ class NullDevice:
     def start(self, conn: Connection, cm_id: FakeCMId) -> Endpoint:
         """Give ``conn`` its one-sided engine on this device and return its Endpoint."""
         transport: Any = conn.transport
-        side = next(s for s in self._sides if s.transport is transport)
+        side = self._sides.pop(id(transport))
         side.cm_id = cm_id
         conn.onesided = _engine(conn, transport)
         conn.receiver.onesided = conn.onesided
@@ -446,57 +450,87 @@ def _acceptor_on(device: NullDevice, made: list[FakeTransport]) -> Iterator[None
             setattr(acceptor_module, name, value)
 
 
+class NullListener:
+    """A server's accept path on a null device: one real :class:`~rdmaio.core.acceptor.Acceptor` (made once,
+    as a server makes it), and a client side that connects to it; each :meth:`connect` sets up one
+    connection (see :func:`null_connect`)."""
+
+    def __init__(self, device: NullDevice, options: Options | None = None) -> None:
+        self.device = device
+        self.options = _null_options(options)
+        reactor: Any = _NullReactor()
+        self.reactor = reactor
+        """The reactor both sides register with (a :class:`~rdmaio.testing.fakes.FakeReactor`)."""
+        self._started: list[Connection] = []
+        self.acceptor = Acceptor(
+            reactor,
+            self.options,
+            16,
+            queued=(),
+            on_connection=self._started.append,
+            on_device_removal=lambda: None,
+            on_timed_out=lambda: None,
+        )
+        # listen() needs a real cm id: each request is handed to the acceptor as its event instead
+        self.acceptor.listening = True
+        self._handles = itertools.count(1)
+
+    async def connect(self) -> tuple[Endpoint, Endpoint]:
+        """Set up one connection: (client, server) Endpoints."""
+        device, options, reactor = self.device, self.options, self.reactor
+        client_hs = local_handshake(options)
+        client_transport = device.transport(10, 1, options, client_hs.initial_depth)
+        handle = next(self._handles)
+        request = SimpleNamespace(
+            event=CMEventType.CONNECT_REQUEST,
+            id_handle=handle,
+            source="198.18.0.1",
+            private_data=client_hs.encode(),
+            responder_resources=16,
+            initiator_depth=16,
+        )
+        made: list[FakeTransport] = []
+        with _acceptor_on(device, made):
+            self.acceptor._on_listener_event(request)  # type: ignore[arg-type]
+        if not made:
+            raise ConnectionRefusedError("the acceptor refused the connect request")
+        server_transport = made[0]
+        device.connect_wires(client_transport, server_transport)
+        server_id: Any = server_transport.cm_id
+        await asyncio.sleep(0)  # the ESTABLISHED event comes on a later loop iteration
+        reactor.handlers.pop(handle)(SimpleNamespace(event=CMEventType.ESTABLISHED, id_handle=handle))
+        client_id = FakeCMId(handle, local_address=("198.18.0.1", 2), peer_address=("198.18.0.2", 1))
+        peer = Handshake.decode(server_id.private_data)
+        client_conn = Connection(
+            reactor,
+            client_id,  # type: ignore[arg-type]
+            client_transport,  # type: ignore[arg-type]
+            new_session(client_hs, peer, client_transport),
+            options,
+        )
+        a = device.start(client_conn, client_id)
+        b = device.start(self._started.pop(), server_id)
+        device.link_disconnects(a, b)
+        return a, b
+
+    def forget_closed(self) -> None:
+        """Drop the reactor's records of connections that are closed (its handlers by id would keep them
+        alive): call between connections when many are set up in turn."""
+        reactor = self.reactor
+        for cm_id in [cm_id for cm_id in reactor.cm_handlers if cm_id in reactor.released]:
+            del reactor.cm_handlers[cm_id]
+        reactor.released.clear()
+
+
 async def null_connect(
     options: Options | None = None, *, onesided_at_post: bool = True, meter: DeviceMeter | None = None
 ) -> tuple[Endpoint, Endpoint, NullDevice]:
-    """Like :func:`null_pair`, but through connection setup: the server's real
-    :class:`~rdmaio.core.acceptor.Acceptor` admits a connect request with the client's handshake
-    (:func:`~rdmaio.core.negotiation.local_handshake`), makes its transport, accepts with its handshake,
-    and starts its Connection on ESTABLISHED; the client decodes that handshake, picks its session
-    (:func:`~rdmaio.core.shared_receive.new_session`) and starts its Connection. Returns (client,
+    """Like :func:`null_pair`, but through connection setup (a :class:`NullListener` of its own): the
+    server's real :class:`~rdmaio.core.acceptor.Acceptor` admits a connect request with the client's
+    handshake (:func:`~rdmaio.core.negotiation.local_handshake`), makes its transport, accepts with its
+    handshake, and starts its Connection on ESTABLISHED; the client decodes that handshake, picks its
+    session (:func:`~rdmaio.core.shared_receive.new_session`) and starts its Connection. Returns (client,
     server, device)."""
-    options = _null_options(options)
     device = NullDevice(onesided_at_post=onesided_at_post, meter=meter)
-    reactor: Any = _NullReactor()
-    started: list[Connection] = []
-    acceptor = Acceptor(
-        reactor,
-        options,
-        16,
-        queued=(),
-        on_connection=started.append,
-        on_device_removal=lambda: None,
-        on_timed_out=lambda: None,
-    )
-    acceptor.listening = True  # listen() needs a real cm id: the request is handed over as its event
-    client_hs = local_handshake(options)
-    client_transport = device.transport(10, 1, options, client_hs.initial_depth)
-    request = SimpleNamespace(
-        event=CMEventType.CONNECT_REQUEST,
-        id_handle=1,
-        source="198.18.0.1",
-        private_data=client_hs.encode(),
-        responder_resources=16,
-        initiator_depth=16,
-    )
-    made: list[FakeTransport] = []
-    with _acceptor_on(device, made):
-        acceptor._on_listener_event(request)  # type: ignore[arg-type]
-    server_transport = made[0]
-    device.connect_wires(client_transport, server_transport)
-    server_id: Any = server_transport.cm_id
-    await asyncio.sleep(0)  # the ESTABLISHED event comes on a later loop iteration
-    reactor.handlers[1](SimpleNamespace(event=CMEventType.ESTABLISHED, id_handle=1))
-    client_id = FakeCMId(local_address=("198.18.0.1", 2), peer_address=("198.18.0.2", 1))
-    peer = Handshake.decode(server_id.private_data)
-    client_conn = Connection(
-        reactor,
-        client_id,  # type: ignore[arg-type]
-        client_transport,  # type: ignore[arg-type]
-        new_session(client_hs, peer, client_transport),
-        options,
-    )
-    a = device.start(client_conn, client_id)
-    b = device.start(started[0], server_id)
-    device.link_disconnects(a, b)
+    a, b = await NullListener(device, options).connect()
     return a, b, device
