@@ -782,11 +782,13 @@ def _run_overhead(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     if args.from_json is not None:
         try:
-            results = overhead.results_from_report(json.loads(args.from_json.read_text()))
+            doc = json.loads(args.from_json.read_text())
+            results = overhead.results_from_report(doc)
         except (ValueError, KeyError, TypeError) as exc:
             print(f"invalid report: {exc}", file=sys.stderr)
             return 1
-        print(overhead.render(results, markdown=args.markdown), end="")
+        meta = doc.get("meta") if args.markdown else None
+        print(overhead.render(results, markdown=args.markdown, meta=meta), end="")
         return 0
     return overhead.main(
         quick=args.quick,

@@ -33,6 +33,7 @@ import gc
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "Plan",
     "build_report",
     "count_calls",
+    "provenance",
     "render",
     "run_overhead",
 ]
@@ -630,13 +632,31 @@ NOTE = (
 )
 
 
-def render(results: Sequence[CaseResult], *, markdown: bool = False) -> str:
-    """The table (text, or markdown with ``markdown``), followed by how to read it."""
+def provenance(meta: dict[str, Any]) -> str:
+    """One line: when, at which commit (and whether rdmaio/ had uncommitted changes), with which command and
+    plan a report was made."""
+    commit = meta.get("git_commit") or "unknown"
+    dirty = " (with uncommitted changes in rdmaio/)" if meta.get("git_dirty") else ""
+    command = " ".join(meta.get("command") or ["?"])
+    plan = meta.get("plan") or {}
+    sizes = ", ".join(f"{k} {v}" for k, v in plan.items())
+    return (
+        f"Measured {meta.get('created', '?')} at commit `{commit[:7]}`{dirty} with `{command}` ({sizes}; "
+        f"Python {meta.get('python', '?')}, uvloop {meta.get('uvloop', '?')}, {meta.get('cpus', '?')} CPUs)."
+    )
+
+
+def render(
+    results: Sequence[CaseResult], *, markdown: bool = False, meta: dict[str, Any] | None = None
+) -> str:
+    """The table (text, or markdown with ``markdown``), followed by how to read it; with ``meta`` (a
+    report's), headed by :func:`provenance`."""
     rows = _rows(results)
+    head = "" if meta is None else provenance(meta) + "\n\n"
     if markdown:
         lines = ["| " + " | ".join(_HEADERS) + " |", "|" + " --- |" * len(_HEADERS)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines) + "\n\n" + NOTE + "\n"
+        return head + "\n".join(lines) + "\n\n" + NOTE + "\n"
     table = [list(_HEADERS), *rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(_HEADERS))]
 
@@ -648,7 +668,8 @@ def render(results: Sequence[CaseResult], *, markdown: bool = False) -> str:
         ).rstrip()
 
     lines = [line(_HEADERS), line(["-" * w for w in widths]), *(line(row) for row in rows)]
-    return "Overhead (native, null device)\n" + "\n".join(lines) + "\n\n" + NOTE + "\n"
+    note = textwrap.fill(NOTE, 110)
+    return head + "Overhead (native, null device)\n" + "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def main(

@@ -70,7 +70,7 @@ def test_text_table_orders_cases_and_says_what_was_subtracted() -> None:
     assert echo_uvloop[-8:] == ["uvloop", "50.0", "10.0", "40.0", "2.00x", "111.50", "2.50", "4.00"]
     tcp_asyncio = body[3].split()
     assert tcp_asyncio[-8:] == ["asyncio", "30.0", "-", "30.0", "1.50x", "-", "-", "4.00"]
-    assert "measured on a metered twin pair and subtracted" in text
+    assert "measured on a metered twin pair and subtracted" in " ".join(text.split())
 
 
 def test_markdown_table() -> None:
@@ -98,9 +98,26 @@ def test_json_report_round_trips() -> None:
 
 def test_from_json_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "overhead.json"
-    path.write_text(json.dumps(overhead.build_report(results(), {})))
+    meta = {
+        "created": "2026-11-26T17:06:05+00:00",
+        "command": ["python", "-m", "bench", "--overhead"],
+        "plan": {"ops": 2000, "samples": 5},
+        "git_commit": "b36e9bde691840c4b72714bbcce7ef8fbec7e42a",
+        "git_dirty": [],
+        "python": "3.11.7",
+        "uvloop": "0.23.0",
+        "cpus": 2,
+    }
+    path.write_text(json.dumps(overhead.build_report(results(), meta)))
     assert driver.main(["--overhead", "--from-json", str(path), "--markdown"]) == 0
-    assert "| echo 64 B (per round trip) | uvloop |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "Measured 2026-11-26T17:06:05+00:00 at commit `b36e9bd` with `python -m bench --overhead` (ops 2000, "
+        "samples 5; Python 3.11.7, uvloop 0.23.0, 2 CPUs).\n\n| case |"
+    )
+    assert "| echo 64 B (per round trip) | uvloop |" in out
+    assert driver.main(["--overhead", "--from-json", str(path)]) == 0  # the text table: no heading
+    assert capsys.readouterr().out.startswith("Overhead (native, null device)\n")
     path.write_text(json.dumps({"schema": "rdmaio-bench/1"}))
     assert driver.main(["--overhead", "--from-json", str(path)]) == 1
     assert "invalid report" in capsys.readouterr().err
