@@ -36,27 +36,33 @@ interface.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import itertools
 import time
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from rdmaio._ffi import ffi, lib
 from rdmaio.core import acceptor as acceptor_module
+from rdmaio.core import onesided as onesided_module
 from rdmaio.core.acceptor import Acceptor
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import local_handshake
-from rdmaio.core.onesided import OneSidedEngine
 from rdmaio.core.shared_receive import new_session
 from rdmaio.endpoint import Endpoint
 from rdmaio.options import Options
-from rdmaio.protocol import FEATURE_ONESIDED, Handshake, Session
-from rdmaio.testing.fakes import FakeCMId, FakeReactor, FakeRegion, FakeTransport, fake_completion, wire
+from rdmaio.protocol import Handshake, Session
+from rdmaio.testing.fakes import (
+    FakeCMId,
+    FakeReactor,
+    FakeRegion,
+    FakeRegistration,
+    FakeTransport,
+    fake_completion,
+    wire,
+)
 from rdmaio.verbs import CMEventType
 from rdmaio.verbs.device import OneSidedCaps
 
@@ -74,6 +80,7 @@ NULL_OPTIONS = Options(
 )
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 _WR_READ = int(lib.IBV_WR_RDMA_READ)
 _WR_WRITE = int(lib.IBV_WR_RDMA_WRITE)
@@ -189,8 +196,9 @@ class DeviceMeter:
 
 @dataclasses.dataclass
 class _Side:
+    """One transport of the device: the fake's own post of one-sided requests (it records them)."""
+
     transport: FakeTransport
-    cm_id: FakeCMId
     raw_post_rdma: Callable[[int], None]
     endpoint: Endpoint | None = None
 
@@ -230,7 +238,8 @@ class NullDevice:
             name=transport.device.name, handle=_DEVICE_HANDLE, query_onesided_caps=lambda: caps
         )
         qp = transport.qp
-        side = _Side(transport, FakeCMId(), qp.post_rdma)
+        transport.domain = SimpleNamespace(registrations=_RegistrationCache())
+        side = _Side(transport, qp.post_rdma)
         self._sides[id(transport)] = side
         qp.post_rdma = functools.partial(self._post_rdma, side)  # type: ignore[method-assign]
         qp.post_batch = functools.partial(self._post_batch, side)  # type: ignore[method-assign]
@@ -255,13 +264,9 @@ class NullDevice:
         a.qp.wire = self._device(wire(a, b))
         b.qp.wire = self._device(wire(b, a))
 
-    def start(self, conn: Connection, cm_id: FakeCMId) -> Endpoint:
-        """Give ``conn`` its one-sided engine on this device and return its Endpoint."""
-        transport: Any = conn.transport
-        side = self._sides.pop(id(transport))
-        side.cm_id = cm_id
-        conn.onesided = _engine(conn, transport)
-        conn.receiver.onesided = conn.onesided
+    def start(self, conn: Connection) -> Endpoint:
+        """The Endpoint of ``conn``, a connection on one of this device's transports."""
+        side = self._sides.pop(id(conn.transport))
         side.endpoint = Endpoint(conn)
         return side.endpoint
 
@@ -332,51 +337,52 @@ class NullDevice:
         return False
 
 
-def _engine(conn: Connection, transport: Any) -> OneSidedEngine:
-    """The one-sided engine of ``conn`` as :meth:`OneSidedEngine.for_connection` builds it, with fake
-    registrations (real addresses) instead of the device's."""
-    options = conn.options
-    fail_ref = weakref.WeakMethod(conn.fail)
-    conn_ref = weakref.ref(conn)
+class _RegistrationCache:
+    """The Domain's registration cache, for ``rdma_read_into``'s caller buffers: a fresh fake registration
+    each time."""
 
-    def fail(exc: BaseException) -> None:
-        method = fail_ref()
-        if method is not None:
-            method(exc)
+    def get(self, view: Any, access: int) -> FakeRegistration:
+        return FakeRegistration(view)
 
-    def repost(slot: int) -> None:
-        owner = conn_ref()
-        if owner is not None:
-            owner.receiver.repost(slot)
 
-    def grant(view: memoryview, bits: int) -> FakeRegion:
+def _local_and_grant_registrars(pd: Any) -> tuple[Callable[[Any], Any], Callable[[memoryview, int], Any]]:
+    def register_grant(view: memoryview, bits: int) -> FakeRegion:
         return FakeRegion(view, bits)
 
-    def cached(view: Any) -> Any:
-        region = FakeRegion(view)
-        return SimpleNamespace(region=region, release=lambda: None)
+    return FakeRegion, register_grant
 
-    return OneSidedEngine(
-        conn.io,
-        transport.qp,
-        conn.session,
-        register_local=FakeRegion,
-        register_grant=grant,
-        cache_get=cached,
-        poll=transport.poll_completions,
-        max_revoked_ranges=options.max_revoked_key_ranges,
-        fail=fail,
-        max_ops=options.max_rdma_ops,
-        max_inline=conn.max_inline,
-        revoke_timeout=options.close_timeout,
-        atomics=True,
-        tag=transport.tag or 0,
-        stats=conn.stats,
-        peer_onesided=bool(conn.session.peer.features & FEATURE_ONESIDED),
-        notice_limit=options.max_write_notices,
-        repost=repost,
-        post_polled=transport.post_rdma_polled,
-    )
+
+def _bindable_registrar(pd: Any) -> Callable[[memoryview, bool], Any]:
+    def register_bindable(view: memoryview, readonly: bool) -> FakeRegion:
+        return FakeRegion(view, access=-1, readonly=readonly)  # -1: MW_BIND only, no remote flags
+
+    return register_bindable
+
+
+#: What the one-sided engine's wiring (OneSidedEngine.for_connection) registers memory with, while a
+#: connection of the null device is made: fake registrations (real addresses) instead of the device's.
+_FAKE_REGISTRARS = {
+    "local_and_grant_registrars": _local_and_grant_registrars,
+    "bindable_registrar": _bindable_registrar,
+}
+
+
+def _with(module: Any, replacements: dict[str, Any], fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with the names of ``replacements`` replaced in ``module`` meanwhile (each must exist
+    there: a renamed one fails loudly instead of being added unused)."""
+    saved = {name: getattr(module, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(module, name, value)
+    try:
+        return fn(*args)
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _connection(reactor: Any, cm_id: Any, transport: Any, session: Session, options: Options) -> Connection:
+    """A real Connection on a null device's transport (its one-sided engine wired as usual)."""
+    return _with(onesided_module, _FAKE_REGISTRARS, Connection, reactor, cm_id, transport, session, options)
 
 
 def _null_options(options: Options | None) -> Options:
@@ -403,11 +409,9 @@ def null_pair(
     device.connect_wires(*transports)
     ids = [FakeCMId(local_address=("198.18.0.1", 2)), FakeCMId(local_address=("198.18.0.2", 2))]
     reactor: Any = FakeReactor()
-    conns = [
-        Connection(reactor, ids[i], transports[i], Session(hs, hs), options)  # type: ignore[arg-type]
-        for i in (0, 1)
-    ]
-    a, b = (device.start(conns[i], ids[i]) for i in (0, 1))
+    a, b = (
+        device.start(_connection(reactor, ids[i], transports[i], Session(hs, hs), options)) for i in (0, 1)
+    )
     device.link_disconnects(a, b)
     return a, b, device
 
@@ -430,24 +434,8 @@ class _NullReactor(FakeReactor):
         return cm_id
 
 
-@contextlib.contextmanager
-def _acceptor_on(device: NullDevice, made: list[FakeTransport]) -> Iterator[None]:
-    """The acceptor module's verbs constructors replaced by the null device's, for one accept."""
-
-    def transport(reactor: Any, cm_id: Any, options: Options, initial: int | None = None) -> FakeTransport:
-        made.append(device.transport(11, 2, options, initial))
-        made[-1].cm_id = cm_id
-        return made[-1]
-
-    names = ("Transport", "rd_atomic_depth")
-    saved = [getattr(acceptor_module, name) for name in names]
-    setattr(acceptor_module, "Transport", transport)  # noqa: B010 (not a name the module exports)
-    setattr(acceptor_module, "rd_atomic_depth", lambda device, wanted: min(wanted, 16))  # noqa: B010
-    try:
-        yield
-    finally:
-        for name, value in zip(names, saved, strict=True):
-            setattr(acceptor_module, name, value)
+def _rd_atomic_depth(device: Any, wanted: int) -> int:
+    return min(wanted, 16)  # the null device's max_qp_rd_atom
 
 
 class NullListener:
@@ -490,26 +478,31 @@ class NullListener:
             initiator_depth=16,
         )
         made: list[FakeTransport] = []
-        with _acceptor_on(device, made):
-            self.acceptor._on_listener_event(request)  # type: ignore[arg-type]
+
+        def transport(
+            reactor: Any, cm_id: Any, options: Options, initial: int | None = None
+        ) -> FakeTransport:
+            made.append(device.transport(11, 2, options, initial))
+            made[-1].cm_id = cm_id
+            return made[-1]
+
+        # The acceptor's verbs constructors are the null device's for this request (the reactor hands a
+        # request to the listener's handler as below).
+        verbs_calls = {"Transport": transport, "rd_atomic_depth": _rd_atomic_depth}
+        _with(acceptor_module, verbs_calls, self.acceptor._on_listener_event, request)
         if not made:
             raise ConnectionRefusedError("the acceptor refused the connect request")
         server_transport = made[0]
         device.connect_wires(client_transport, server_transport)
         server_id: Any = server_transport.cm_id
         await asyncio.sleep(0)  # the ESTABLISHED event comes on a later loop iteration
-        reactor.handlers.pop(handle)(SimpleNamespace(event=CMEventType.ESTABLISHED, id_handle=handle))
+        established = SimpleNamespace(event=CMEventType.ESTABLISHED, id_handle=handle)
+        _with(onesided_module, _FAKE_REGISTRARS, reactor.handlers.pop(handle), established)
         client_id = FakeCMId(handle, local_address=("198.18.0.1", 2), peer_address=("198.18.0.2", 1))
         peer = Handshake.decode(server_id.private_data)
-        client_conn = Connection(
-            reactor,
-            client_id,  # type: ignore[arg-type]
-            client_transport,  # type: ignore[arg-type]
-            new_session(client_hs, peer, client_transport),
-            options,
-        )
-        a = device.start(client_conn, client_id)
-        b = device.start(self._started.pop(), server_id)
+        session = new_session(client_hs, peer, client_transport)
+        a = device.start(_connection(reactor, client_id, client_transport, session, options))
+        b = device.start(self._started.pop())
         device.link_disconnects(a, b)
         return a, b
 
