@@ -15,16 +15,21 @@ nothing else:
   loop iteration later through the connection's completion handler.
 * A ``disconnect()`` reaches the peer as a DISCONNECTED event one loop iteration later.
 
-:func:`null_connect` makes the pair through the server's real accept path instead (the
-:class:`~rdmaio.core.acceptor.Acceptor` admits a connect request carrying the client's handshake,
-creates the transport, accepts with its own handshake and starts the connection on ESTABLISHED; the client
-decodes that handshake, picks its session and starts its connection as ``dial()`` does once ESTABLISHED
-arrives). Address and route resolution and the rdma_cm event channel are not modelled.
+:func:`null_connect` (and :class:`NullListener`, for many connections in turn) makes the pair through
+the server's real accept path instead: the :class:`~rdmaio.core.acceptor.Acceptor` admits a connect
+request carrying the client's handshake, creates the transport, accepts with its own handshake and starts
+the connection on ESTABLISHED; the client decodes that handshake, picks its session and starts its
+connection as :func:`~rdmaio.core.dial.dial` does once ESTABLISHED arrives. Not modelled: address and
+route resolution, the rdma_cm event channel and the reactor's event dispatch (the events are handed to
+the acceptor's handlers directly), ``dial()`` itself and the real verbs resources.
 
-What is fake: memory registration (:class:`~rdmaio.testing.fakes.FakeRegion`: real addresses, made-up
-keys), no memory windows (export with ``scope="domain"``), no rendezvous (``rndv_threshold`` is 0), no
-keepalive. The one-sided engine is the real one, built as a connection builds it but with those
-registrars.
+What is fake: the verbs resources (:class:`~rdmaio.testing.fakes.FakeTransport`), memory registration
+(:class:`~rdmaio.testing.fakes.FakeRegion`: real addresses, made-up keys), no memory windows (export with
+``scope="domain"``), no rendezvous (``rndv_threshold`` is 0), no keepalive. The one-sided engine is the
+real one, wired by :meth:`OneSidedEngine.for_connection <rdmaio.core.onesided.OneSidedEngine.for_connection>`
+as for any connection. To get there without a device, two module globals are replaced while they are used
+and restored right after: ``rdmaio.core.onesided``'s registrar factories while a connection is made, and
+``rdmaio.core.acceptor``'s ``Transport`` and ``rd_atomic_depth`` while a request is accepted.
 
 :class:`DeviceMeter` measures what the null device itself costs (thread CPU time inside it, exclusive of
 the rdmaio code it calls back), so that a benchmark (``python -m bench --overhead``) can take it off.
