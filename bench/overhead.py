@@ -275,8 +275,9 @@ async def _open_tcp(echo: bool) -> Fixture:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One measured operation: ``name`` (JSON key), ``label`` (the table's), ``unit`` (what one operation
-    is), ``weight`` (operations per sample, relative: a connection setup is a hundred times a message)
-    and how to open its fixture (``opener(meter)``; TCP cases take no meter)."""
+    is), ``weight`` (operations per sample relative to the plan's, so that samples last about as long: a
+    connection setup weighs 1/200 of a one-way message) and how to open its fixture (``opener(meter)``;
+    TCP cases take no meter)."""
 
     name: str
     label: str
@@ -296,51 +297,51 @@ def _sync(
 
 
 CASES: tuple[Case, ...] = (
-    Case("message", "one-way message 64 B", "message", 1, _sync(_Message)),
+    Case("message", "one-way message 64 B", "message", 10, _sync(_Message)),
     Case("echo", "echo 64 B", "round trip", 1, _sync(_Echo)),
-    Case("stream", "stream write+read 64 B", "write+read", 1, _sync(_Stream)),
+    Case("stream", "stream write+read 64 B", "write+read", 10, _sync(_Stream)),
     Case(
         "rdma_read_at_post",
         "rdma_read 64 B, completed at post",
         "call",
-        1,
+        2,
         _sync(lambda m: _Read(m, at_post=True)),
     ),
     Case(
         "rdma_read_next",
         "rdma_read 64 B, completed next iteration",
         "call",
-        1,
+        2,
         _sync(lambda m: _Read(m, at_post=False)),
     ),
     Case(
         "fetch_add_at_post",
         "fetch_add, completed at post",
         "call",
-        1,
+        2,
         _sync(lambda m: _FetchAdd(m, at_post=True)),
     ),
     Case(
         "fetch_add_next",
         "fetch_add, completed next iteration",
         "call",
-        1,
+        2,
         _sync(lambda m: _FetchAdd(m, at_post=False)),
     ),
     Case(
         "fetch_add_many",
         f"fetch_add_many of {BATCH}",
         "call",
-        0.1,
+        0.2,
         _sync(lambda m: _FetchAddMany(m, at_post=False)),
     ),
-    Case("setup", "connection setup + close", "connection", 0.02, _sync(_Setup)),
+    Case("setup", "connection setup + close", "connection", 0.05, _sync(_Setup)),
 )
 """The rdmaio cases, over the null device."""
 
 TCP_CASES: tuple[Case, ...] = (
-    Case("tcp_echo", "TCP echo 64 B", "round trip", 1, lambda m: _open_tcp(True), tcp=True),
-    Case("tcp_message", "TCP one-way message 64 B", "message", 1, lambda m: _open_tcp(False), tcp=True),
+    Case("tcp_echo", "TCP echo 64 B", "round trip", 2, lambda m: _open_tcp(True), tcp=True),
+    Case("tcp_message", "TCP one-way message 64 B", "message", 10, lambda m: _open_tcp(False), tcp=True),
 )
 """The TCP loopback cases (asyncio streams, both ends on the loop)."""
 
@@ -419,7 +420,7 @@ class Plan:
     minimum is kept), ``call_ops`` counted operations (times the weight), ``warmup`` operations first."""
 
     ops: int = 2000
-    samples: int = 5
+    samples: int = 10
     call_ops: int = 1000
     warmup: int = 200
 

@@ -29,12 +29,12 @@ PLAN = Plan(call_ops=200, warmup=50)
 #: rdmaio's Python calls per operation at the budget's last setting (commit bd322dd plus the null device),
 #: per case and loop, before :data:`MARGIN`.
 MEASURED: dict[str, dict[str, float]] = {
-    "message": {"asyncio": 15.79, "uvloop": 15.79},
+    "message": {"asyncio": 15.4245, "uvloop": 15.4245},
     "echo": {"asyncio": 111.5, "uvloop": 111.5},
-    "stream": {"asyncio": 16.585, "uvloop": 16.585},
-    "rdma_read_at_post": {"asyncio": 22.48, "uvloop": 22.48},
+    "stream": {"asyncio": 16.382, "uvloop": 16.382},
+    "rdma_read_at_post": {"asyncio": 22.5, "uvloop": 22.5},
     "rdma_read_next": {"asyncio": 36.0, "uvloop": 36.0},
-    "fetch_add_at_post": {"asyncio": 24.54, "uvloop": 24.54},
+    "fetch_add_at_post": {"asyncio": 24.5625, "uvloop": 24.5625},
     "fetch_add_next": {"asyncio": 39.0, "uvloop": 39.0},
     "fetch_add_many": {"asyncio": 119.0, "uvloop": 119.0},
     "setup": {"asyncio": 260.0, "uvloop": 260.0},
@@ -95,5 +95,5 @@ def test_one_more_python_call_per_message_breaks_the_budget(
     before = counted(case, "uvloop").rdmaio
     _one_more_call_in_rdmaio(monkeypatch)
     after = counted(case, "uvloop").rdmaio
-    assert after >= before + 1
+    assert after >= before + 1 - 1e-9  # one call per message more (counts per message are fractions)
     assert after > BUDGETS[name]["uvloop"]
