@@ -53,6 +53,7 @@ __all__ = [
     "Plan",
     "build_report",
     "count_calls",
+    "merge_rounds",
     "provenance",
     "render",
     "run_overhead",
@@ -416,18 +417,22 @@ def count_calls(case: Case, loop: str, ops: int, warmup: int = 50) -> CallCounts
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How much to run: ``ops`` operations per sample (times a case's weight), ``samples`` samples (the
-    minimum is kept), ``call_ops`` counted operations (times the weight), ``warmup`` operations first."""
+    """How much to run: ``ops`` operations per sample (times a case's weight), ``samples`` samples per
+    round, ``rounds`` rounds of every case on every loop (the minimum over all samples of all rounds is
+    kept: rounds spread each case over the run's length, so a burst of load from other processes on the
+    machine inflates fewer of its samples), ``call_ops`` counted operations (times the weight), ``warmup``
+    operations first."""
 
     ops: int = 2000
-    samples: int = 10
+    samples: int = 5
+    rounds: int = 3
     call_ops: int = 1000
     warmup: int = 200
 
     @classmethod
     def quick(cls) -> Plan:
         """A smoke run in seconds."""
-        return cls(ops=300, samples=3, call_ops=200, warmup=50)
+        return cls(ops=300, samples=3, rounds=1, call_ops=200, warmup=50)
 
     def scaled(self, weight: float) -> tuple[int, int, int]:
         """(ops, call_ops, warmup) of a case of that weight, at least 2 / 2 / 1."""
@@ -538,18 +543,43 @@ def run_overhead(
     cases: Sequence[Case] = CASES + TCP_CASES,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[CaseResult]:
-    """Measure every case on every loop (each loop in an event loop of its own); ratios filled in."""
-    results: list[CaseResult] = []
-    for loop in loops:
+    """Measure every case on every loop (each loop in an event loop of its own), ``plan.rounds`` times;
+    one result per case and loop, with the minimum CPU and device figures of the rounds and the ratios
+    filled in."""
+    results: dict[tuple[str, str], CaseResult] = {}
+    for round_number in range(plan.rounds):
+        for loop in loops:
+            tag = f"round {round_number + 1}/{plan.rounds}: " if plan.rounds > 1 else ""
 
-        async def main(loop: str = loop) -> None:
-            for case in cases:
-                results.append(await _measure(case, loop, plan, progress))
+            def tagged(line: str, tag: str = tag) -> None:
+                progress(tag + line)
 
-        with _loop_runner(loop) as runner:
-            runner.run(main())
-    fill_ratios(results)
-    return results
+            async def main(loop: str = loop) -> None:
+                for case in cases:
+                    result = await _measure(case, loop, plan, tagged)
+                    kept = results.setdefault((case.name, loop), result)
+                    if kept is not result:
+                        merge_rounds(kept, result)
+
+            with _loop_runner(loop) as runner:
+                runner.run(main())
+    merged = list(results.values())
+    fill_ratios(merged)
+    return merged
+
+
+def merge_rounds(kept: CaseResult, other: CaseResult) -> None:
+    """Keep the minimum CPU and device figures of two rounds of one case in ``kept`` (its samples summed).
+    The call counts are deterministic: a difference between rounds is an error."""
+    if other.calls != kept.calls:
+        raise RuntimeError(
+            f"{kept.label} on {kept.loop}: calls differ between rounds: {kept.calls} {other.calls}"
+        )
+    kept.cpu_us = min(kept.cpu_us, other.cpu_us)
+    if kept.device_us is not None and other.device_us is not None:
+        kept.device_us = min(kept.device_us, other.device_us)
+    kept.own_us = kept.cpu_us - (kept.device_us or 0.0)
+    kept.samples += other.samples
 
 
 def fill_ratios(results: Sequence[CaseResult]) -> None:

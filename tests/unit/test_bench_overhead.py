@@ -123,21 +123,34 @@ def test_from_json_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "invalid report" in capsys.readouterr().err
 
 
+def test_rounds_keep_the_minimum_figures() -> None:
+    kept = result("echo", "uvloop", 50.0, 10.0)
+    overhead.merge_rounds(kept, result("echo", "uvloop", 45.0, 12.0))
+    assert (kept.cpu_us, kept.device_us, kept.own_us, kept.samples) == (45.0, 10.0, 35.0, 6)
+    tcp = result("tcp_echo", "uvloop", 20.0, None)
+    overhead.merge_rounds(tcp, result("tcp_echo", "uvloop", 25.0, None))
+    assert (tcp.cpu_us, tcp.device_us, tcp.own_us) == (20.0, None, 20.0)
+    with pytest.raises(RuntimeError, match="calls differ between rounds"):
+        overhead.merge_rounds(kept, result("echo", "uvloop", 45.0, 12.0, calls=112.5))
+
+
 def test_plan_scales_by_weight() -> None:
     assert Plan().scaled(1) == (2000, 1000, 200)
     assert Plan().scaled(0.02) == (40, 20, 4)
     assert Plan(ops=10, call_ops=10, warmup=10).scaled(0.001) == (2, 2, 1)
-    assert Plan.quick().samples < Plan().samples
+    assert Plan.quick().samples < Plan().samples and Plan.quick().rounds == 1 < Plan().rounds
 
 
 def test_a_tiny_run_measures_every_case_on_one_loop(tmp_path: Path) -> None:
     """Every case runs end to end over the null device and TCP loopback and gives a complete row (the
     figures themselves are not asserted: they are times)."""
     lines: list[str] = []
-    plan = Plan(ops=4, samples=1, call_ops=4, warmup=2)
+    plan = Plan(ops=4, samples=1, rounds=2, call_ops=4, warmup=2)
     rows = overhead.run_overhead(plan, loops=["asyncio"], progress=lines.append)
     assert [r.case for r in rows] == [c.name for c in overhead.CASES + overhead.TCP_CASES]
-    assert len(lines) == len(rows)
+    # Two rounds, merged (their call counts agreed, or merge_rounds would have raised).
+    assert len(lines) == 2 * len(rows) and lines[0].startswith("round 1/2: asyncio ")
+    assert all(r.samples == 2 for r in rows)
     for r in rows:
         assert r.cpu_us > 0 and r.vs_uvloop_tcp_echo is None  # no uvloop TCP echo in this run
         if r.tcp:
