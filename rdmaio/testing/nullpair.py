@@ -414,9 +414,9 @@ def null_pair(
     device.connect_wires(*transports)
     ids = [FakeCMId(local_address=("198.18.0.1", 2)), FakeCMId(local_address=("198.18.0.2", 2))]
     reactor: Any = FakeReactor()
-    a, b = (
-        device.start(_connection(reactor, ids[i], transports[i], Session(hs, hs), options)) for i in (0, 1)
-    )
+    # The session as connection setup picks it (new_session), each side reading its own handshake back.
+    sessions = [new_session(hs, hs, transport) for transport in transports]
+    a, b = (device.start(_connection(reactor, ids[i], transports[i], sessions[i], options)) for i in (0, 1))
     device.link_disconnects(a, b)
     return a, b, device
 
