@@ -49,6 +49,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+from rdmaio import verbs
 from rdmaio._ffi import ffi, lib
 from rdmaio.core import acceptor as acceptor_module
 from rdmaio.core import onesided as onesided_module
@@ -59,6 +60,7 @@ from rdmaio.core.shared_receive import new_session
 from rdmaio.endpoint import Endpoint
 from rdmaio.options import Options
 from rdmaio.protocol import Handshake, Session
+from rdmaio.testing import fakes as fakes_module
 from rdmaio.testing.fakes import (
     FakeCMId,
     FakeReactor,
@@ -249,6 +251,10 @@ class NullDevice:
         qp.post_rdma = functools.partial(self._post_rdma, side)  # type: ignore[method-assign]
         qp.post_batch = functools.partial(self._post_batch, side)  # type: ignore[method-assign]
         transport.post_rdma_polled = functools.partial(self._post_polled, side)  # type: ignore[method-assign]
+        if hasattr(transport, "onesided_port"):
+            # A core whose serial one-sided requests go through a port (post and poll in one C call): the
+            # device answers the port's call as it answers post_rdma_polled.
+            setattr(transport, "onesided_port", functools.partial(self._serial_port, side))  # noqa: B010
         if self.meter is not None:
             for name in _QP_CALLS:
                 if hasattr(qp, name):
@@ -332,6 +338,24 @@ class NullDevice:
         qp: Any = side.transport.qp
         type(qp).post_batch(qp, *args, **kwargs)
         self._complete_later(side, self._execute(side))
+
+    def _serial_port(self, side: _Side, wr_base: int) -> Any:
+        """The fakes' serial port (``FakeSerialPort``) of ``side``'s queue pair, answered by this device."""
+        port = getattr(fakes_module, "FakeSerialPort")(side.transport.qp)  # noqa: B009 (newer fakes only)
+        port.wr_base = wr_base
+        port.at_post = functools.partial(self._port_outcome, side)
+        if self.meter is not None:
+            for name in ("post_poll", "post_batch_poll", "after_poll", "poll"):
+                setattr(port, name, self.meter.device(getattr(port, name)))
+        return port
+
+    def _port_outcome(self, side: _Side, request: dict[str, int]) -> int:
+        """What the port's poll finds after ``request`` (the last one the port recorded) was posted."""
+        done = self._execute(side)
+        if self.onesided_at_post and len(done) == 1 and done[0][0] == request["wr_id"]:  # type: ignore[index]
+            return int(getattr(verbs, "POSTED_DONE"))  # noqa: B009 (newer verbs only)
+        self._complete_later(side, done)
+        return int(getattr(verbs, "POSTED"))  # noqa: B009
 
     def _post_polled(self, side: _Side, count: int, wr_id: int) -> bool:
         side.raw_post_rdma(count)

@@ -90,10 +90,13 @@ def _one_more_call_in_rdmaio(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_one_more_python_call_per_message_breaks_the_budget(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """What the budgets are for: one function call more in rdmaio's code per message sent is caught."""
+    """What the budgets are for: one function call more in rdmaio's code per message sent adds a whole
+    call per operation, more than the margin a budget leaves above its measured count."""
     case = next(c for c in CASES if c.name == name)
     before = counted(case, "uvloop").rdmaio
     _one_more_call_in_rdmaio(monkeypatch)
     after = counted(case, "uvloop").rdmaio
     assert after >= before + 1 - 1e-9  # one call per message more (counts per message are fractions)
-    assert after > BUDGETS[name]["uvloop"]
+    assert after > before + MARGIN  # so it exceeds a budget set on the code before it
+    if before == MEASURED[name]["uvloop"]:  # the code the budget was set on
+        assert after > BUDGETS[name]["uvloop"]
