@@ -207,7 +207,6 @@ class _Side:
 
     transport: FakeTransport
     raw_post_rdma: Callable[[int], None]
-    endpoint: Endpoint | None = None
 
 
 class NullDevice:
@@ -277,22 +276,22 @@ class NullDevice:
 
     def start(self, conn: Connection) -> Endpoint:
         """The Endpoint of ``conn``, a connection on one of this device's transports."""
-        side = self._sides.pop(id(conn.transport))
-        side.endpoint = Endpoint(conn)
-        return side.endpoint
+        del self._sides[id(conn.transport)]
+        return Endpoint(conn)
 
-    def link_disconnects(self, a: Endpoint, b: Endpoint) -> None:
-        """A disconnect of either side reaches the other as DISCONNECTED one loop iteration later."""
+    def link_disconnects(self, reactor: FakeReactor, a: FakeCMId, b: FakeCMId) -> None:
+        """A disconnect of either id (of two connections registered with ``reactor``) reaches the other's
+        connection as DISCONNECTED one loop iteration later."""
         event: Any = SimpleNamespace(event=CMEventType.DISCONNECTED)
         for ours, theirs in ((a, b), (b, a)):
-            cm_id: Any = ours._conn._cm_id
-            handler = functools.partial(theirs._conn._on_cm_event, event)
-            cm_id.on_disconnect = self._device(self._callback(handler))
+            handler = functools.partial(reactor.cm_handlers[theirs], event)
+            ours.on_disconnect = self._device(self._callback(handler))
 
     # --- one-sided requests ----------------------------------------------------------------------------
 
-    def _execute(self, side: _Side) -> list[int]:
-        """Carry out what was posted on ``side``'s queue pair; the wr_ids of its signalled requests."""
+    def _execute(self, side: _Side) -> list[tuple[int, int]]:
+        """Carry out what was posted on ``side``'s queue pair; (wr_id, completion opcode) of its signalled
+        requests."""
         qp: Any = side.transport.qp
         signalled = []
         for wr in qp.posted:
@@ -317,9 +316,9 @@ class NullDevice:
                 signalled.append((wr["wr_id"], _WC_OPCODE[opcode]))
         qp.posted.clear()
         qp.calls.clear()
-        return signalled  # type: ignore[return-value]
+        return signalled
 
-    def _complete_later(self, side: _Side, done: list[Any]) -> None:
+    def _complete_later(self, side: _Side, done: list[tuple[int, int]]) -> None:
         if done:
             asyncio.get_running_loop().call_soon(self._device(self._deliver), side, done)
 
@@ -352,7 +351,7 @@ class NullDevice:
     def _port_outcome(self, side: _Side, request: dict[str, int]) -> int:
         """What the port's poll finds after ``request`` (the last one the port recorded) was posted."""
         done = self._execute(side)
-        if self.onesided_at_post and len(done) == 1 and done[0][0] == request["wr_id"]:  # type: ignore[index]
+        if self.onesided_at_post and len(done) == 1 and done[0][0] == request["wr_id"]:
             return int(getattr(verbs, "POSTED_DONE"))  # noqa: B009 (newer verbs only)
         self._complete_later(side, done)
         return int(getattr(verbs, "POSTED"))  # noqa: B009
@@ -360,7 +359,7 @@ class NullDevice:
     def _post_polled(self, side: _Side, count: int, wr_id: int) -> bool:
         side.raw_post_rdma(count)
         done = self._execute(side)
-        if self.onesided_at_post and len(done) == 1 and done[0][0] == wr_id:  # type: ignore[index]
+        if self.onesided_at_post and len(done) == 1 and done[0][0] == wr_id:
             return True  # its own completion was all a poll would have found: not dispatched
         self._complete_later(side, done)
         return False
@@ -441,7 +440,7 @@ def null_pair(
     # The session as connection setup picks it (new_session), each side reading its own handshake back.
     sessions = [new_session(hs, hs, transport) for transport in transports]
     a, b = (device.start(_connection(reactor, ids[i], transports[i], sessions[i], options)) for i in (0, 1))
-    device.link_disconnects(a, b)
+    device.link_disconnects(reactor, ids[0], ids[1])
     return a, b, device
 
 
@@ -532,7 +531,7 @@ class NullListener:
         session = new_session(client_hs, peer, client_transport)
         a = device.start(_connection(reactor, client_id, client_transport, session, options))
         b = device.start(self._started.pop())
-        device.link_disconnects(a, b)
+        device.link_disconnects(reactor, client_id, server_id)
         return a, b
 
     def forget_closed(self) -> None:
