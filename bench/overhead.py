@@ -48,6 +48,7 @@ __all__ = [
     "LOOPS",
     "SCHEMA",
     "TCP_CASES",
+    "TOP_FUNCTIONS",
     "CallCounts",
     "CaseResult",
     "Plan",
@@ -63,6 +64,8 @@ LOOPS = ("asyncio", "uvloop")
 SCHEMA = "rdmaio-overhead/1"
 PAYLOAD = 64
 BATCH = 64
+TOP_FUNCTIONS = 25
+"""rdmaio functions listed per case in the JSON report (the most called first)."""
 
 _RDMAIO_DIR = os.path.dirname(os.path.abspath(rdmaio.__file__)) + os.sep
 _TESTING_DIR = _RDMAIO_DIR + "testing" + os.sep
@@ -365,9 +368,12 @@ def _category(filename: str) -> int:
     return 2
 
 
-async def _counted(fixture: Fixture, ops: int) -> CallCounts:
+async def _counted(fixture: Fixture, ops: int, functions: dict[str, float] | None = None) -> CallCounts:
+    """Count the calls of ``ops`` operations; ``functions``, when given, receives rdmaio's functions with
+    their calls per operation (the :data:`TOP_FUNCTIONS` most called)."""
     counts = [0, 0, 0]
     categories: dict[Any, int] = {}
+    per_code: dict[Any, int] = {}
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":
@@ -376,6 +382,8 @@ async def _counted(fixture: Fixture, ops: int) -> CallCounts:
             if category is None:
                 category = categories[code] = _category(code.co_filename)
             counts[category] += 1
+            if not category:
+                per_code[code] = per_code.get(code, 0) + 1
 
     gc.collect()
     gc.disable()
@@ -385,7 +393,17 @@ async def _counted(fixture: Fixture, ops: int) -> CallCounts:
     finally:
         sys.setprofile(None)
         gc.enable()
+    if functions is not None:
+        top = sorted(per_code.items(), key=lambda item: (-item[1], _function_name(item[0])))[:TOP_FUNCTIONS]
+        functions.update((_function_name(code), count / ops) for code, count in top)
     return CallCounts(counts[0] / ops, counts[1] / ops, counts[2] / ops)
+
+
+def _function_name(code: Any) -> str:
+    path = (
+        code.co_filename[len(_RDMAIO_DIR) :] if code.co_filename.startswith(_RDMAIO_DIR) else code.co_filename
+    )
+    return f"{path}:{getattr(code, 'co_qualname', code.co_name)}"
 
 
 def _loop_runner(loop: str) -> asyncio.Runner:
@@ -461,6 +479,8 @@ class CaseResult:
     own_us: float
     calls: CallCounts
     vs_uvloop_tcp_echo: float | None = None
+    rdmaio_functions: dict[str, float] = dataclasses.field(default_factory=dict)
+    """rdmaio's most called functions (``path:qualname``, path under ``rdmaio/``), calls per operation."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON object (calls as a nested object)."""
@@ -497,7 +517,8 @@ async def _measure(case: Case, loop: str, plan: Plan, progress: Callable[[str], 
     try:
         await fixture.run(warmup)
         cpu, _ = await _cpu_per_op(fixture, ops, plan.samples)
-        calls = await _counted(fixture, call_ops)
+        functions: dict[str, float] = {}
+        calls = await _counted(fixture, call_ops, functions)
     finally:
         await fixture.close()
     device: float | None = None
@@ -523,6 +544,7 @@ async def _measure(case: Case, loop: str, plan: Plan, progress: Callable[[str], 
         device_us=None if device is None else device * 1e6,
         own_us=own * 1e6,
         calls=calls,
+        rdmaio_functions=functions,
     )
     progress(f"{loop} {case.label}: {_describe(result)}")
     return result
@@ -604,6 +626,7 @@ def build_report(results: Sequence[CaseResult], meta: dict[str, Any]) -> dict[st
             "calls": "sys.setprofile call events per operation, GC off: rdmaio/ (not rdmaio/testing/), the "
             "null device (rdmaio/testing/), other (loop, stdlib, harness)",
             "ratio": "own_us / uvloop TCP echo cpu_us per round trip, same run",
+            "rdmaio_functions": f"rdmaio's {TOP_FUNCTIONS} most called functions of each case, calls per op",
         },
         "results": [r.to_json() for r in results],
     }

@@ -88,10 +88,12 @@ def test_json_report_round_trips() -> None:
     rows = results()
     doc = json.loads(json.dumps(overhead.build_report(rows, {"created": "now"})))
     assert doc["schema"] == overhead.SCHEMA and doc["meta"] == {"created": "now"}
-    assert set(doc["method"]) == {"cpu", "device", "calls", "ratio"}
+    assert set(doc["method"]) == {"cpu", "device", "calls", "ratio", "rdmaio_functions"}
     first = doc["results"][0]
     assert first["calls"] == {"rdmaio": 0.0, "device": 0.0, "other": 4.0} and first["device_us"] is None
     assert overhead.results_from_report(doc) == rows
+    del doc["results"][1]["rdmaio_functions"]  # a report written before the functions were listed
+    assert overhead.results_from_report(doc)[1].rdmaio_functions == {}
     with pytest.raises(ValueError, match="not an overhead report"):
         overhead.results_from_report({"schema": "something else", "results": []})
 
@@ -155,6 +157,14 @@ def test_a_tiny_run_measures_every_case_on_one_loop(tmp_path: Path) -> None:
         assert r.cpu_us > 0 and r.vs_uvloop_tcp_echo is None  # no uvloop TCP echo in this run
         if r.tcp:
             assert r.device_us is None and r.own_us == r.cpu_us and r.calls.rdmaio == 0
+            assert r.rdmaio_functions == {}
         else:
             assert r.device_us is not None and r.device_us >= 0 and r.calls.rdmaio > 0 and r.calls.device > 0
             assert r.own_us == pytest.approx(r.cpu_us - r.device_us)
+            # rdmaio's most called functions, named by their file under rdmaio/ (never the fakes')
+            functions = r.rdmaio_functions
+            assert 0 < len(functions) <= overhead.TOP_FUNCTIONS
+            assert sum(functions.values()) <= r.calls.rdmaio + 1e-9
+            assert not any(name.startswith("testing/") for name in functions)
+    echo = next(r for r in rows if r.case == "echo")
+    assert any(name.startswith("core/") for name in echo.rdmaio_functions)
