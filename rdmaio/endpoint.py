@@ -61,11 +61,12 @@ class Endpoint:
         self._transport = connection.transport
         # send() and recv() are the sender's and the receiver's own bound methods, set here once (as the
         # one-sided facade's calls are): a message costs one coroutine, not this front's and one below it.
-        # A subclass that overrides them keeps its own.
+        # A subclass that overrides them, or a class patched (a test's mock) before the endpoint was made,
+        # keeps its own.
         cls = type(self)
-        if cls.send is Endpoint.send:
+        if cls.send is _FRONT_SEND:
             self.send = self._writer.send  # type: ignore[method-assign]
-        if cls.recv is Endpoint.recv:
+        if cls.recv is _FRONT_RECV:
             self.recv = self._reader.recv  # type: ignore[method-assign]
 
     # --- information -------------------------------------------------------------------------------
@@ -378,3 +379,9 @@ class Endpoint:
         state = "closed" if conn.torn_down else "closing" if conn.closing else "open"
         extra = conn.extra
         return f"<rdmaio.Endpoint {state} {extra['sockname']} -> {extra['peername']} qp={extra['qp_num']}>"
+
+
+# The fronts as defined here: Endpoint.__init__ binds the sender's and receiver's methods only while the
+# class still has these (not a subclass's override, not a patch).
+_FRONT_SEND = Endpoint.send
+_FRONT_RECV = Endpoint.recv
