@@ -251,3 +251,4 @@ struct rdmaio_onesided_port { struct ibv_qp *qp; struct ibv_cq *cq; uint64_t wr_
 int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index, uint64_t local_addr,
                               uint32_t lkey, uint32_t length, uint32_t opcode, uint64_t remote_addr,
                               uint32_t rkey, uint64_t compare_add, uint64_t swap);
+int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const struct rdmaio_batch *b);

@@ -177,5 +177,6 @@ struct rdmaio_onesided_port {
 int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index, uint64_t local_addr,
                               uint32_t lkey, uint32_t length, uint32_t opcode, uint64_t remote_addr,
                               uint32_t rkey, uint64_t compare_add, uint64_t swap);
+int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const struct rdmaio_batch *b);
 
 #endif

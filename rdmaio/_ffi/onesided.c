@@ -152,3 +152,37 @@ int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index,
     port->group.count = 1;
     return RDMAIO_POSTED_OTHER;
 }
+
+/* A wave of a batch (see struct rdmaio_batch; rdmaio_post_batch posts it, only its last request
+ * signalled) posted by one task calling serially, then one look at the CQ as rdmaio_onesided_post_poll
+ * takes: RDMAIO_POSTED_DONE when the record taken is the wave's own successful completion (RC completes a
+ * send queue in order: the last request's success means every request of the wave succeeded). A
+ * negative value is the post's -errno (requests before the failing chain may have been posted: the
+ * caller fails the connection). */
+int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const struct rdmaio_batch *b)
+{
+    int bad = -1;
+
+    if (!port->qp || !port->cq)
+        return -EBADF;
+    int rc = rdmaio_post_batch(port->qp, b, &bad);
+    if (rc < 0)
+        return rc;
+    port->posted += (uint64_t)rc;
+    int n = rdmaio_poll_cq(port->cq, &port->record, 1);
+    if (n < 0) {
+        port->poll_errno = -n;
+        return RDMAIO_POSTED_POLL_FAILED;
+    }
+    if (n == 0)
+        return RDMAIO_POSTED;
+    port->polled++;
+    if (port->record.wr_id == b->wr_id && port->record.status == IBV_WC_SUCCESS &&
+        port->record.qp_num == port->qp->qp_num)
+        return RDMAIO_POSTED_DONE;
+    port->group.key = ((uint64_t)port->record.qp_num << RDMAIO_KEY_TAG_BITS) |
+                      ((port->record.wr_id >> RDMAIO_WR_TAG_SHIFT) & RDMAIO_WR_TAG_MASK);
+    port->group.start = 0;
+    port->group.count = 1;
+    return RDMAIO_POSTED_OTHER;
+}

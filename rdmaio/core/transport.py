@@ -239,6 +239,8 @@ class OneSidedPort:
         self._port = port
         self.post_poll = port.post_poll
         """``rdmaio_onesided_post_poll`` bound to the port (see :class:`rdmaio.verbs.OneSidedPort`)."""
+        self.post_batch_poll = port.post_batch_poll
+        """A wave of a batch and one look at the CQ (:meth:`rdmaio.verbs.OneSidedPort.post_batch_poll`)."""
 
     def after_poll(self, result: int) -> bool:
         """``POSTED_OTHER``: hand (a copy of) the record the call took to the dispatcher (False: it keeps

@@ -1308,6 +1308,18 @@ class FakeSerialPort:
         self.polls += 1
         return verbs.POSTED if self.at_post is None else self.at_post(entry)
 
+    def post_batch_poll(
+        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
+    ) -> int:
+        """A wave, recorded as :meth:`FakeQP.post_batch` records it, then one poll: :attr:`at_post` decides
+        (called with the wave's last request)."""
+        qp = self.qp
+        if qp.fail_next:
+            return -12
+        FakeQP.post_batch(qp, wr_id, opcode, local_addr, lkey, rkey, remote_addr, **arrays)
+        self.polls += 1
+        return verbs.POSTED if self.at_post is None else self.at_post(qp.posted[-1])
+
     def after_poll(self, result: int) -> bool:
         """What the poll took that was not the request's own success: :attr:`after` handles it."""
         return self.after(result)
@@ -1321,18 +1333,24 @@ class FakeSerialPort:
         self.polls_asked += 1
 
 
-def onesided_rig(*, max_ops: int = 16, complete_at_post: bool = True) -> SimpleNamespace:
+def onesided_rig(*, max_ops: int = 16, complete_at_post: bool = True, record: bool = True) -> SimpleNamespace:
     """A :class:`~rdmaio.core.onesided.OneSidedEngine` on the running asyncio loop over a :class:`FakeQP`
     whose fake device completes every request at its post (``complete_at_post``: the completion is taken by
     the post's own poll) or one loop iteration later (through ``on_completion``, as a connection's handler
     delivers it). Batch waves always complete one iteration later. Returns ``engine``, ``qp``, ``port`` and
-    a ``key`` granting everything on 4 KiB (for tools/onesided_calls.py and the call-count tests)."""
+    a ``key`` granting everything on 4 KiB (for tools/onesided_calls.py and the call-count tests). Without
+    ``record``, a single request completed at its post is not recorded (the port's call returns at once,
+    as cheap as a fake of the C call can be: for CPU figures)."""
     from rdmaio.core.backend import AsyncioBackend
     from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, OneSidedEngine, RemoteKey
 
     loop = asyncio.get_running_loop()
     qp = FakeQP()
     port = FakeSerialPort(qp)
+    if complete_at_post and not record:
+        done = verbs.POSTED_DONE
+        port.post_poll = lambda *request: done  # type: ignore[method-assign]
+        port.post_batch_poll = lambda *wave, **arrays: done  # type: ignore[method-assign]
     rig = SimpleNamespace(qp=qp, port=port, failures=[])
     credits = SimpleNamespace(
         can_take_slot=lambda: True,

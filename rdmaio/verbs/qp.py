@@ -158,27 +158,9 @@ class QueuePair(_Resource):
         if batch is None:
             batch = self._batch = ffi.new("struct rdmaio_batch *")
         count = len(remote_addr)
-        keep = [ffi.from_buffer("uint64_t[]", remote_addr)]  # alive until the call returns
-        batch.wr_id = wr_id
-        batch.local_addr = local_addr
-        batch.lkey = lkey
-        batch.opcode = opcode
-        batch.rkey = rkey
-        batch.count = count
-        batch.remote_addr = keep[0]
-        for name, array, ctype in (
-            ("length", length, "uint32_t[]"),
-            ("local_offset", local_offset, "uint64_t[]"),
-            ("compare_add", compare_add, "uint64_t[]"),
-            ("swap", swap, "uint64_t[]"),
-        ):
-            if array is None:
-                setattr(batch, name, ffi.NULL)
-            else:
-                if len(array) != count:
-                    raise ValueError(f"{name} has {len(array)} entries for {count} requests")
-                keep.append(ffi.from_buffer(ctype, array))
-                setattr(batch, name, keep[-1])
+        keep = _fill_batch(  # noqa: F841 - the arrays stay alive until the call returns
+            batch, wr_id, opcode, local_addr, lkey, rkey, remote_addr, length, local_offset, compare_add, swap
+        )
         rc = lib.rdmaio_post_batch(self._ptr, batch, self._bad)
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"batch request {self._bad[0]} of {count}")
@@ -283,6 +265,7 @@ class OneSidedPort:
         port.cq = cq._ptr
         port.wr_base = wr_base
         port.max_inline = max(0, max_inline)
+        self._batch = ffi.new("struct rdmaio_batch *")
         self.post_poll = functools.partial(lib.rdmaio_onesided_post_poll, port)
         """The C call (see the class docstring)."""
         _live_ports.add(self)
@@ -314,6 +297,29 @@ class OneSidedPort:
         copy[0] = self._port.record
         return copy, int(self._port.group.key)
 
+    def post_batch_poll(
+        self,
+        wr_id: int,
+        opcode: int,
+        local_addr: int,
+        lkey: int,
+        rkey: int,
+        remote_addr: Any,
+        *,
+        length: Any = None,
+        local_offset: Any = None,
+        compare_add: Any = None,
+        swap: Any = None,
+    ) -> int:
+        """A wave of a batch (the arguments of :meth:`QueuePair.post_batch`), then one look at the CQ, in
+        one C call (``rdmaio_onesided_post_batch_poll``): the results of :attr:`post_poll`, where
+        :data:`POSTED_DONE` means the wave's own (last, signalled) request completed successfully."""
+        batch = self._batch
+        keep = _fill_batch(  # noqa: F841 - the arrays stay alive until the call returns
+            batch, wr_id, opcode, local_addr, lkey, rkey, remote_addr, length, local_offset, compare_add, swap
+        )
+        return int(lib.rdmaio_onesided_post_batch_poll(self._port, batch))
+
     def poll_error(self) -> VerbsError:
         """The error of a :data:`POSTED_POLL_FAILED` call."""
         return VerbsError.from_errno("ibv_poll_cq", int(self._port.poll_errno))
@@ -339,3 +345,43 @@ POSTED_OTHER: int = lib.RDMAIO_POSTED_OTHER
 """``OneSidedPort.post_poll``: posted, and another record was taken (to dispatch)."""
 POSTED_POLL_FAILED: int = lib.RDMAIO_POSTED_POLL_FAILED
 """``OneSidedPort.post_poll``: posted, and the poll failed."""
+
+
+def _fill_batch(
+    batch: Any,
+    wr_id: int,
+    opcode: int,
+    local_addr: int,
+    lkey: int,
+    rkey: int,
+    remote_addr: Any,
+    length: Any,
+    local_offset: Any,
+    compare_add: Any,
+    swap: Any,
+) -> list[Any]:
+    """Fill ``struct rdmaio_batch`` ``batch``; returns the C views of the arrays (keep them alive until
+    the post returns)."""
+    count = len(remote_addr)
+    keep = [ffi.from_buffer("uint64_t[]", remote_addr)]
+    batch.wr_id = wr_id
+    batch.local_addr = local_addr
+    batch.lkey = lkey
+    batch.opcode = opcode
+    batch.rkey = rkey
+    batch.count = count
+    batch.remote_addr = keep[0]
+    for name, array, ctype in (
+        ("length", length, "uint32_t[]"),
+        ("local_offset", local_offset, "uint64_t[]"),
+        ("compare_add", compare_add, "uint64_t[]"),
+        ("swap", swap, "uint64_t[]"),
+    ):
+        if array is None:
+            setattr(batch, name, ffi.NULL)
+        else:
+            if len(array) != count:
+                raise ValueError(f"{name} has {len(array)} entries for {count} requests")
+            keep.append(ffi.from_buffer(ctype, array))
+            setattr(batch, name, keep[-1])
+    return keep

@@ -95,3 +95,9 @@ class SerialPort(Protocol):
 
     def poll(self) -> None:
         """Poll the completion queues now (delivers records a dispatch in progress kept)."""
+
+    def post_batch_poll(
+        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
+    ) -> int:
+        """A wave of a batch (``QueuePair.post_batch``'s arguments) and one look at the CQ in one C call;
+        the results of :attr:`post_poll` (``POSTED_DONE``: the wave's last request completed)."""

@@ -232,8 +232,11 @@ class OperationEngine:
             self._current_task = _c_current_task
         elif self._futures:
             self._tasks_by_loop = _TASKS_BY_LOOP
-        # Serial calls completed at their post (no op, no Counter update: added in statistics()).
+        # Serial calls and batch waves completed at their post (no op, no Counter update: statistics()
+        # adds them).
         self._done_at_post = 0
+        self._waves_done_at_post = 0
+        self._wave_ops_done_at_post = 0
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
         self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
         self.ops: dict[int, Op] = {}
@@ -281,7 +284,8 @@ class OperationEngine:
         revoked by the peer (the local checks before anything is posted)."""
         if not isinstance(key, RemoteKey):
             raise TypeError(f"expected a RemoteKey, got {type(key).__name__}")
-        if key.key_id in self.revoked_ids:
+        # No id from revoked_ids.top up is revoked: most keys in use pass without a look at the ranges.
+        if key.key_id < self.revoked_ids.top and key.key_id in self.revoked_ids:
             raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
         if not key.access_bits & need:
             raise RemoteAccessError(f"{key!r} does not grant {access_str(need)!r} access")
@@ -605,12 +609,22 @@ class OperationEngine:
         self._post(op, key.addr + offset, key.rkey, compare_add=expected, swap=desired)
         return await self._atomic_result(op)
 
-    async def _serial_rest(self, index: int, result: int, opcode: int, length: int, key_id: int) -> Op:
+    async def _serial_rest(
+        self,
+        index: int,
+        result: int,
+        opcode: int,
+        length: int,
+        key_id: int,
+        count: int = 1,
+        wave: bool = False,
+    ) -> Op:
         """The rest of a serial request that the C call posted without finding its own successful
         completion (or failed to post: raises its error, failing the connection): tracked as any posted
         op (its staging slot taken, in :attr:`ops`), the record the poll took dispatched first (it may be
         its own failure), then its completion awaited (what :meth:`finish` does, in one coroutine).
-        Returns the op, successful; the caller reads its staging slot and gives it back."""
+        Returns the op, successful; the caller reads its staging slot and gives it back. ``count``
+        requests (a ``wave`` of a batch: counted as one) or one."""
         port = self._port
         assert port is not None and self._staging_view is not None
         if result < 0:
@@ -621,14 +635,17 @@ class OperationEngine:
         op.key_id = key_id
         op.length = length
         op.opcode = opcode
+        op.count = count
         op.posted = True
         slot = op.staging = self._free_staging.pop()
         op.buffer = self._staging_view[slot * STAGING_SLOT : slot * STAGING_SLOT + length]
         self.ops[index] = op
-        self.in_flight += 1
+        self.in_flight += count
         stats = self._stats
-        stats["rdma_ops_posted"] += 1
+        stats["rdma_ops_posted"] += count
         stats["rdma_doorbells"] += 1
+        if wave:
+            stats["rdma_batches"] += 1
         if result != verbs.POSTED:
             try:
                 if not port.after_poll(result):
@@ -637,7 +654,8 @@ class OperationEngine:
                 self._complete(op, exc)
                 self._fail_connection(exc)
         if op.done:
-            stats["rdma_completed_at_post"] += 1
+            if not wave:
+                stats["rdma_completed_at_post"] += 1
             self._at_post_streak += 1
             if self._at_post_streak >= _AT_POST_BUDGET:
                 self._at_post_streak = 0
@@ -703,7 +721,7 @@ class OperationEngine:
             if self.in_flight + count <= self.max_ops:
                 break
         # Re-checked after the wait: a REVOKE may have arrived meanwhile.
-        if key.key_id in self.revoked_ids:
+        if key.key_id < self.revoked_ids.top and key.key_id in self.revoked_ids:
             self._wake_slot_waiter()
             raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
         return self._new_op(key.key_id, opcode, length, staging, count)
@@ -928,20 +946,79 @@ class OperationEngine:
             swap,
         )
 
-    def post_wave(self, op: Op, key: RemoteKey, remote: Any, **arrays: Any) -> None:
-        """Post one wave of a batch (``op.count`` requests on ``key`` at the ``remote`` addresses, with the
-        per-request ``arrays`` of ``QueuePair.post_batch``) as one chain, only the last signalled."""
+    async def wave(self, key: RemoteKey, opcode: int, nbytes: int, remote: Any, **arrays: Any) -> bytes:
+        """One wave of a batch: ``len(remote)`` requests of ``opcode`` on ``key`` at the ``remote`` addresses
+        (with the per-request ``arrays`` of ``QueuePair.post_batch``), ``nbytes`` bytes of staging for all
+        of them, posted as one chain of which only the last is signalled, and awaited; returns a copy of
+        the staging (what the NIC wrote) or raises the wave's error. What :meth:`start`, a post and
+        :meth:`finish` do, in one coroutine. Posted by a task calling serially with nothing else in
+        flight, the post and one look at the CQ are one C call, and a wave completed at its post (rxe
+        runs loopback atomics inside ``ibv_post_send``) returns without an op; otherwise its completion
+        resolves the wait directly. A cancelled wait leaves the wave to its completion, which releases
+        its memory."""
+        count = len(remote)
+        port = self._port
+        if (
+            port is not None
+            and not self.ops
+            and count <= self.max_ops
+            and nbytes <= STAGING_SLOT
+            and self._free_staging
+            and self._staging_view is not None
+            and not self._slot_waiters
+            and self.error is None
+            and not self.closed
+            and key.key_id >= self.revoked_ids.top
+            and self._last_poster
+            == id(
+                self._current_task()
+                if self._tasks_by_loop is None
+                else self._tasks_by_loop.get(_running_loop())
+            )
+            and self._credits.flush_error() is None
+        ):
+            # The serial path (see read()): start()'s and raise_if_failed's checks above.
+            at = self._free_staging[-1] * STAGING_SLOT
+            index = next(self._index) & _INDEX_MASK
+            result = port.post_batch_poll(
+                self._wr_base | index, opcode, self._staging_addr + at, self._staging_lkey, key.rkey, remote,
+                **arrays,
+            )  # fmt: skip
+            if result == _POSTED_DONE:
+                data = bytes(self._staging_view[at : at + nbytes])
+                self._waves_done_at_post += 1
+                self._wave_ops_done_at_post += count
+                self._at_post_streak += 1
+                if self._at_post_streak >= _AT_POST_BUDGET:
+                    self._at_post_streak = 0
+                    await self._io.sleep(0)
+                return data
+            op = await self._serial_rest(index, result, opcode, nbytes, key.key_id, count, wave=True)
+            assert op.staging is not None
+            at = op.staging * STAGING_SLOT
+            data = bytes(self._staging_view[at : at + nbytes])
+            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
+            op.staging = op.buffer = None
+            return data
+        op = await self.start(key, opcode, nbytes, count=count)
+        self._last_poster = id(self._task())
         addr, lkey = self._local_of(op)
         try:
-            self._qp.post_batch(self._wr_base | op.index, op.opcode, addr, lkey, key.rkey, remote, **arrays)
+            self._qp.post_batch(self._wr_base | op.index, opcode, addr, lkey, key.rkey, remote, **arrays)
         except Exception as exc:
             self._complete(op, exc)
             self._fail_connection(exc)
-            return
-        op.posted = True
-        self._stats["rdma_ops_posted"] += op.count
-        self._stats["rdma_doorbells"] += 1
-        self._stats["rdma_batches"] += 1
+        else:
+            op.posted = True
+            stats = self._stats
+            stats["rdma_ops_posted"] += count
+            stats["rdma_doorbells"] += 1
+            stats["rdma_batches"] += 1
+        await self.finish(op)
+        assert op.buffer is not None
+        data = bytes(op.buffer[:nbytes])
+        self.release(op)
+        return data
 
     def queue_send(self, payload: bytes) -> None:
         """Queue a SEND without immediate data of ``payload`` (a one-sided control message, a few bytes):
@@ -1148,9 +1225,9 @@ class OperationEngine:
         ops pending (always present, 0 until counted)."""
         stats = self._stats
         return {
-            "rdma_ops_posted": stats["rdma_ops_posted"] + self._done_at_post,
-            "rdma_doorbells": stats["rdma_doorbells"] + self._done_at_post,
-            "rdma_batches": stats["rdma_batches"],
+            "rdma_ops_posted": stats["rdma_ops_posted"] + self._done_at_post + self._wave_ops_done_at_post,
+            "rdma_doorbells": stats["rdma_doorbells"] + self._done_at_post + self._waves_done_at_post,
+            "rdma_batches": stats["rdma_batches"] + self._waves_done_at_post,
             "rdma_completed_at_post": stats["rdma_completed_at_post"] + self._done_at_post,
             "rdma_ops_pending": len(self.ops),
         }
