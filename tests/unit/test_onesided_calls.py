@@ -503,3 +503,77 @@ def test_a_disabled_port_touches_neither_queue(port_lines: list[str]) -> None:
     assert port_lines[7] == ("empty_wave=-22 disabled=-9,-9 touched=0 posted_total=9 polled_total=5"), (
         port_lines[7]
     )
+
+
+# --- CompletionDispatcher.deliver: a record the serial call took that was not its own -----------------
+
+
+def _dispatcher() -> tuple[Any, Any, list[tuple[str, list[int]]], int, int]:
+    """A dispatcher over fakes with connections on QPs 7 ("a") and 8 ("b") on one CQ, recording."""
+    from rdmaio.core.dispatch import CompletionDispatcher
+    from rdmaio.testing.fakes import FakeCompletionBatch, FakeCompletionChannel, FakeCQ
+
+    channel = FakeCompletionChannel()
+    d = CompletionDispatcher(
+        create_channel=lambda: channel,
+        create_cq=lambda ch, cqe: FakeCQ(cqe),
+        watch=lambda fd, cb: None,
+        unwatch=lambda fd: None,
+        batch=FakeCompletionBatch(16),
+        max_cqe=1000,
+        cq_capacity=100,
+    )
+    cq = d.reserve(10).cq
+    seen: list[tuple[str, list[int]]] = []
+
+    def recorder(name: str) -> Any:
+        def handler(records: Any, start: int, count: int) -> None:
+            seen.append(
+                (name, [rdmaio.verbs.wr_index(records[i].wr_id) for i in range(start, start + count)])
+            )
+
+        return handler
+
+    ta, tb = d.register(7), d.register(8)
+    d.set_handler(7, ta, recorder("a"))
+    d.set_handler(8, tb, recorder("b"))
+    d.poll_now()
+    return d, cq, seen, ta, tb
+
+
+def test_deliver_dispatches_the_record_then_what_followed_it_in_the_cq() -> None:
+    from rdmaio.testing.fakes import CompletionRecord as Rec
+
+    d, cq, seen, ta, tb = _dispatcher()
+    recv = rdmaio.verbs.WR_KIND_RECV
+    cq.pending.append(Rec(rdmaio.verbs.make_wr_id(recv, ta, 2), 7))  # came after the record taken
+    taken = [Rec(rdmaio.verbs.make_wr_id(recv, tb, 1), 8)]
+    before = d.statistics()
+    assert d.deliver(cq, taken, rdmaio.verbs.dispatch_key(8, tb)) is True
+    assert seen == [("b", [1]), ("a", [2])]  # CQ order kept
+    after = d.statistics()
+    assert after["completions"] - before["completions"] == 2
+
+
+def test_deliver_during_a_dispatch_keeps_the_record_for_the_next_poll_in_order() -> None:
+    from rdmaio.testing.fakes import CompletionRecord as Rec
+
+    d, cq, seen, ta, tb = _dispatcher()
+    recv = rdmaio.verbs.WR_KIND_RECV
+    key_b = rdmaio.verbs.dispatch_key(8, tb)
+    results: list[bool] = []
+
+    def a_handler(records: Any, start: int, count: int) -> None:
+        seen.append(("a", [rdmaio.verbs.wr_index(records[i].wr_id) for i in range(start, start + count)]))
+        # a caller running inside a handler took b's record 1; b's record 2 is still in the CQ
+        results.append(d.deliver(cq, [Rec(rdmaio.verbs.make_wr_id(recv, tb, 1), 8)], key_b))
+        cq.pending.append(Rec(rdmaio.verbs.make_wr_id(recv, tb, 2), 8))
+
+    d.set_handler(7, ta, a_handler)
+    cq.pending.append(Rec(rdmaio.verbs.make_wr_id(recv, ta, 0), 7))
+    d.poll_now()
+    assert results == [False]
+    assert seen == [("a", [0]), ("b", [1]), ("b", [2])]  # kept, then delivered before b's later record
+    d.close()
+    assert d.deliver(cq, [Rec(rdmaio.verbs.make_wr_id(recv, tb, 3), 8)], key_b) is True
+    assert d.statistics()["dropped"] >= 1

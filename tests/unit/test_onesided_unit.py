@@ -492,6 +492,35 @@ def test_close_fails_every_pending_op_and_releases_everything(arun: Run) -> None
     arun(main())
 
 
+def test_a_call_waits_for_a_staging_slot_held_by_a_completed_op_not_yet_released(arun: Run) -> None:
+    """A completion gives its op slot back at once, but the staging slot only when its caller resumes: a
+    call in between (every staging slot held) waits for one instead of failing (it raised IndexError)."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=2)
+        first = [asyncio.ensure_future(rig.engine.read(key(), 8 * i, 8)) for i in range(2)]
+        go = asyncio.Event()
+
+        async def third() -> bytes:
+            await go.wait()
+            return await rig.engine.read(key(), 16, 8)
+
+        late = asyncio.ensure_future(third())
+        await settle()
+        go.set()  # the third caller runs before the first two resume (they are woken after it)
+        for i in range(2):
+            rig.complete(i, data=b"12345678")
+        assert rig.engine.operations.in_flight == 0 and rig.engine.operations._free_staging == []
+        assert await asyncio.gather(*first) == [b"12345678"] * 2
+        await settle()
+        assert len(rig.qp.posted) == 3
+        rig.complete(data=b"abcdefgh")
+        assert await asyncio.wait_for(late, 5) == b"abcdefgh"
+        assert sorted(rig.engine.operations._free_staging) == [0, 1] and rig.engine.ops == {}
+
+    arun(main())
+
+
 def test_cancelled_read_keeps_its_staging_until_the_completion(arun: Run) -> None:
     async def main() -> None:
         rig = Rig(max_ops=2)

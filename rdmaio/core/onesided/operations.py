@@ -346,6 +346,8 @@ class OperationEngine:
             data = bytes(op.buffer[:length])
             self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
             op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
             return data
         else:
             self.check_key(key, offset, length, ACCESS_READ)
@@ -466,6 +468,8 @@ class OperationEngine:
             assert op.staging is not None
             self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
             op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
             return
         else:
             view = memoryview(data)
@@ -542,6 +546,8 @@ class OperationEngine:
             old = _U64_AT(self._staging_view, op.staging * STAGING_SLOT)[0]
             self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
             op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
             return old
         self._check_atomic(key, offset)
         if not isinstance(add, int) or not -(1 << 63) <= add <= U64:
@@ -600,6 +606,8 @@ class OperationEngine:
             old = _U64_AT(self._staging_view, op.staging * STAGING_SLOT)[0]
             self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
             op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
             return old
         self._check_atomic(key, offset)
         for name, value in (("expected", expected), ("desired", desired)):
@@ -704,11 +712,21 @@ class OperationEngine:
     ) -> Op:
         """Wait for ``count`` op slots (at most ``max_ops`` work requests in flight: the send queue has
         room for that many), then give the op its local memory (a staging slot or a pooled large buffer,
-        unless ``staging`` is False)."""
+        unless ``staging`` is False). A staging slot stays taken until its op is released, which may be
+        after its completion gave its op slot back (the caller has not resumed yet): an op that needs one
+        also waits for a free staging slot."""
         self.raise_if_failed()
-        while self.in_flight + count > self.max_ops or self._slot_waiters:
+        # Needs a staging slot: ops that fit one (batches fit one by construction).
+        slot = staging and 0 < length <= STAGING_SLOT
+        woken = False
+        while (
+            self.in_flight + count > self.max_ops or (slot and not self._free_staging) or self._slot_waiters
+        ):
             waiter = self._io.waiter()
-            self._slot_waiters.append(waiter)
+            if woken:
+                self._slot_waiters.appendleft(waiter)  # woken first but no room yet: still first in line
+            else:
+                self._slot_waiters.append(waiter)
             try:
                 await waiter.wait()
             except BaseException:
@@ -718,8 +736,9 @@ class OperationEngine:
                     self._wake_slot_waiter()  # we were woken but give up: pass the wake-up on
                 raise
             self.raise_if_failed()
-            if self.in_flight + count <= self.max_ops:
+            if self.in_flight + count <= self.max_ops and (self._free_staging or not slot):
                 break
+            woken = True
         # Re-checked after the wait: a REVOKE may have arrived meanwhile.
         if key.key_id < self.revoked_ids.top and key.key_id in self.revoked_ids:
             self._wake_slot_waiter()
@@ -731,6 +750,8 @@ class OperationEngine:
         case, without the cost of awaiting :meth:`start`); None when the caller must await ``start``."""
         if self.in_flight >= self.max_ops or self._slot_waiters:
             return None
+        if 0 < length <= STAGING_SLOT and not self._free_staging:
+            return None  # every staging slot is held by a completed op its caller has not released yet
         self.raise_if_failed()
         return self._new_op(key.key_id, opcode, length, True, 1)
 
@@ -999,6 +1020,8 @@ class OperationEngine:
             data = bytes(self._staging_view[at : at + nbytes])
             self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
             op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
             return data
         op = await self.start(key, opcode, nbytes, count=count)
         self._last_poster = id(self._task())
@@ -1035,7 +1058,12 @@ class OperationEngine:
         if self.error is not None or self.closed:
             return
         credits = self._credits
-        while self._pending_sends and self.in_flight < self.max_ops and credits.can_take_slot():
+        while (
+            self._pending_sends
+            and self.in_flight < self.max_ops
+            and self._free_staging
+            and credits.can_take_slot()
+        ):
             payload = self._pending_sends.popleft()
             self.waiting_for_credit -= 1
             op = self._new_op(None, _WR_SEND, len(payload), True, 1)
@@ -1155,7 +1183,9 @@ class OperationEngine:
         self._wake_slot_waiter()
 
     def _wake_slot_waiter(self) -> None:
-        if self._slot_waiters and self.in_flight < self.max_ops:
+        # The first waiter, once it can go on: an op slot and a staging slot are free (a staging slot comes
+        # back when a completed op's caller releases it, which wakes the next waiter then).
+        if self._slot_waiters and self.in_flight < self.max_ops and self._free_staging:
             self._slot_waiters.popleft().set()
         if self._pending_sends:
             self.pump()
@@ -1165,6 +1195,8 @@ class OperationEngine:
         if op.staging is not None:
             self._free_staging.append(op.staging)
             op.staging = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # a caller or a control message may wait for a staging slot
         if op.pooled is not None:
             large, op.pooled = op.pooled, None
             if not self.closed and self._large_pooled + large.size <= _LARGE_POOL_BYTES:
