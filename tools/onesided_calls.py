@@ -23,6 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rdmaio.protocol.closestate import CloseState
 from rdmaio.testing.fakes import onesided_rig
 
 N = 2000
@@ -47,7 +48,8 @@ def _op(rig: Any, case: str) -> Callable[[], Awaitable[Any]]:
 
 async def measure(case: str, at_post: bool, max_ops: int = 16) -> dict[str, Any]:
     """Calls (rdmaio's, all) and CPU us per op of ``case``."""
-    rig = onesided_rig(max_ops=max_ops, complete_at_post=at_post, record=False)
+    # A Session's close state behind the credits, as on a connection.
+    rig = onesided_rig(max_ops=max_ops, complete_at_post=at_post, record=False, close_state=CloseState())
     op = _op(rig, case)
     for _ in range(50):  # warm up: staging registered, the task known as a serial caller
         await op()

@@ -1333,14 +1333,18 @@ class FakeSerialPort:
         self.polls_asked += 1
 
 
-def onesided_rig(*, max_ops: int = 16, complete_at_post: bool = True, record: bool = True) -> SimpleNamespace:
+def onesided_rig(
+    *, max_ops: int = 16, complete_at_post: bool = True, record: bool = True, close_state: Any = None
+) -> SimpleNamespace:
     """A :class:`~rdmaio.core.onesided.OneSidedEngine` on the running asyncio loop over a :class:`FakeQP`
     whose fake device completes every request at its post (``complete_at_post``: the completion is taken by
     the post's own poll) or one loop iteration later (through ``on_completion``, as a connection's handler
     delivers it). Batch waves always complete one iteration later. Returns ``engine``, ``qp``, ``port`` and
     a ``key`` granting everything on 4 KiB (for tools/onesided_calls.py and the call-count tests). Without
     ``record``, a single request completed at its post is not recorded (the port's call returns at once,
-    as cheap as a fake of the C call can be: for CPU figures)."""
+    as cheap as a fake of the C call can be: for CPU figures). With ``close_state`` (a
+    :class:`~rdmaio.protocol.closestate.CloseState`), the credits' ``flush_error`` is its own, as a
+    Session's is."""
     from rdmaio.core.backend import AsyncioBackend
     from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, OneSidedEngine, RemoteKey
 
@@ -1356,7 +1360,7 @@ def onesided_rig(*, max_ops: int = 16, complete_at_post: bool = True, record: bo
         can_take_slot=lambda: True,
         take_slot=lambda: None,
         on_slot_used=lambda: None,
-        flush_error=lambda: None,
+        flush_error=close_state.flush_error if close_state is not None else lambda: None,
     )
 
     def fail(exc: BaseException) -> None:

@@ -577,3 +577,37 @@ def test_deliver_during_a_dispatch_keeps_the_record_for_the_next_poll_in_order()
     d.close()
     assert d.deliver(cq, [Rec(rdmaio.verbs.make_wr_id(recv, tb, 3), 8)], key_b) is True
     assert d.statistics()["dropped"] >= 1
+
+
+def test_with_a_sessions_close_state_the_serial_call_reads_its_flags_instead_of_calling(arun: Run) -> None:
+    """A Session's flush_error is its CloseState's: the serial path reads wire_down/local_closed (no
+    call), and a close() started refuses the call exactly as flush_error() does."""
+    from rdmaio.protocol.closestate import CloseState
+
+    async def main() -> None:
+        state = CloseState()
+        rig = onesided_rig(complete_at_post=True, close_state=state)
+        engine = rig.engine
+        await engine.read(rig.key, 0, 8)
+        calls: collections.Counter[str] = collections.Counter()
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                calls[frame.f_code.co_name] += 1
+
+        sys.setprofile(hook)
+        try:
+            await engine.fetch_add(rig.key, 8, 1)
+        finally:
+            sys.setprofile(None)
+        assert calls["flush_error"] == 0 and calls["fetch_add"] == 1, calls
+        state.close()
+        assert state.flush_error() is not None
+        posted = len(rig.qp.posted)
+        with pytest.raises(rdmaio.RdmaError):
+            await engine.read(rig.key, 0, 8)
+        with pytest.raises(rdmaio.RdmaError):
+            await engine.fetch_add_many(rig.key, [0])
+        assert len(rig.qp.posted) == posted
+
+    arun(main())

@@ -39,6 +39,7 @@ from rdmaio.errors import (
     RemoteAccessRefusedError,
     RemoteKeyRevokedError,
 )
+from rdmaio.protocol.closestate import CloseState
 from rdmaio.verbs.native import ffi, lib
 
 __all__ = [
@@ -232,6 +233,11 @@ class OperationEngine:
             self._current_task = _c_current_task
         elif self._futures:
             self._tasks_by_loop = _TASKS_BY_LOOP
+        # The serial path asks whether the connection is closing by reading the two flags of the Session's
+        # close state behind credits.flush_error (flush_error() is None exactly while neither is set)
+        # instead of calling it; any other credits object is asked by the call.
+        state = getattr(credits.flush_error, "__self__", None)
+        self._close_state: CloseState | None = state if isinstance(state, CloseState) else None
         # Serial calls and batch waves completed at their post (no op, no Counter update: statistics()
         # adds them).
         self._done_at_post = 0
@@ -323,7 +329,11 @@ class OperationEngine:
                 if self._tasks_by_loop is None
                 else self._tasks_by_loop.get(_running_loop())
             )
-            and self._credits.flush_error() is None
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
         ):
             # The serial path (see _post): every check above is check_key's, raise_if_failed's and
             # _start_now's; a call that fails one takes the general path below, which raises.
@@ -446,7 +456,11 @@ class OperationEngine:
                 if self._tasks_by_loop is None
                 else self._tasks_by_loop.get(_running_loop())
             )
-            and self._credits.flush_error() is None
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
         ):
             # The serial path (see read()): the data is copied into staging before the post, as below.
             length = len(data)
@@ -524,7 +538,11 @@ class OperationEngine:
                 if self._tasks_by_loop is None
                 else self._tasks_by_loop.get(_running_loop())
             )
-            and self._credits.flush_error() is None
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
         ):
             # The serial path (see read()).
             at = self._free_staging[-1] * STAGING_SLOT
@@ -584,7 +602,11 @@ class OperationEngine:
                 if self._tasks_by_loop is None
                 else self._tasks_by_loop.get(_running_loop())
             )
-            and self._credits.flush_error() is None
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
         ):
             # The serial path (see read()).
             at = self._free_staging[-1] * STAGING_SLOT
@@ -996,7 +1018,11 @@ class OperationEngine:
                 if self._tasks_by_loop is None
                 else self._tasks_by_loop.get(_running_loop())
             )
-            and self._credits.flush_error() is None
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
         ):
             # The serial path (see read()): start()'s and raise_if_failed's checks above.
             at = self._free_staging[-1] * STAGING_SLOT
