@@ -134,7 +134,8 @@ class OneSidedEngine:
     bind on the connection's QP (None: the device has no windows), ``poll()`` polls the completion queue
     now (to free bind entries). ``max_revoked_ranges`` bounds the peer's revoked key ids kept.
     ``repost(slot)`` gives a receive held by write-notice back-pressure back to the NIC. ``port`` (a
-    :class:`~rdmaio.core.onesided.interfaces.SerialPort`) posts and polls a serial request in one C call.
+    :class:`~rdmaio.core.onesided.interfaces.SerialPort`, or ``make_port(wr_base)`` makes it) posts and
+    polls a serial request in one C call.
 
     A connection calls :attr:`pump` after a batch of completions only while
     ``operations.waiting_for_credit`` is not 0 (otherwise it has nothing to post).
@@ -164,10 +165,13 @@ class OneSidedEngine:
         notice_limit: int = 64,
         repost: Callable[[int], None] | None = None,
         port: SerialPort | None = None,
+        make_port: Callable[[int], SerialPort | None] | None = None,
     ) -> None:
         stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
         wr_base = verbs.make_wr_id(WR_KIND_ONESIDED, tag, 0)
+        if make_port is not None:
+            port = make_port(wr_base)
         indexes = itertools.count(1)  # ops and window binds share it: the index tells which
         revoked_ids = RevokedKeys(max_revoked_ranges)  # keys the peer revoked
         operations = OperationEngine(
@@ -291,7 +295,7 @@ class OneSidedEngine:
             peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
-            port=transport.onesided_port(verbs.make_wr_id(WR_KIND_ONESIDED, transport.tag or 0, 0)),
+            make_port=transport.onesided_port,
         )
 
     @property
