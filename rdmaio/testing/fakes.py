@@ -1334,7 +1334,12 @@ class FakeSerialPort:
 
 
 def onesided_rig(
-    *, max_ops: int = 16, complete_at_post: bool = True, record: bool = True, close_state: Any = None
+    *,
+    max_ops: int = 16,
+    complete_at_post: bool = True,
+    record: bool = True,
+    close_state: Any = None,
+    io: Any = None,
 ) -> SimpleNamespace:
     """A :class:`~rdmaio.core.onesided.OneSidedEngine` on the running asyncio loop over a :class:`FakeQP`
     whose fake device completes every request at its post (``complete_at_post``: the completion is taken by
@@ -1344,11 +1349,20 @@ def onesided_rig(
     ``record``, a single request completed at its post is not recorded (the port's call returns at once,
     as cheap as a fake of the C call can be: for CPU figures). With ``close_state`` (a
     :class:`~rdmaio.protocol.closestate.CloseState`), the credits' ``flush_error`` is its own, as a
-    Session's is."""
+    Session's is. ``io``: the loop backend (a TrioBackend under trio; the running asyncio loop's when None).
+    """
     from rdmaio.core.backend import AsyncioBackend
     from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, OneSidedEngine, RemoteKey
 
-    loop = asyncio.get_running_loop()
+    if io is None:
+        call_soon: Callable[..., Any] = asyncio.get_running_loop().call_soon
+        io = AsyncioBackend(asyncio.get_running_loop())
+    else:
+        backend = io
+
+        def call_soon(fn: Callable[..., None], *args: Any) -> Any:
+            return backend.call_soon(lambda: fn(*args))
+
     qp = FakeQP()
     port = FakeSerialPort(qp)
     if complete_at_post and not record:
@@ -1368,7 +1382,7 @@ def onesided_rig(
         rig.engine.close(exc)
 
     engine = OneSidedEngine(
-        AsyncioBackend(loop),
+        io,
         qp,
         credits,
         register_local=FakeRegion,
@@ -1386,7 +1400,7 @@ def onesided_rig(
     else:
 
         def complete_later(entry: dict[str, int]) -> int:
-            loop.call_soon(engine.on_completion, entry["wr_id"], 0)
+            call_soon(engine.on_completion, entry["wr_id"], 0)
             return verbs.POSTED
 
         port.at_post = complete_later
@@ -1394,7 +1408,7 @@ def onesided_rig(
 
     def post_batch_completed_later(wr_id: int, *args: Any, **arrays: Any) -> None:
         post_batch(wr_id, *args, **arrays)
-        loop.call_soon(engine.on_completion, wr_id, 0)
+        call_soon(engine.on_completion, wr_id, 0)
 
     qp.post_batch = post_batch_completed_later  # type: ignore[method-assign]
     original_post_rdma = qp.post_rdma
@@ -1403,7 +1417,7 @@ def onesided_rig(
         start = len(qp.posted)
         original_post_rdma(count)
         for entry in qp.posted[start:]:
-            loop.call_soon(engine.on_completion, entry["wr_id"], 0)
+            call_soon(engine.on_completion, entry["wr_id"], 0)
 
     qp.post_rdma = post_rdma_completed_later  # type: ignore[method-assign]
     rig.key = RemoteKey(0x10000, 0x77, 4096, ACCESS_READ | ACCESS_WRITE | ACCESS_ATOMIC, 1)

@@ -611,3 +611,37 @@ def test_with_a_sessions_close_state_the_serial_call_reads_its_flags_instead_of_
         assert len(rig.qp.posted) == posted
 
     arun(main())
+
+
+def test_the_serial_path_on_trio() -> None:
+    """On trio an op's waiter is the backend's (a trio.Event), the task is trio's: calls complete at their
+    post or later, and a cancelled call keeps its staging until its completion."""
+    import trio
+
+    from rdmaio.core.backend import TrioBackend
+
+    async def main() -> None:
+        io = TrioBackend()
+        rig = onesided_rig(complete_at_post=True, io=io)
+        engine, key, port = rig.engine, rig.key, rig.port
+        assert await engine.read(key, 0, 8) == bytes(8)  # the first: posted on its own, completed later
+        for _ in range(20):
+            assert await engine.fetch_add(key, 8, 1) == 0
+        assert engine.statistics()["rdma_completed_at_post"] == 20
+
+        def soon(wr: dict[str, int]) -> int:
+            io.call_soon(lambda: engine.on_completion(wr["wr_id"], 0))
+            return rdmaio.verbs.POSTED
+
+        port.at_post = soon  # completed one iteration later
+        with trio.fail_after(5):
+            assert await engine.read(key, 0, 8) == bytes(8)
+        port.at_post = lambda wr: rdmaio.verbs.POSTED  # nobody completes it until the test does
+        with trio.move_on_after(0.05) as scope:
+            await engine.read(key, 0, 8)
+        assert scope.cancelled_caught
+        assert len(engine.operations._free_staging) == engine.max_ops - 1  # the NIC may still write
+        engine.on_completion(rig.qp.posted[-1]["wr_id"], 0)
+        assert len(engine.operations._free_staging) == engine.max_ops and engine.ops == {}
+
+    trio.run(main)
