@@ -141,8 +141,6 @@ class Connection:
         self.onesided = OneSidedEngine.for_connection(self, transport, session, options)
         self.rndv = RendezvousEngine.for_connection(self, transport, options)  # zero-copy (None: not used)
         self.receiver.onesided = self.onesided
-        # Its queues waiting for a credit: pump() is called after a batch only when one is not empty.
-        self._onesided_sends, self._onesided_writes = self.onesided.credit_waiting
         self.receiver.rndv = self.rndv
         self.sender.rndv = self.rndv
         self._close_timer: Handle | None = None  # bounds a graceful close (Options.close_timeout)
@@ -275,11 +273,11 @@ class Connection:
                 # READ/WRITE/atomic completions free no send slot, bring no credit and no data: the sender
                 # and the reader have nothing new (a serial one-sided caller polls after every post, so
                 # this is its per-request path). What waits for a free op slot was woken by on_completion.
-                if self._onesided_sends or self._onesided_writes:
+                if self.onesided.operations.waiting_for_credit:
                     self.onesided.pump()
                 return
-            if self._onesided_sends or self._onesided_writes:
-                self.onesided.pump()  # one-sided: credits may have arrived for what waits for one
+            if self.onesided.operations.waiting_for_credit:  # else pump() has nothing to post
+                self.onesided.pump()  # one-sided: credits may have arrived
             self.sender.on_batch_end()
             if self.closing:
                 self.finish_close()  # a graceful close ends when its last send completes

@@ -112,14 +112,14 @@ def test_pump_runs_after_a_batch_only_while_something_waits_for_a_credit(
         await b.send(b"one")
         assert await a.recv() == b"one"
         assert pumped == []  # a batch came, nothing waited for a credit
-        # Something waits for a credit (a control message queued behind the credits): the next batch pumps.
-        control_messages, _writes = conn.onesided.credit_waiting
-        control_messages.append(b"")  # the engine posts nothing here: its real pump is not run below
+        # Something waits for a credit (the one-sided engine counts it): the next batch pumps.
+        ops = conn.onesided.operations
+        ops.waiting_for_credit += 1  # the engine posts nothing here: its real pump is not run below
         monkeypatch.setattr(conn.onesided, "pump", lambda: pumped.append(1))
         await b.send(b"two")
         assert await a.recv() == b"two"
         assert pumped  # pumped after the batch
-        control_messages.clear()
+        ops.waiting_for_credit -= 1
         count = len(pumped)
         await b.send(b"three")
         assert await a.recv() == b"three"
