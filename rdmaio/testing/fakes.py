@@ -337,7 +337,7 @@ def completion_array(records: Any) -> Any:
     completion handler: the C frame rules read it."""
     array = ffi.new("struct rdmaio_wc[]", max(len(records), 1))
     for i, record in enumerate(records):
-        array[i] = _wc_fields(record)
+        array[i] = record[0] if isinstance(record, ffi.CData) else _wc_fields(record)
     return array
 
 
@@ -841,18 +841,20 @@ def wire(sender: FakeTransport, receiver: FakeTransport) -> Callable[[Chain], No
     send_opcode = int(verbs.WcOpcode.SEND)
 
     def deliver(chain: Chain) -> None:
-        recvs = []
+        recvs: list[tuple[int, ...]] = []
         sends = []
         for wr_id, data, imm, flags in chain:
             slot = receiver.posted.popleft()  # credits guarantee one is posted (no RNR)
             receiver.recv_ring.view[slot * slot_size : slot * slot_size + len(data)] = data
             recv_id = verbs.make_wr_id(verbs.WR_KIND_RECV, receiver.tag, slot)
-            recvs.append(fake_completion(recv_id, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
+            # struct rdmaio_wc fields in order: wr_id, status, opcode, byte_len, imm_data, flags, ...
+            recvs.append((recv_id, 0, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
             if flags & verbs.SEND_SIGNALED:
                 sends.append(fake_completion(wr_id, send_opcode))
         assert receiver.handler is not None and sender.handler is not None
         if not receiver.closed:
-            receiver.handler(completion_array(recvs), 0, len(recvs))  # one array, as a poll fills
+            # one struct rdmaio_wc array, as a poll fills: the C frame rules read it
+            receiver.handler(ffi.new("struct rdmaio_wc[]", recvs), 0, len(recvs))
         if sends and not sender.closed:
             sender.handler(sends, 0, len(sends))
 
