@@ -264,6 +264,7 @@ int64_t rdmaio_session_take_batch(struct rdmaio_session *s, int64_t nbytes, int6
 int64_t rdmaio_session_take_credit(struct rdmaio_session *s);
 int rdmaio_session_credit_frame_due(const struct rdmaio_session *s);
 int rdmaio_session_can_send_data(const struct rdmaio_session *s);
+int rdmaio_session_eof_pending(const struct rdmaio_session *s);
 int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_take_slot(struct rdmaio_session *s);

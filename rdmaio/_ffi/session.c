@@ -160,6 +160,13 @@ int rdmaio_session_can_send_data(const struct rdmaio_session *s)
     return s->send_credits >= 2 && !(s->eof_sent || s->wire_down);
 }
 
+int rdmaio_session_eof_pending(const struct rdmaio_session *s)
+{
+    if (!s->fast)
+        return -1;
+    return s->eof_due && !s->wire_down;
+}
+
 int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n)
 {
     if (!s->fast || n < 0 || s->posted + n > s->recv_depth)

@@ -84,9 +84,10 @@ int64_t rdmaio_session_take_data(struct rdmaio_session *s, int last, int64_t nby
 int64_t rdmaio_session_take_batch(struct rdmaio_session *s, int64_t nbytes, int64_t messages);
 /* Session.take_credit_frame(): the immediate value, or -1 (defer). */
 int64_t rdmaio_session_take_credit(struct rdmaio_session *s);
-/* Session.credit_frame_due() / can_send_data(): 1 or 0, or -1 (defer: not fast). */
+/* Session.credit_frame_due() / can_send_data() / eof_pending(): 1 or 0, or -1 (defer: not fast). */
 int rdmaio_session_credit_frame_due(const struct rdmaio_session *s);
 int rdmaio_session_can_send_data(const struct rdmaio_session *s);
+int rdmaio_session_eof_pending(const struct rdmaio_session *s);
 /* Session.on_recv_reposted(n), grow_receives(n), take_slot(): 0, or -1 (defer). */
 int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);

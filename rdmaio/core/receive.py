@@ -17,7 +17,9 @@ placeholders until pulled by :mod:`rdmaio.core.rendezvous`.
 completion records (``wr_id``, ``status``, ``opcode``, ``byte_len``, ``imm_data``, ``flags``) of one
 connection's group, the receive ring's memory, the session's credit counters and the receive buffer; it
 copies each frame out of its slot (one copy), re-posts the slots in one chained post and wakes the reader.
-A fast path can replace it without changing the connection that calls it.
+The frame rules themselves run in C on the session's C state (``rdmaio_rx_frames`` in
+rdmaio/_ffi/session.c); what C leaves (EOF, RNDV, one-sided receives, extension frames, violations) goes to
+the Python :class:`~rdmaio.protocol.Session`, in CQ order.
 """
 
 from __future__ import annotations

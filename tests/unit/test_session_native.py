@@ -76,6 +76,10 @@ class NativeSession(Session):
         can = lib.rdmaio_session_can_send_data(self._s)
         return bool(can) if can >= 0 else super().can_send_data()
 
+    def eof_pending(self) -> bool:
+        pending = lib.rdmaio_session_eof_pending(self._s)
+        return bool(pending) if pending >= 0 else super().eof_pending()
+
     def on_recv_reposted(self, n: int) -> None:
         if lib.rdmaio_session_reposted(self._s, n):
             super().on_recv_reposted(n)
@@ -121,6 +125,7 @@ def test_the_core_makes_its_sessions_on_a_c_state_and_a_shared_session_is_not_fa
     assert lib.rdmaio_session_on_frame(s, peer.take_data_frame(True, 1), 1) == 0
     assert lib.rdmaio_session_take_data(s, 1, 1) == -1
     assert lib.rdmaio_session_can_send_data(s) == -1 and lib.rdmaio_session_credit_frame_due(s) == -1
+    assert lib.rdmaio_session_eof_pending(s) == -1
     assert lib.rdmaio_session_reposted(s, 0) == -1 and lib.rdmaio_session_take_slot(s) == -1
     before = fields(shared)
     records = _records([(0, peer.take_data_frame(True, 1), 1)])
@@ -242,6 +247,7 @@ _OPS = st.lists(
         st.tuples(st.just("take_credit")),
         st.tuples(st.just("credit_due")),
         st.tuples(st.just("can_send")),
+        st.tuples(st.just("eof_pending")),
         st.tuples(st.just("reposted"), _N),
         st.tuples(st.just("grow"), _N),
         st.tuples(st.just("take_slot")),
@@ -366,6 +372,8 @@ def _apply(session: Session, peer: Session, op: tuple[Any, ...], native: bool) -
         return _outcome(session.credit_frame_due)
     if name == "can_send":
         return _outcome(session.can_send_data)
+    if name == "eof_pending":
+        return _outcome(session.eof_pending)
     if name == "reposted":
         return _outcome(lambda: session.on_recv_reposted(op[1]))
     if name == "grow":
@@ -510,7 +518,7 @@ def _random_op(rnd: random.Random, s: Session) -> tuple[Any, ...]:
     if r < 0.68:
         return ("take_credit",)
     if r < 0.74:
-        return ("credit_due",) if rnd.random() < 0.5 else ("can_send",)
+        return (rnd.choice(["credit_due", "can_send", "eof_pending"]),)
     if r < 0.88:
         unposted = int(s.rules_state.recv_depth - s.rules_state.posted)
         return ("reposted", rnd.choice([unposted, min(1, unposted), min(2, unposted), 0, -1, unposted + 1]))
