@@ -29,6 +29,7 @@ from rdmaio.protocol import (
     Handshake,
     Session,
 )
+from rdmaio.protocol.frames import pack_batch_into
 from rdmaio.protocol.reclaim import ReclaimSession
 from rdmaio.protocol.sessionstate import STATE_FIELDS, SessionState
 from rdmaio.protocol.shared_session import SharedSession
@@ -561,3 +562,99 @@ def test_c_rules_match_the_python_session_on_long_random_runs(seed: int) -> None
         assert got == expected, (step, op)
         assert fields(native) == fields(reference), (step, op)
         assert native.state == reference.state and native.statistics() == reference.statistics(), (step, op)
+
+
+# -- the receiver on a C state ----------------------------------------------------------------------------
+
+
+class _Slots:
+    """The transport's receive side: records every chained re-post; grows by what is asked."""
+
+    slot_size = 64
+
+    def __init__(self) -> None:
+        self.posts: list[list[int]] = []
+        self.grown = 0
+
+    def post_receives(self, slots: list[int]) -> None:
+        self.posts.append(list(slots))
+
+    def grow_receives(self, n: int) -> int:
+        self.grown += n
+        return n
+
+
+def _receiver(session: Session) -> tuple[Any, _Slots, memoryview]:
+    import collections
+    from types import SimpleNamespace
+
+    import rdmaio
+    from rdmaio.core.receive import Receiver
+
+    ring = memoryview(bytearray(64 * 32))
+    slots = _Slots()
+    receiver = Receiver(
+        session,
+        slots,
+        ring,
+        io=SimpleNamespace(),  # type: ignore[arg-type]  # on_batch never reaches the loop
+        options=rdmaio.Options(),
+        stats=collections.Counter(),
+        stage=lambda: None,
+    )
+    return receiver, slots, ring
+
+
+def test_the_receiver_applies_common_frames_in_c_and_the_rest_through_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hs = Handshake(16, 64, 1 << 20, features=FEATURE_BATCH | FEATURE_GROW, initial_depth=4)
+    results = []
+    for make in (lambda: Session(hs, hs), lambda: new_session(hs, hs, _Transport(None))):
+        calls: list[tuple[Session, int]] = []
+        original = Session.on_frame
+
+        def counting(
+            self: Session,
+            imm: int,
+            byte_len: int,
+            original: Any = original,
+            calls: list[tuple[Session, int]] = calls,
+        ) -> FrameKind:
+            calls.append((self, imm >> 28))
+            return original(self, imm, byte_len)
+
+        monkeypatch.setattr(Session, "on_frame", counting)
+        session = make()
+        receiver, slots, ring = _receiver(session)
+        peer = Session(hs, hs)
+        ring[0:5] = b"hello"
+        ring[64:67] = b"abc"
+        n = pack_batch_into(ring, 128, [b"x", b"yz"])
+        rows = [
+            (0, peer.take_data_frame(False, 5), 5),
+            (1, peer.take_data_frame(True, 3), 3),
+            (2, peer.take_batch_frame(n, 2), n),
+        ]
+        receiver.on_batch(_records(rows), 0, 3)  # half the window of data frames: it grows
+        peer.on_frame(session.take_credit_frame(), 0)  # the reposted and new slots, granted
+        rows = [(3, peer.take_eof_frame(), 0)]
+        receiver.on_batch([SimpleRecord(verbs.make_wr_id(verbs.WR_KIND_RECV, 1, 3), rows[0][1])], 0, 1)
+        monkeypatch.setattr(Session, "on_frame", original)
+        messages = [receiver.rxbuf.pop_message() for _ in range(3)]
+        mine = [kind for who, kind in calls if who is session]
+        results.append((messages, slots.posts, slots.grown, fields(session), session.peer_eof, mine))
+    python, native = results
+    assert python[0] == native[0] == [b"helloabc", b"x", b"yz"]
+    assert python[1:5] == native[1:5]  # same posts, growth, state fields and EOF
+    assert python[2] == 4 and python[4]
+    assert python[5] == [1, 2, 5, 4]  # the Python Session saw every frame
+    assert native[5] == [4]  # on a C state only EOF reached it (a record list was copied into an array)
+
+
+class SimpleRecord:
+    """A completion record that is not a struct rdmaio_wc (as some callers build them)."""
+
+    def __init__(self, wr_id: int, imm: int) -> None:
+        self.wr_id, self.status, self.opcode, self.byte_len = wr_id, 0, _RECV, 0
+        self.imm_data, self.flags, self.vendor_err = imm, _WITH_IMM, 0
