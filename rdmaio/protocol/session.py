@@ -2,10 +2,13 @@
 accounting, frame validation and the one-sided credit hooks, with its close state as an object.
 
 A Session is one object on the per-frame path: what we send (credits taken and granted, imm values) and
-what we receive (frames validated and counted, receives reposted and grown) work on the same plain
-attributes, so that :meth:`Session.take_data_frame`, :meth:`Session.on_frame`,
-:meth:`Session.on_recv_reposted`, :meth:`Session.can_send_data` and :meth:`Session.credit_frame_due` make
-no call of their own. The close state machine is a :class:`~rdmaio.protocol.closestate.CloseState` the
+what we receive (frames validated and counted, receives reposted and grown) work on the fields of one
+state object (:mod:`rdmaio.protocol.sessionstate`), so that :meth:`Session.take_data_frame`,
+:meth:`Session.on_frame`, :meth:`Session.on_recv_reposted`, :meth:`Session.can_send_data` and
+:meth:`Session.credit_frame_due` make no call of their own. The core gives its sessions a C struct as that
+object and applies these hot rules to it in C (rdmaio/_ffi/session.c): this class is the reference model
+of those ports, and what they leave (every error, EOF, RNDV, extension frames) it applies itself. The
+close state machine is a :class:`~rdmaio.protocol.closestate.CloseState` the
 Session holds and tells every close event (:meth:`Session.close`, :meth:`Session.abort`, ...); its
 answers (:meth:`~rdmaio.protocol.closestate.CloseState.send_error`, ``flush_error``, ``recv_outcome``)
 are bound to the Session once.
