@@ -401,7 +401,7 @@ def new_session(local: Handshake, peer: Handshake, transport: OnSharedQueue) -> 
     :class:`~rdmaio.protocol.sessionstate.SessionState`): the receiver applies the hot frame rules to it in
     C (:meth:`rdmaio.core.receive.Receiver.on_batch`), and the session's own methods work on the same
     fields. A :class:`SharedSession` marks it not fast, so its frames all go through its methods."""
-    state = new_session_state()
+    state = ffi.new("struct rdmaio_session *")  # new_session_state(), inlined: no call per connection
     member = transport.shared
     if member is not None:
         pool = member.pool

@@ -86,6 +86,7 @@ class Session:
         "_s",
         "flush_error",
         "recv_outcome",
+        "rules_state",
         "send_error",
     )
 
@@ -98,6 +99,10 @@ class Session:
     #: What a read that finds no buffered data gets: None, :data:`EOF` or an exception
     #: (:meth:`CloseState.recv_outcome`).
     recv_outcome: Callable[[], BaseException | EOFType | None]
+    #: The state object this Session's rules work on (a :class:`SessionState`, or the object the I/O layer
+    #: injected with ``state=``): another implementation of the rules may work on it too. (An attribute,
+    #: not a property: the core reads it once per connection, at no call.)
+    rules_state: SessionState
     _s: SessionState
 
     def __init__(
@@ -124,7 +129,7 @@ class Session:
         self._peer = peer
         # Every per-frame counter lives in one state object: a SessionState, or the object the I/O layer
         # injected (a C struct with the same fields, which C functions apply the hot rules to).
-        s = self._s = SessionState() if state is None else state
+        s = self._s = self.rules_state = SessionState() if state is None else state
         s.default_threshold = default_threshold
         # Handshake fields the hot path reads, copied to avoid a second attribute lookup per frame.
         # recv_depth is the receives we have added so far (posted or consumed by frames in flight);
@@ -185,12 +190,6 @@ class Session:
         )
 
     # -- properties ---------------------------------------------------------------------------------------
-
-    @property
-    def rules_state(self) -> SessionState:
-        """The state object this Session's rules work on (a :class:`SessionState`, or the object the I/O
-        layer injected with ``state=``): another implementation of the rules may work on it too."""
-        return self._s
 
     @property
     def local(self) -> Handshake:
