@@ -17,7 +17,9 @@ placeholders until pulled by :mod:`rdmaio.core.rendezvous`.
 completion records (``wr_id``, ``status``, ``opcode``, ``byte_len``, ``imm_data``, ``flags``) of one
 connection's group, the receive ring's memory, the session's credit counters and the receive buffer; it
 copies each frame out of its slot (one copy), re-posts the slots in one chained post and wakes the reader.
-A fast path can replace it without changing the connection that calls it.
+The frame rules themselves run in C on the session's C state (``rdmaio_rx_frames`` in
+rdmaio/_ffi/session.c); what C leaves (EOF, RNDV, one-sided receives, extension frames, violations) goes to
+the Python :class:`~rdmaio.protocol.Session`, in CQ order.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from rdmaio.protocol import EOF, FrameKind, Session
 from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
 from rdmaio.verbs import WR_INDEX_MASK
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every wait: no call
+from rdmaio.verbs.native import ffi, lib
 
 __all__ = ["OneSidedReceives", "Receiver", "RendezvousReceives", "SlotPoster"]
 
@@ -48,6 +51,24 @@ _EOF = FrameKind.EOF
 _RNDV = FrameKind.RNDV  # zero-copy: a rendezvous descriptor, handled by rdmaio.core.rendezvous
 _RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided: a write notice
 _WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided: a receive without it is a control message
+# The session rules in C (rdmaio/_ffi/session.c), bound once: each is one C call, no Python frame.
+_CDATA = ffi.CData
+_rx_frames = lib.rdmaio_rx_frames
+_reposted = lib.rdmaio_session_reposted
+_grow = lib.rdmaio_session_grow
+_RX_DEFER = lib.RDMAIO_RX_DEFER
+_RX_FRAMES = 256  # frames one rdmaio_rx_frames call describes at most (it is called again for more)
+_WC_FIELDS = ("wr_id", "status", "opcode", "byte_len", "imm_data", "flags", "vendor_err", "qp_num")
+
+
+def _wc_array(records: Any, start: int, count: int) -> Any:
+    """``records[start:start + count]`` copied into a ``struct rdmaio_wc`` array (records that are not one
+    already, e.g. built one by one): what the C frame rules read."""
+    array = ffi.new("struct rdmaio_wc[]", max(count, 1))
+    for k in range(count):
+        wc = records[start + k]
+        array[k] = {name: int(getattr(wc, name, 0)) for name in _WC_FIELDS}
+    return array
 
 
 class SlotPoster(Protocol):
@@ -127,13 +148,26 @@ class Receiver:
         # Python call but io.one_shot()); None when no read waits or it was woken.
         self._waiter: OneShot | None = None
         self.stopped = False  # torn down: nothing is re-posted any more, reads raise
+        # The session's state: a C struct the hot rules run on in C (native), unless the session is not
+        # fast (its methods must see every frame) or its state is a Python object (C cannot read it).
+        state = self._state = session.rules_state
+        self._native: Any = state if isinstance(state, _CDATA) and state.fast else None
+        self._frames = ffi.new("struct rdmaio_rx_frame[]", _RX_FRAMES)  # what C applied, per frame
+        self._consumed = ffi.new("int *")
+        self._stop = ffi.new("int *")
 
     # --- completions (the connection hands each batch's receives here) ------------------------------
 
     def on_batch(self, records: Any, start: int, count: int) -> None:
         """Process the successful receive completions among ``records[start:start + count]`` (others are
         the connection's): each frame to the buffer or its engine, then re-post the slots not held (one
-        chained post), grow the window when the peer is credit-bound, and wake the reader."""
+        chained post), grow the window when the peer is credit-bound, and wake the reader.
+
+        With a C session state, the frame rules run in C over the run of records
+        (``rdmaio_rx_frames``), which stops at the first record it leaves to the session's Python methods
+        (a one-sided receive, EOF, RNDV, an extension's frame, any frame that breaks a rule): that one is
+        handled here, then C goes on with the rest, so the frames are applied in CQ order. ``records`` is
+        the poll's ``struct rdmaio_wc`` array; any other sequence of records is copied into one first."""
         repost: list[int] = []
         got_data = False
         data_frames = 0
@@ -143,61 +177,90 @@ class Receiver:
         recv_view = self._recv_view
         slot_size = self._slot_size
         big_frame = self._big_frame
-        for i in range(start, start + count):
-            wc = records[i]
-            if wc.status or not wc.opcode & _RECV_FLAG:
-                continue
-            slot = wc.wr_id & WR_INDEX_MASK
-            length = wc.byte_len
-            off = slot * slot_size
-            if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided
-                assert self.onesided is not None
-                if self.onesided.on_recv(wc.opcode, wc.imm_data, length, recv_view[off : off + length], slot):
-                    repost.append(slot)  # else held: write-notice back-pressure
-                continue
-            kind = session.on_frame(wc.imm_data, length)
-            if length >= big_frame:
-                self._big_frames += 1
-            if kind == _DATA_END:
-                data = rxbuf.add_message(bytes(recv_view[off : off + length]))
-                stats["messages_received"] += 1
-                stats["bytes_received"] += len(data)
-                got_data = True
-            elif kind == _DATA_BATCH:
-                messages = session.on_batch(recv_view[off : off + length])
-                size = rxbuf.add_messages(messages)
-                stats["messages_received"] += len(messages)
-                stats["bytes_received"] += size
-                got_data = True
-            elif kind == _DATA_MORE:
-                rxbuf.add_fragment(bytes(recv_view[off : off + length]))
-            elif kind == _RNDV:  # zero-copy: a placeholder now, the data is pulled later
-                assert self.rndv is not None  # on_frame refuses RNDV frames unless negotiated
-                self.rndv.on_request(recv_view[off : off + length])
-                # The announced bytes count against the limit: past it the slot is held as a data frame's
-                # is, so a peer cannot queue announcements faster than the application reads.
-                if rxbuf.admit(slot):
-                    repost.append(slot)
-                got_data = True
-                continue
+        native = self._native
+        if native is not None and not isinstance(records, _CDATA):
+            records, start = _wc_array(records, start, count), 0
+        frames = self._frames
+        consumed = self._consumed
+        stop = self._stop
+        i = start
+        end = start + count
+        while i < end:
+            if native is not None:
+                # C applies the frames it can (state changed in C), up to the first it must leave to us.
+                n = _rx_frames(native, records, i, end - i, frames, _RX_FRAMES, consumed, stop)
+                i += consumed[0]
+                python = stop[0] == _RX_DEFER  # records[i]: the session's Python methods apply it
             else:
-                # CREDIT and EOF carry no payload and never hold their slot: holding it would
-                # withhold the credit the peer needs to keep granting ours (two-way liveness).
-                repost.append(slot)
-                if kind == _EOF:
+                n = 0
+                python = True
+            for j in range(n + python):
+                if j < n:
+                    frame = frames[j]
+                    kind = frame.kind
+                    slot = frame.slot
+                    length = frame.length
+                    off = slot * slot_size
+                else:
+                    wc = records[i]
+                    i += 1
+                    if wc.status or not wc.opcode & _RECV_FLAG:
+                        continue
+                    slot = wc.wr_id & WR_INDEX_MASK
+                    length = wc.byte_len
+                    off = slot * slot_size
+                    if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided
+                        assert self.onesided is not None
+                        if self.onesided.on_recv(
+                            wc.opcode, wc.imm_data, length, recv_view[off : off + length], slot
+                        ):
+                            repost.append(slot)  # else held: write-notice back-pressure
+                        continue
+                    kind = session.on_frame(wc.imm_data, length)
+                if length >= big_frame:
+                    self._big_frames += 1
+                if kind == _DATA_END:
+                    data = rxbuf.add_message(bytes(recv_view[off : off + length]))
+                    stats["messages_received"] += 1
+                    stats["bytes_received"] += len(data)
                     got_data = True
-                continue
-            data_frames += 1
-            if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
-                repost.append(slot)
+                elif kind == _DATA_BATCH:
+                    messages = session.on_batch(recv_view[off : off + length])
+                    size = rxbuf.add_messages(messages)
+                    stats["messages_received"] += len(messages)
+                    stats["bytes_received"] += size
+                    got_data = True
+                elif kind == _DATA_MORE:
+                    rxbuf.add_fragment(bytes(recv_view[off : off + length]))
+                elif kind == _RNDV:  # zero-copy: a placeholder now, the data is pulled later
+                    assert self.rndv is not None  # on_frame refuses RNDV frames unless negotiated
+                    self.rndv.on_request(recv_view[off : off + length])
+                    # The announced bytes count against the limit: past it the slot is held as a data
+                    # frame's is, so a peer cannot queue announcements faster than the application reads.
+                    if rxbuf.admit(slot):
+                        repost.append(slot)
+                    got_data = True
+                    continue
+                else:
+                    # CREDIT and EOF carry no payload and never hold their slot: holding it would
+                    # withhold the credit the peer needs to keep granting ours (two-way liveness).
+                    repost.append(slot)
+                    if kind == _EOF:
+                        got_data = True
+                    continue
+                data_frames += 1
+                if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
+                    repost.append(slot)
         if repost:
             self._transport.post_receives(repost)
-            session.on_recv_reposted(len(repost))
+            if native is None or _reposted(native, len(repost)):
+                session.on_recv_reposted(len(repost))  # the Python rule (or its error)
+        state = self._state  # the session's own fields: no property call
         if (
             data_frames
-            and session.can_grow
+            and state.recv_max > state.recv_depth
             and not rxbuf.held
-            and (data_frames > session.credit_threshold or self._big_frames >= 2 * session.recv_depth)
+            and (data_frames > state.threshold or self._big_frames >= 2 * state.recv_depth)
         ):
             self._grow_receives()
         if got_data:
@@ -212,9 +275,11 @@ class Receiver:
         request/reply connection keeps its small window. Not while slots are held: then the application, not
         the window, is the limit."""
         self._big_frames = 0
-        added = self._transport.grow_receives(max(self.session.recv_depth, 1))
+        added = self._transport.grow_receives(max(self._state.recv_depth, 1))
         if added:
-            self.session.grow_receives(added)
+            native = self._native
+            if native is None or _grow(native, added):
+                self.session.grow_receives(added)
             self._stats["recv_ring_grown"] += 1
 
     # --- re-posting ---------------------------------------------------------------------------------
@@ -224,7 +289,9 @@ class Receiver:
         slots = self._rxbuf.releasable()
         if slots and not self.stopped:
             self._transport.post_receives(slots)
-            self.session.on_recv_reposted(len(slots))
+            native = self._native
+            if native is None or _reposted(native, len(slots)):
+                self.session.on_recv_reposted(len(slots))
             self._stage()
 
     def repost(self, slot: int) -> None:
@@ -232,7 +299,9 @@ class Receiver:
         engine's back-pressure); its credit is granted."""
         if not self.stopped:
             self._transport.post_receives([slot])
-            self.session.on_recv_reposted(1)
+            native = self._native
+            if native is None or _reposted(native, 1):
+                self.session.on_recv_reposted(1)
             self._stage()
 
     # --- waiting ------------------------------------------------------------------------------------
