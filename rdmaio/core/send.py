@@ -8,16 +8,27 @@ the CREDIT/RETURN/RECLAIM frames are taken from the session when due. Nobody els
 
 Posting. :meth:`Sender.transmit` runs after every input - a send call that can go at once, a completion batch
 (:meth:`Sender.on_batch_end`), the end-of-iteration flush of coalesced writes - as aioquic's asyncio
-protocol calls ``transmit()`` after every input: it stages what credits and send slots allow (copies queued
-frames into registered send slots, or inline into the work request, and fills the work requests) and posts
+protocol calls ``transmit()`` after every input: it stages what credits and send slots allow and posts
 everything staged with one chained ``ibv_post_send``. A write that must free the caller's buffer at once
 stages at once (:meth:`Sender.stage`) and leaves the post to one ``transmit()`` at the end of the loop
 iteration: one doorbell for every frame of the iteration (on rxe a system call per post).
 
+The send ring is C (``rdmaio/_ffi/txring.c``, one ``struct rdmaio_txring`` per sender): the free-slot
+stack, the entries in flight, the signalling counters and the inline scratch area live there. Staging a
+frame is the session's take (its immediate value, in Python) and then one C call,
+``rdmaio_txring_stage``: it copies the frame into a free send slot or the inline scratch area of its
+send-array entry, fills the work request (wr_id, address, length, key, immediate value, opcode, the
+selective signal) and puts it in flight. The EOF and CREDIT/RETURN/RECLAIM frames are one
+``rdmaio_txring_stage_empty`` each; before the post ``rdmaio_txring_finish`` signals the chain's last
+request when the chain leaves the sender short of slots or send-queue entries; a signalled completion is
+``rdmaio_txring_complete`` (release everything up to it). The sender checks room (a send-queue entry, a
+slot for a long frame, growing the ring) before the take, so the C call never refuses a frame it took. The
+post itself stays ``self._qp.post_sends(count)``: the queue pair's send array is the C ring's output.
+
 **The seam for C.** :meth:`Sender.transmit` is the whole per-post work with plain inputs: the queue's
-``txq`` (``(bytes, kind)`` entries), the session's credit counters, the free slot list, the in-flight
-deque, the slot ring's memory and the send array of the queue pair. A fast path can replace it, and
-:meth:`on_send_completion` (release the slots up to a signalled wr_id), without changing any caller.
+``txq`` (``(bytes, kind)`` entries), the session's credit counters, the C send ring and the send array of
+the queue pair. A fast path can replace it, and :meth:`on_send_completion` (release the slots up to a
+signalled wr_id), without changing any caller.
 
 Work requests: ``wr_id`` is ``make_wr_id(WR_KIND_SEND, tag, slot)`` (layout in :mod:`rdmaio.verbs`; the
 tag routes the completion to this connection through the domain's shared CQ). A send slot is reused only
