@@ -134,7 +134,8 @@ class SendArray(Protocol):
 
     @property
     def send_array(self) -> Any:
-        """``struct rdmaio_send[]`` scratch entries (``wr_id``, ``addr``, ``length``, ``lkey``, ...)."""
+        """A cffi ``struct rdmaio_send[]`` (``wr_id``, ``addr``, ``length``, ``lkey``, ...): the C send ring
+        fills its entries, so it must be that C array, not a stand-in."""
 
     def post_sends(self, count: int) -> None:
         """Post the first ``count`` entries of :attr:`send_array` as one chain."""
