@@ -29,12 +29,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rdmaio import verbs
-from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.backend import Backend, OneShot
 from rdmaio.core.send import check_fork
 from rdmaio.errors import EndpointClosedError
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
-from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
 from rdmaio.verbs import WR_INDEX_MASK
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every wait: no call
 
@@ -123,7 +123,9 @@ class Receiver:
         self._slot_size = transport.slot_size
         self._big_frame = transport.slot_size // 2  # frames at least this long count towards growth
         self._big_frames = 0  # such frames received since the receive window last grew
-        self._waiter: Waiter | None = None
+        # The read call's wake-up while it waits (on asyncio a future: made, woken and tested without a
+        # Python call but io.one_shot()); None when no read waits or it was woken.
+        self._waiter: OneShot | None = None
         self.stopped = False  # torn down: nothing is re-posted any more, reads raise
 
     # --- completions (the connection hands each batch's receives here) ------------------------------
@@ -240,7 +242,8 @@ class Receiver:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            waiter.set()
+            if not waiter.done():  # done: its task was cancelled (asyncio) and has not cleaned up yet
+                waiter.set_result(None)
 
     def stop(self) -> None:
         """The connection is torn down: re-post nothing more; the waiting read call wakes and raises."""
@@ -252,7 +255,11 @@ class Receiver:
     def recv_nowait(self) -> bytes | None:
         """The next message if one is here and needs no pulling, else None (nothing taken)."""
         rxbuf = self._rxbuf
-        if not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes)):
+        messages = rxbuf.messages
+        # Fast test, no call: a head that is not a placeholder is a complete message to pop as it is.
+        if (not messages or isinstance(messages[0], Placeholder)) and (
+            not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes))
+        ):
             return None
         data = rxbuf.pop_message()
         if rxbuf.held or rxbuf.pending:
@@ -260,17 +267,52 @@ class Receiver:
         return data
 
     async def recv(self) -> bytes | None:
-        """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`)."""
+        """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`).
+
+        The hot path of a request/reply connection: one coroutine (this one) with the wait of
+        :meth:`_wait_more` inline, and the buffer's fast test (a complete message at the head) made on its
+        attributes, without a call."""
         rxbuf = self._rxbuf
-        while True:
-            while not rxbuf.has_message():
-                if not await self._wait_more():
-                    return None
-            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
-                break
-            assert self.rndv is not None
-            await self.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
-        data = rxbuf.pop_message()
+        messages = rxbuf.messages
+        while not messages or isinstance(messages[0], Placeholder):
+            if messages and rxbuf.has_message():  # a placeholder at the head (settled ones are replaced now)
+                if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                    break
+                assert self.rndv is not None
+                await self.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
+                continue
+            # Nothing to read: wait for more (as _wait_more(), inline; keep the two the same).
+            if self._generation != _fork_state._generation:
+                check_fork(self._generation)
+            outcome = self.session.recv_outcome()
+            if outcome is EOF:
+                return None
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if self.stopped:
+                raise EndpointClosedError("endpoint is closed")
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                raise RuntimeError("another task is already waiting to read from this endpoint")
+            waiter = self._waiter = self.io.one_shot()
+            rxbuf.reader_waiting = True
+            if rxbuf.held:
+                self.repost_released()
+            try:
+                await waiter
+            finally:
+                rxbuf.reader_waiting = False
+                if self._waiter is waiter:
+                    self._waiter = None
+        # The head is a complete message now (bytes).
+        if rxbuf.offset:
+            data = rxbuf.pop_message()  # the rest of a message a stream read began
+        else:
+            # pop_message(), inline (as ReceiveBuffer's docstring allows): take it whole, count it read.
+            data = messages.popleft()  # type: ignore[assignment]
+            size = len(data)
+            rxbuf.unread -= size
+            rxbuf.ready -= size
         if rxbuf.held or rxbuf.pending:
             self._after_read()
         return data
@@ -278,17 +320,20 @@ class Receiver:
     async def recv_into(self, target: memoryview) -> int:
         """The next message copied (or READ) into ``target`` (:meth:`rdmaio.Endpoint.recv_into`)."""
         rxbuf = self._rxbuf
-        while True:
-            while not rxbuf.has_message():
-                if not await self._wait_more():
-                    return 0
-            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
-                break
-            assert self.rndv is not None
-            n = await self.rndv.take_head(target)  # zero-copy: READ straight into target
-            if n is not None:
-                self._after_read()
-                return n
+        messages = rxbuf.messages
+        # As recv(): the buffer's fast test first (a complete message at the head), no call.
+        while not messages or isinstance(messages[0], Placeholder):
+            if messages and rxbuf.has_message():  # a placeholder at the head (settled ones are replaced now)
+                if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                    break
+                assert self.rndv is not None
+                n = await self.rndv.take_head(target)  # zero-copy: READ straight into target
+                if n is not None:
+                    self._after_read()
+                    return n
+                continue
+            if not await self._wait_more():
+                return 0
         n = rxbuf.read_message_into(target)
         self._after_read()
         return n
@@ -306,16 +351,16 @@ class Receiver:
             raise outcome
         if self.stopped:
             raise EndpointClosedError("endpoint is closed")
-        if self._waiter is not None and not self._waiter.is_set():
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
             raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self.io.waiter()
-        self._waiter = waiter
+        waiter = self._waiter = self.io.one_shot()
         rxbuf = self._rxbuf
         rxbuf.reader_waiting = True
         if rxbuf.held:
             self.repost_released()
         try:
-            await waiter.wait()
+            await waiter
         finally:
             rxbuf.reader_waiting = False
             if self._waiter is waiter:

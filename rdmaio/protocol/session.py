@@ -495,6 +495,18 @@ class Session:
             and not self._wire_down
         )
 
+    def control_frame_due(self) -> bool:
+        """``eof_pending() or credit_frame_due()`` in one call: whether a sender with no data to send has a
+        control frame to look at (its early-out after a completion batch asks only this)."""
+        if self._wire_down:
+            return False
+        if self._eof_due:
+            return True
+        owed = self._ungranted
+        return (
+            owed - self._ungranted_ctl >= self._threshold or owed >= self._recv_depth - 1
+        ) and self._send_credits >= 1
+
     def take_credit_frame(self) -> int:
         """Account for one CREDIT frame about to be posted and return its immediate value.
 
