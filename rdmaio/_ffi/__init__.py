@@ -2,8 +2,8 @@
 
 ``ffi`` and ``lib`` are re-exported from here so that no other module imports the extension directly.
 
-Modules: :mod:`rdmaio._ffi.build` (the cffi build script: ``cdefs.h`` declarations, ``helper.c`` and
-``onesided.c`` compiled into the extension).
+Modules: :mod:`rdmaio._ffi.build` (the cffi build script: ``cdefs.h`` declarations, ``helper.c``,
+``onesided.c`` and ``txring.c`` (a sender's send ring) compiled into the extension).
 """
 
 from __future__ import annotations

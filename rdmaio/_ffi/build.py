@@ -1,7 +1,8 @@
 """cffi build script (API mode, out-of-line) for ``rdmaio._rdmaio_cffi``.
 
-Compiles the declarations in ``cdefs.h`` against the rdma-core headers and links ``helper.c`` into the same
-extension. Used by setuptools through ``cffi_modules`` (see ``setup.py``); run directly to build in place.
+Compiles the declarations in ``cdefs.h`` against the rdma-core headers and links ``helper.c`` (and
+``onesided.c``, ``txring.c``) into the same extension. Used by setuptools through ``cffi_modules`` (see
+``setup.py``); run directly to build in place.
 """
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ def make_ffi() -> FFI:
         "rdmaio._rdmaio_cffi",
         '#include <infiniband/verbs.h>\n#include <rdma/rdma_cma.h>\n#include "helper.h"\n'
         # session rules (session.c)
-        '#include "session.h"\n',
+        '#include "session.h"\n'
+        # the send ring (txring.c)
+        '#include "txring.h"\n',
         # setuptools wants source paths relative to the project root (the cwd during the build).
         sources=[
             os.path.relpath(HERE / "helper.c"),
             os.path.relpath(HERE / "onesided.c"),
             # session rules
             os.path.relpath(HERE / "session.c"),
+            # the send ring
+            os.path.relpath(HERE / "txring.c"),
         ],
         include_dirs=[str(HERE), *INCLUDE_DIRS],
         libraries=["rdmacm", "ibverbs"],

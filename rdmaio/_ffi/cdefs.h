@@ -282,3 +282,31 @@ int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_take_slot(struct rdmaio_session *s);
 int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
                      struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop);
+/* ---- the send ring (txring.c, txring.h): slots, send-queue entries and work requests of one sender ---- */
+#define RDMAIO_TX_SLOTLESS ...
+#define RDMAIO_TX_SEQ_MASK ...
+#define RDMAIO_TX_NO_SQ ...
+#define RDMAIO_TX_NO_SLOT ...
+#define RDMAIO_TX_BAD_INDEX ...
+#define RDMAIO_TX_TOO_LONG ...
+#define RDMAIO_TX_NO_SCRATCH ...
+#define RDMAIO_TX_BAD_ARG ...
+#define RDMAIO_TX_EOF ...
+struct rdmaio_txring { struct rdmaio_send *sends; uint32_t send_len; uint32_t slot_size; uint8_t *base;
+                       const uint32_t *lkeys; uint32_t slots; uint32_t max_slots; uint32_t *free_stack;
+                       uint32_t nfree; uint32_t *inflight; uint32_t inflight_head; uint32_t inflight_count;
+                       uint32_t sq_depth; uint32_t unsignaled; uint32_t signal_interval; uint32_t interval;
+                       uint32_t sq_interval; uint64_t wr_id_base; uint32_t seq; uint32_t max_inline;
+                       uint8_t *scratch; uint32_t scratch_entries; uint32_t eof_staged; uint32_t eof_index; };
+int rdmaio_txring_init(struct rdmaio_txring *r, struct rdmaio_send *sends, uint32_t send_len,
+                       uint32_t *free_stack, uint32_t max_slots, uint32_t *inflight, uint32_t sq_depth,
+                       uint32_t slot_size, uint32_t max_inline, uint32_t signal_interval, uint64_t wr_id_base);
+int rdmaio_txring_set_scratch(struct rdmaio_txring *r, uint8_t *scratch, uint32_t entries);
+int rdmaio_txring_add_slots(struct rdmaio_txring *r, uintptr_t base, const uint32_t *lkeys, uint32_t first,
+                            uint32_t count);
+int rdmaio_txring_room(const struct rdmaio_txring *r, uint64_t length);
+int rdmaio_txring_stage(struct rdmaio_txring *r, uint32_t i, const uint8_t *data, uint64_t length, uint32_t imm);
+int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags);
+int rdmaio_txring_finish(struct rdmaio_txring *r, uint32_t count);
+int rdmaio_txring_complete(struct rdmaio_txring *r, uint32_t index);
+int rdmaio_txring_inflight_at(const struct rdmaio_txring *r, uint32_t k, uint32_t *out);

@@ -8,16 +8,27 @@ the CREDIT/RETURN/RECLAIM frames are taken from the session when due. Nobody els
 
 Posting. :meth:`Sender.transmit` runs after every input - a send call that can go at once, a completion batch
 (:meth:`Sender.on_batch_end`), the end-of-iteration flush of coalesced writes - as aioquic's asyncio
-protocol calls ``transmit()`` after every input: it stages what credits and send slots allow (copies queued
-frames into registered send slots, or inline into the work request, and fills the work requests) and posts
+protocol calls ``transmit()`` after every input: it stages what credits and send slots allow and posts
 everything staged with one chained ``ibv_post_send``. A write that must free the caller's buffer at once
 stages at once (:meth:`Sender.stage`) and leaves the post to one ``transmit()`` at the end of the loop
 iteration: one doorbell for every frame of the iteration (on rxe a system call per post).
 
+The send ring is C (``rdmaio/_ffi/txring.c``, one ``struct rdmaio_txring`` per sender): the free-slot
+stack, the entries in flight, the signalling counters and the inline scratch area live there. Staging a
+frame is the session's take (its immediate value, in Python) and then one C call,
+``rdmaio_txring_stage``: it copies the frame into a free send slot or the inline scratch area of its
+send-array entry, fills the work request (wr_id, address, length, key, immediate value, opcode, the
+selective signal) and puts it in flight. The EOF and CREDIT/RETURN/RECLAIM frames are one
+``rdmaio_txring_stage_empty`` each; before the post ``rdmaio_txring_finish`` signals the chain's last
+request when the chain leaves the sender short of slots or send-queue entries; a signalled completion is
+``rdmaio_txring_complete`` (release everything up to it). The sender checks room (a send-queue entry, a
+slot for a long frame, growing the ring) before the take, so the C call never refuses a frame it took. The
+post itself stays ``self._qp.post_sends(count)``: the queue pair's send array is the C ring's output.
+
 **The seam for C.** :meth:`Sender.transmit` is the whole per-post work with plain inputs: the queue's
-``txq`` (``(bytes, kind)`` entries), the session's credit counters, the free slot list, the in-flight
-deque, the slot ring's memory and the send array of the queue pair. A fast path can replace it, and
-:meth:`on_send_completion` (release the slots up to a signalled wr_id), without changing any caller.
+``txq`` (``(bytes, kind)`` entries), the session's credit counters, the C send ring and the send array of
+the queue pair. A fast path can replace it, and :meth:`on_send_completion` (release the slots up to a
+signalled wr_id), without changing any caller.
 
 Work requests: ``wr_id`` is ``make_wr_id(WR_KIND_SEND, tag, slot)`` (layout in :mod:`rdmaio.verbs`; the
 tag routes the completion to this connection through the domain's shared CQ). A send slot is reused only
@@ -46,19 +57,40 @@ from rdmaio.options import Options
 from rdmaio.protocol import Session
 from rdmaio.protocol.frames import BATCH_RECORD_HEADER
 from rdmaio.protocol.reclaim import ReclaimSession
-from rdmaio.protocol.sendqueue import RNDV_FRAME, Payload, SendQueue
+from rdmaio.protocol.sendqueue import RNDV_FRAME, SendQueue
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every send: no call
-from rdmaio.verbs.native import ffi
+from rdmaio.verbs.native import ffi, lib
 
 __all__ = ["RendezvousSends", "SendArray", "SendRing", "Sender", "check_fork"]
 
 log = logging.getLogger("rdmaio")
 
-_WR_SEND_WITH_IMM = verbs.WR_SEND_WITH_IMM
-_SEND_SIGNALED = verbs.SEND_SIGNALED
-_SEND_INLINE = verbs.SEND_INLINE
-_SLOTLESS = 1 << 31  # wr index bit of a frame that holds no send slot (inline or empty)
-_SEQ_MASK = _SLOTLESS - 1
+_SLOTLESS = int(lib.RDMAIO_TX_SLOTLESS)  # wr index bit of a frame that holds no send slot (inline or empty)
+_TX_EOF = int(lib.RDMAIO_TX_EOF)
+# The send ring's C functions (txring.c), bound once: the per-frame path makes no attribute lookups.
+_txring_room = lib.rdmaio_txring_room
+_txring_stage = lib.rdmaio_txring_stage
+_txring_stage_empty = lib.rdmaio_txring_stage_empty
+_txring_finish = lib.rdmaio_txring_finish
+_txring_complete = lib.rdmaio_txring_complete
+_from_buffer = ffi.from_buffer
+
+_TX_REFUSALS = {
+    int(lib.RDMAIO_TX_NO_SQ): "no send-queue entry free",
+    int(lib.RDMAIO_TX_NO_SLOT): "no send slot free",
+    int(lib.RDMAIO_TX_BAD_INDEX): "an index out of its bound",
+    int(lib.RDMAIO_TX_TOO_LONG): "a frame longer than a send slot",
+    int(lib.RDMAIO_TX_NO_SCRATCH): "no inline scratch area",
+    int(lib.RDMAIO_TX_BAD_ARG): "an argument out of range",
+}
+
+
+def _check_tx(rc: int) -> int:
+    """``rc`` of a send-ring call if it is not a refusal; a refusal is a broken invariant of the sender (no
+    peer value reaches the ring): RuntimeError, which fails the connection."""
+    if rc < 0:
+        raise RuntimeError(f"rdmaio: the send ring refused: {_TX_REFUSALS.get(rc, rc)}")
+    return rc
 
 
 def check_fork(generation: int) -> None:
@@ -98,7 +130,8 @@ class SendArray(Protocol):
 
     @property
     def send_array(self) -> Any:
-        """``struct rdmaio_send[]`` scratch entries (``wr_id``, ``addr``, ``length``, ``lkey``, ...)."""
+        """A cffi ``struct rdmaio_send[]`` (``wr_id``, ``addr``, ``length``, ``lkey``, ...): the C send ring
+        fills its entries, so it must be that C array, not a stand-in."""
 
     def post_sends(self, count: int) -> None:
         """Post the first ``count`` entries of :attr:`send_array` as one chain."""
@@ -162,27 +195,41 @@ class Sender:
         self._qp = qp
         self._sends = qp.send_array
         self._slot_ring = ring
-        # The ring's memory (view, address, keys) exists once it has slots: a pooled ring gets it at its
-        # first grow (rdmaio.core.rings), so these are read again by _grow().
-        self._ring = ring.view if ring.slots else memoryview(b"")
-        self._addr = ring.addr if ring.slots else 0
-        self._lkeys: Any = ring.lkeys if ring.slots else None
         self._initial = initial
         self._slot_size = slot_size
         self._max_inline = max_inline
-        self._signal_interval = signal_interval
-        self._interval = self._effective_interval()
-        # Send-queue entries the sender may have in flight (slots or not), and the signal interval for them.
+        # Send-queue entries the sender may have in flight (slots or not).
         self._sq_depth = ring.max_slots
-        self._sq_interval = min(signal_interval, max(1, self._sq_depth // 2))
-        self._seq = 0  # numbers slotless frames (their wr index)
+        self._stats = stats
+        # The send ring's bookkeeping and the per-frame fill live in C (txring.c): free slots, the entries
+        # in flight, the signalling counters, the inline scratch area. These cffi arrays are its memory.
+        self._free_stack: Any = ffi.new("uint32_t[]", ring.max_slots)
+        self._inflight_ring: Any = ffi.new("uint32_t[]", ring.max_slots)
+        self._tx: Any = ffi.new("struct rdmaio_txring *")
+        _check_tx(
+            lib.rdmaio_txring_init(
+                self._tx,
+                self._sends,
+                len(self._sends),
+                self._free_stack,
+                ring.max_slots,
+                self._inflight_ring,
+                self._sq_depth,
+                slot_size,
+                max_inline,
+                signal_interval,
+                verbs.make_wr_id(verbs.WR_KIND_SEND, tag, 0),  # | slot
+            )
+        )
+        # The ring's memory (view, keys) exists once it has slots: a pooled ring gets it at its first grow
+        # (rdmaio.core.rings). Held here so that the memory the C struct points into outlives it.
+        self._ring = memoryview(b"")
+        self._lkeys: Any = None
+        if ring.slots:
+            self._add_slots(range(ring.slots))
         # Inline frames' bytes between staging and the post, one max_inline area per send-array entry; the
         # post copies them into the work requests. Allocated by the first inline frame.
-        self._scratch: memoryview | None = None
         self._scratch_cdata: Any = None
-        self._scratch_addr = 0
-        self._stats = stats
-        self._wr_id_base = verbs.make_wr_id(verbs.WR_KIND_SEND, tag, 0)  # | slot
         # The peer's maximum message size (its handshake, fixed): a send within it needs no size check call.
         self._peer_max = session.peer.max_message_size
         max_fragment = min(session.max_fragment, slot_size)
@@ -197,11 +244,7 @@ class Sender:
         # A small message was just posted at once (the rule for an idle connection): batch the next ones
         # until the connection's next completion batch or end-of-iteration flush clears this.
         self.coalesce_next = False
-        self.free_slots = list(range(ring.slots))
-        self._inflight: collections.deque[int] = collections.deque()  # slot, or _SLOTLESS | sequence
-        self._unsignaled = 0
         self.staged = 0  # entries of the send array filled but not yet posted
-        self._eof_slot: int | None = None  # send slot of the EOF frame, once staged
         self.eof_done = False  # the EOF frame completed
         self.flush_handle: Handle | None = None  # the end-of-iteration flush of coalesced writes
         self._post_handle: Handle | None = None  # the end-of-iteration transmit of staged frames
@@ -229,9 +272,22 @@ class Sender:
     def room_for(self, length: int) -> bool:
         """Whether a frame of ``length`` bytes could be staged now as far as the send queue and slots go
         (credits aside): an idle connection's first small message is posted at once when it can."""
-        if len(self._inflight) >= self._sq_depth:
-            return False
-        return length <= self._max_inline or bool(self.free_slots)
+        return bool(_txring_room(self._tx, length))
+
+    @property
+    def free_slots(self) -> list[int]:
+        """The free send slots (a copy; the last one is taken first)."""
+        return list(ffi.unpack(self._free_stack, self._tx.nfree))
+
+    @property
+    def _inflight(self) -> list[int]:
+        """The send-queue entries in flight, oldest first (a copy): a slot, or ``_SLOTLESS | sequence``."""
+        out = ffi.new("uint32_t *")
+        entries = []
+        for k in range(self._tx.inflight_count):
+            _check_tx(lib.rdmaio_txring_inflight_at(self._tx, k, out))
+            entries.append(int(out[0]))
+        return entries
 
     def raise_send_error(self) -> None:
         """Raise what a send call raises now (forked, failed, EOF written, closing)."""
@@ -318,8 +374,7 @@ class Sender:
             and self.flush_handle is None
             and not queue.mbuf_count
             and not queue.txq
-            and len(self._inflight) < self._sq_depth  # room_for(size), inline: the hot path
-            and (size <= self._max_inline or self.free_slots)
+            and _txring_room(self._tx, size)  # room_for(size), inline: the hot path
             and self.session.can_send_data()
         ):
             queue.queue_message(view)
@@ -489,43 +544,46 @@ class Sender:
         added = ring.grow(max(self._initial, ring.slots))
         if not added:
             return False
-        if added.start == 0:  # the ring's first slots: its memory was just attached
-            self._ring = ring.view
-            self._addr = ring.addr
-            self._lkeys = ring.lkeys
-        self.free_slots.extend(reversed(added))  # pop() takes the lowest index first
-        self._interval = self._effective_interval()
+        self._add_slots(added)
         self._stats["send_ring_grown"] += 1
         return True
 
-    def _effective_interval(self) -> int:
-        """The signal interval for the ring as it is: ``signal_interval``, but at most half the ring. A ring
-        smaller than the interval (an idle connection's 4 first slots) would otherwise be "short of slots"
-        on every post, and every send would be signalled: one more loop wake-up per message for a
-        request/reply connection."""
-        return min(self._signal_interval, max(1, self._slot_ring.slots // 2))
+    def _add_slots(self, added: range) -> None:
+        """Hand newly registered slots to the C ring (free, lowest index first; the signal interval for
+        slot frames follows the ring's size: at most half of it)."""
+        ring = self._slot_ring
+        if added.start == 0:  # the ring's first slots: its memory was just attached
+            self._ring = ring.view
+            self._lkeys = ring.lkeys
+        _check_tx(lib.rdmaio_txring_add_slots(self._tx, ring.addr, self._lkeys, added.start, len(added)))
 
     def _stage_queued(self) -> bool:
-        """Copy queued frames (and a due EOF or CREDIT frame) into send slots and fill their work requests
-        as far as credits and free slots allow; True if anything was staged (then :meth:`_post` it)."""
+        """Stage queued frames (and a due EOF, CREDIT, RETURN or RECLAIM frame) as far as credits, send-queue
+        entries and free slots allow; True if anything was staged (then :meth:`_post` it).
+
+        Per frame: the session takes the frame (its immediate value), then one C call copies it into a
+        send slot or the inline scratch area, fills its work request and puts it in flight."""
         session = self.session
         queue = self.queue
         txq = queue.txq
-        free = self.free_slots
-        sends = self._sends
-        slot_size = self._slot_size
+        tx = self._tx
+        stage = _txring_stage
+        from_buffer = _from_buffer
         max_inline = self._max_inline
         sq_depth = self._sq_depth
-        inflight = self._inflight
         first = count = self.staged
         nbytes = 0
         messages = 0
-        while txq and len(inflight) < sq_depth and session.can_send_data():
+        while txq and tx.inflight_count < sq_depth and session.can_send_data():
             data, kind = txq[0]
             length = len(data)
-            if length > max_inline and not free and not self._grow():
-                break  # every slot is in flight and the ring is at its size
-            # The frame is accounted for first: if that raises, no slot or queued data is lost.
+            if length > max_inline:
+                if not tx.nfree and not self._grow():
+                    break  # every slot is in flight and the ring is at its size
+            elif length and self._scratch_cdata is None:
+                self._alloc_scratch()
+            # The frame is accounted for first: if that raises, no slot or queued data is lost. The checks
+            # above are the C call's, so it cannot refuse the frame once it is taken.
             if kind == RNDV_FRAME:  # a rendezvous descriptor; its message is counted by the rendezvous engine
                 imm = session.take_rndv_frame(length)
             elif kind >= 0:
@@ -536,50 +594,44 @@ class Sender:
                 messages -= kind
             txq.popleft()
             queue.txq_bytes -= length
-            if length > max_inline:
-                slot = free.pop()
-                off = slot * slot_size
-                self._ring[off : off + length] = data
-                self._fill(sends[count], slot, self._addr + off, length, self._lkeys[slot], imm, 0)
-                inflight.append(slot)
-            else:
-                self._fill_slotless(sends[count], count, data, imm)
+            rc = stage(tx, count, from_buffer(data), length, imm)
+            if rc < 0:
+                _check_tx(rc)  # raises: the checks above are the C call's, it cannot refuse
             count += 1
             nbytes += length
         self._stats["messages_sent"] += messages
         queue.posted_frames += count - first
-        count = self._stage_control(count)
+        # The EOF frame once all data is out, or a CREDIT frame when one is due (or, with a shared receive
+        # queue, a RETURN or RECLAIM frame): empty, no slot.
+        if tx.inflight_count < sq_depth:
+            if (
+                not txq
+                and not queue.wbuf
+                and not queue.mbuf
+                and session.eof_pending()
+                and session.can_send_eof()
+            ):
+                imm = session.take_eof_frame()
+                flags = _TX_EOF
+            elif session.credit_frame_due():
+                imm = session.take_credit_frame()
+                flags = 0
+                self._stats["credit_frames"] += 1
+            elif self._reclaim is not None and (reclaim := self._reclaim_frame()) is not None:
+                imm = reclaim  # shared receive queues: RETURN or RECLAIM
+                flags = 0
+            else:
+                flags = -1
+            if flags >= 0:
+                rc = _txring_stage_empty(tx, count, imm, flags)
+                if rc < 0:
+                    _check_tx(rc)  # raises: room was checked above
+                count += 1
         if count > first:
             self.staged = count
             self._stats["bytes_sent"] += nbytes
             return True
         return False
-
-    def _stage_control(self, count: int) -> int:
-        """Stage the EOF frame once all data is out, or a CREDIT frame when one is due."""
-        session = self.session
-        if len(self._inflight) >= self._sq_depth:
-            return count
-        wr = self._sends[count]
-        queue = self.queue
-        if (
-            not queue.txq
-            and not queue.wbuf
-            and not queue.mbuf
-            and session.eof_pending()
-            and session.can_send_eof()
-        ):
-            self._eof_slot = self._fill_slotless(wr, count, b"", session.take_eof_frame())
-            wr.send_flags = _SEND_SIGNALED
-            self._unsignaled = 0
-        elif session.credit_frame_due():
-            self._fill_slotless(wr, count, b"", session.take_credit_frame())
-            self._stats["credit_frames"] += 1
-        elif self._reclaim is not None and (imm := self._reclaim_frame()) is not None:
-            self._fill_slotless(wr, count, b"", imm)  # shared receive queues: RETURN or RECLAIM
-        else:
-            return count
-        return count + 1
 
     def _reclaim_frame(self) -> int | None:
         """The RETURN frame owed to the peer, else a RECLAIM frame the pool asked for, else None."""
@@ -592,76 +644,31 @@ class Sender:
         return None
 
     def _post(self) -> None:
-        """Post every staged work request with one chained ``ibv_post_send``."""
+        """Post every staged work request with one chained ``ibv_post_send`` (the C ring signals the last
+        one if the chain leaves the sender short of send slots or send-queue entries)."""
         count = self.staged
         if not count:
             return
         self.staged = 0
-        # Whatever runs short of send slots or send-queue entries must get a completion to release them
-        # (slots count only while some are in flight: a completion releases no slot otherwise).
-        free = len(self.free_slots)
-        if (free < self._interval and free < self._slot_ring.slots) or (
-            self._sq_depth - len(self._inflight) < self._sq_interval
-        ):
-            self._sends[count - 1].send_flags |= _SEND_SIGNALED
-            self._unsignaled = 0
+        rc = _txring_finish(self._tx, count)
+        if rc < 0:
+            _check_tx(rc)  # raises: count is what was staged
         self._qp.post_sends(count)
         self._stats["frames_posted"] += count
         self._stats["post_calls"] += 1
 
-    def _fill(self, wr: Any, index: int, addr: int, length: int, lkey: int, imm: int, inline: int) -> None:
-        """Fill one SEND_WITH_IMM work request (``inline``: 0 or ``SEND_INLINE``). It is signalled every
-        ``interval`` requests: the slot ring's for a frame in a slot, the send queue's for a slotless one."""
-        wr.wr_id = self._wr_id_base | index
-        wr.addr = addr
-        wr.length = length
-        wr.lkey = lkey
-        wr.imm_data = imm
-        wr.opcode = _WR_SEND_WITH_IMM
-        self._unsignaled += 1
-        if self._unsignaled >= (self._sq_interval if index & _SLOTLESS else self._interval):
-            inline |= _SEND_SIGNALED
-            self._unsignaled = 0
-        wr.send_flags = inline
-
-    def _fill_slotless(self, wr: Any, count: int, data: Payload, imm: int) -> int:
-        """Fill the work request of a frame that needs no slot: empty (no SGE), or inline from the scratch
-        area of send-array entry ``count``. Put it in flight and return its wr index."""
-        index = _SLOTLESS | self._seq
-        self._seq = (self._seq + 1) & _SEQ_MASK
-        length = len(data)
-        if length:
-            scratch = self._scratch
-            if scratch is None:
-                scratch = self._alloc_scratch()
-            off = count * self._max_inline
-            scratch[off : off + length] = data
-            self._fill(wr, index, self._scratch_addr + off, length, 0, imm, _SEND_INLINE)
-        else:
-            self._fill(wr, index, 0, 0, 0, imm, 0)
-        self._inflight.append(index)
-        return index
-
-    def _alloc_scratch(self) -> memoryview:
-        # Plain memory, not registered: the post copies inline data into the work request.
-        cdata = ffi.new("char[]", (self._sq_depth + 1) * self._max_inline)
+    def _alloc_scratch(self) -> None:
+        # Plain memory, not registered: the post copies inline data into the work request. One area per
+        # entry of the send array (a chain's entries are staged before it is posted).
+        entries = min(len(self._sends), self._sq_depth + 1)
+        cdata = ffi.new("uint8_t[]", entries * self._max_inline)
+        _check_tx(lib.rdmaio_txring_set_scratch(self._tx, cdata, entries))
         self._scratch_cdata = cdata  # keeps the memory alive
-        self._scratch = memoryview(ffi.buffer(cdata)).cast("B")
-        self._scratch_addr = int(ffi.cast("uintptr_t", cdata))
-        return self._scratch
 
     def on_send_completion(self, slot: int) -> None:
         """A signalled send completed (``slot``: the index part of its wr_id): RC completes in order, so
         every slot and send-queue entry posted before it is free."""
-        inflight = self._inflight
-        free = self.free_slots
-        while inflight:
-            done = inflight.popleft()
-            if done < _SLOTLESS:
-                free.append(done)
-            if done == slot:
-                break
-        if slot == self._eof_slot:
+        if _txring_complete(self._tx, slot):
             self.eof_done = True
 
     # --- waiting -----------------------------------------------------------------------------------

@@ -101,9 +101,10 @@ _RDMA_FIELDS = ("wr_id", "local_addr", "length", "lkey", "opcode", "send_flags",
 class FakeQP:
     """A queue pair that records what is posted on it.
 
-    Sends: the core fills :attr:`send_array` and calls :meth:`post_sends`; each call appends one chain to
-    :attr:`posts`, the bytes of each request read at post time (as ``ibv_post_send`` copies inline data and
-    the NIC reads the slot). With ``ring`` given, every request is checked against it: a slot request
+    Sends: the core fills :attr:`send_array` (a real ``struct rdmaio_send[depth]``, as the sender's C ring
+    fills the queue pair's) and calls :meth:`post_sends`; each call appends one chain to :attr:`posts`, the
+    bytes of each request read at post time (as ``ibv_post_send`` copies inline data and the NIC reads the
+    slot). With ``ring`` given, every request is checked against it: a slot request
     names a registered slot with its chunk's key, a slotless one is empty or inline. With :attr:`wire` set,
     each chain is also handed to it one loop iteration later (see :func:`wire`).
 
@@ -115,7 +116,8 @@ class FakeQP:
 
     def __init__(self, depth: int = 8, *, qp_num: int = 0, ring: Any = None, rdma_depth: int = 16) -> None:
         self.qp_num = qp_num
-        self.send_array: list[Any] = [SimpleNamespace() for _ in range(depth)]
+        # A real ``struct rdmaio_send[]``, as the queue pair's: the sender's C ring fills it.
+        self.send_array: Any = ffi.new("struct rdmaio_send[]", depth)
         self.rdma_array: Any = ffi.new("struct rdmaio_rdma_op[]", rdma_depth)
         self.ring = ring
         self.posts: list[Chain] = []
@@ -136,9 +138,10 @@ class FakeQP:
         """Post the first ``count`` requests of :attr:`send_array` as one chain."""
         if self.send_error is not None:
             raise self.send_error
+        assert 0 < count <= len(self.send_array), count  # the C helper would read past the array
         chain: Chain = []
         ring = self.ring
-        for wr in self.send_array[:count]:
+        for wr in self.send_array[0:count]:
             if ring is not None and not verbs.wr_index(wr.wr_id) & SLOTLESS:
                 index = verbs.wr_index(wr.wr_id)
                 # Every posted slot is registered, with the key of its chunk.
@@ -843,16 +846,17 @@ def wire(sender: FakeTransport, receiver: FakeTransport) -> Callable[[Chain], No
     slot_size = receiver.slot_size
     recv_opcode = int(verbs.WcOpcode.RECV)
     send_opcode = int(verbs.WcOpcode.SEND)
+    recv_base = verbs.make_wr_id(verbs.WR_KIND_RECV, receiver.tag, 0)  # | slot
 
     def deliver(chain: Chain) -> None:
         recvs: list[tuple[int, ...]] = []
         sends = []
         for wr_id, data, imm, flags in chain:
             slot = receiver.posted.popleft()  # credits guarantee one is posted (no RNR)
+            assert 0 <= slot < len(receiver.recv_ring.view) // slot_size  # a slot of the receive ring
             receiver.recv_ring.view[slot * slot_size : slot * slot_size + len(data)] = data
-            recv_id = verbs.make_wr_id(verbs.WR_KIND_RECV, receiver.tag, slot)
             # struct rdmaio_wc fields in order: wr_id, status, opcode, byte_len, imm_data, flags, ...
-            recvs.append((recv_id, 0, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
+            recvs.append((recv_base | slot, 0, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
             if flags & verbs.SEND_SIGNALED:
                 sends.append(fake_completion(wr_id, send_opcode))
         assert receiver.handler is not None and sender.handler is not None

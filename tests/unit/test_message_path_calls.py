@@ -91,7 +91,7 @@ def test_an_echo_round_trip_makes_one_coroutine_per_send_and_recv_and_no_helper_
     batches = counts["connection.py:on_completions"]
     assert counts["send.py:on_batch_end"] == batches
     assert counts["session.py:control_frame_due"] == batches
-    assert counts["session.py:eof_pending"] == counts["send.py:_stage_control"]  # only when staging
+    assert counts["session.py:eof_pending"] == counts["send.py:_stage_queued"]  # only when staging
     assert counts["send.py:transmit"] == counts["send.py:_queue_batched"]  # only the sends' own post
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -332,3 +333,114 @@ def test_wr_id_helpers_round_trip_and_check_their_ranges() -> None:
     for bad in ((256, 0, 0), (0, 1 << 24, 0), (0, 0, 1 << 32), (0, -1, 0)):
         with pytest.raises(ValueError):
             verbs.make_wr_id(*bad)
+
+
+def test_staging_makes_no_python_call_per_frame_beyond_the_sessions_take() -> None:
+    """Each frame is one C call (rdmaio_txring_stage) after the session's take: no Python fill per frame,
+    no Python call for the chain's signalling. Before, each frame cost a ``_fill`` (and a ``_fill_slotless``
+    for an inline one) and each staging a ``_stage_control``: 13 calls in send.py for these 8 frames."""
+    engine, qp, peer = make(depth=16, peer_depth=64, initial=16, max_inline=16, signal_interval=4)
+    assert engine._grow() and engine._slot_ring.slots == 16
+    engine._alloc_scratch()  # once per connection, by its first inline frame
+    sent = [bytes([i]) * (8 if i % 2 else 40) for i in range(8)]  # inline and slot frames in turn
+    for message in sent:
+        engine.queue.queue_message(memoryview(message))
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def hook(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call":
+            calls[(frame.f_code.co_filename.rsplit("/", 1)[-1], frame.f_code.co_name)] += 1
+
+    sys.setprofile(hook)
+    try:
+        staged = engine._stage_queued()
+        engine._post()
+    finally:
+        sys.setprofile(None)
+    assert staged and len(qp.posts) == 1 and deliver(peer, qp.posts[0]) == sent
+    in_sender = {name: n for (file, name), n in calls.items() if file == "send.py"}
+    assert in_sender == {"_stage_queued": 1, "_post": 1}
+    assert calls[("session.py", "take_data_frame")] == 8
+
+
+def test_every_kind_of_payload_buffer_is_staged_by_the_c_ring() -> None:
+    """The queue holds bytes, bytearrays and memoryviews (slices of read-only and writable buffers): each is
+    copied into its slot or inline area as it is at staging time."""
+    engine, qp, peer = make(depth=16, peer_depth=64, max_inline=16)
+    source = bytearray(range(100))
+    payloads: list[Any] = [
+        memoryview(bytes(range(50)))[5:45],  # read-only slice, slot frame
+        memoryview(source)[10:20],  # writable slice, inline
+        memoryview(bytearray(b"z" * 30)),  # slot frame
+        memoryview(b"ro"),  # read-only, inline
+    ]
+    expected = [bytes(p) for p in payloads]
+    for payload in payloads:
+        engine.queue.queue_message(payload)
+    engine._stage_queued()
+    source[10:20] = b"\xff" * 10  # staged: the inline bytes were copied already
+    engine._post()
+    assert deliver(peer, qp.posts[0]) == expected
+    flags = [f for *_rest, f in qp.posts[0]]
+    assert [bool(f & verbs.SEND_INLINE) for f in flags] == [False, True, False, True]
+
+
+def test_the_inline_scratch_area_is_allocated_by_the_first_inline_frame_only() -> None:
+    engine, qp, peer = make(depth=8, peer_depth=64, initial=4, max_inline=16)
+    engine.queue.queue_message(memoryview(b"L" * 40))  # a slot frame
+    engine._stage_queued()
+    engine._post()
+    assert engine._scratch_cdata is None
+    engine.queue.queue_message(memoryview(b"short"))
+    engine._stage_queued()
+    engine._post()
+    assert engine._scratch_cdata is not None
+    assert [m for chain in qp.posts for m in deliver(peer, chain)] == [b"L" * 40, b"short"]
+
+
+def test_a_ring_with_slots_at_creation_hands_them_to_the_c_ring_lowest_first() -> None:
+    local = Handshake(8, SLOT, 1 << 20)
+    ring = SlotRing(SLOT, 8, FakeRegistrar(SLOT), initial=4)
+    qp = FakeQP(8, ring=ring)
+    engine = Sender(
+        Session(local, local),
+        qp,
+        ring,
+        SLOT,
+        io=SimpleNamespace(),  # type: ignore[arg-type]
+        options=rdmaio.Options(),
+        max_inline=0,
+        signal_interval=4,
+        batch_limit=0,
+        stats=collections.Counter(),
+    )
+    assert engine.free_slots == [3, 2, 1, 0] and engine.room_for(SLOT)
+    engine.queue.queue_message(memoryview(b"x" * 10))
+    engine._stage_queued()
+    engine._post()
+    assert verbs.wr_index(qp.posts[0][0][0]) == 0 and engine._inflight == [0]
+    assert engine._stats["send_ring_grown"] == 0
+
+
+def test_a_send_array_shorter_than_the_ring_is_refused_not_overrun() -> None:
+    """The C ring checks every send-array index: a queue pair with fewer entries than the sender may stage
+    (a broken set-up) fails the staging with RuntimeError instead of writing past the array."""
+    engine, _qp, _peer = make(depth=8, peer_depth=64)
+    short = FakeQP(2, ring=engine._slot_ring)
+    bad = Sender(
+        engine.session,
+        short,
+        engine._slot_ring,
+        SLOT,
+        io=SimpleNamespace(),  # type: ignore[arg-type]
+        options=rdmaio.Options(),
+        max_inline=0,
+        signal_interval=4,
+        batch_limit=0,
+        stats=collections.Counter(),
+    )
+    for i in range(3):
+        bad.queue.queue_message(memoryview(bytes([i]) * 10))
+    with pytest.raises(RuntimeError, match="index out of its bound"):
+        bad._stage_queued()
+    assert bad.staged == 0 and len(bad._inflight) == 2
