@@ -141,7 +141,9 @@ def test_a_stream_of_64k_writes_reaches_the_full_window_within_17_frames(
     arun(main())
 
 
-def test_small_messages_one_per_wakeup_keep_the_small_window(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_messages_one_per_wakeup_keep_the_small_window(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The faster rule counts only big frames (at least half a slot): a request/reply exchange of small
     messages, however long, never grows the window."""
 
