@@ -8,7 +8,9 @@ Modules: :mod:`~bench.model` (workloads, sizes, contenders, budgets, result reco
 contenders' server process and client measurements), :mod:`~bench.external` (running the native
 tools; ``native/cm_setup.c`` is the C setup contender it compiles), :mod:`~bench.onesided` (the
 one-sided workloads), :mod:`~bench.memory` (registered bytes and RSS per idle connection),
-:mod:`~bench.dask` (Dask over ``tcp://`` and ``rdma://``), :mod:`~bench.report` (ratios, targets,
+:mod:`~bench.dask` (Dask over ``tcp://`` and ``rdma://``), :mod:`~bench.overhead` (``--overhead``:
+rdmaio's own CPU and Python calls per operation natively, over the null device of
+``rdmaio.testing.nullpair``, beside TCP loopback), :mod:`~bench.report` (ratios, targets,
 text and markdown tables, JSON), :mod:`~bench.display` (progress), :mod:`~bench.plot` (charts) and
 :mod:`~bench.driver` (the command line). See ``docs/benchmarks.md`` for the method and the current
 results.

@@ -554,6 +554,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow-remote", action="store_true", help="allow a --host that is not an address of this machine"
     )
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help=(
+            "natively, no device: rdmaio's own CPU us and Python calls per operation over a null device "
+            "(rdmaio.testing.nullpair), on asyncio and uvloop, beside TCP loopback (uses --quick, --reps, "
+            "--json, --markdown, --from-json)"
+        ),
+    )
     parser.add_argument("--role", choices=("driver", "server"), default="driver", help=argparse.SUPPRESS)
     return parser
 
@@ -641,6 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_plot_target(args.plot)  # before a long run, not after it
         except PlotError as exc:
             parser.error(str(exc))
+    if args.overhead:
+        return _run_overhead(args, argv)
     if "dask" in _csv(args.only):
         return _run_dask(parser, args)
     if args.from_json is not None:
@@ -763,6 +774,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if interrupted:
         return 130
     return plotted or (0 if any(f.status != "error" for f in figures) else 1)
+
+
+def _run_overhead(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--overhead``: the native overhead benchmark of :mod:`bench.overhead` (or its table from a report)."""
+    from bench import overhead
+
+    if args.from_json is not None:
+        try:
+            doc = json.loads(args.from_json.read_text())
+            results = overhead.results_from_report(doc)
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"invalid report: {exc}", file=sys.stderr)
+            return 1
+        meta = doc.get("meta") if args.markdown else None
+        print(overhead.render(results, markdown=args.markdown, meta=meta), end="")
+        return 0
+    return overhead.main(
+        quick=args.quick,
+        samples=args.reps,
+        json_path=args.json,
+        markdown=args.markdown,
+        argv=list(sys.argv[1:] if argv is None else argv),
+    )
 
 
 def _run_dask(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

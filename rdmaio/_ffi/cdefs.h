@@ -240,3 +240,15 @@ int rdmaio_probe_bind_mw(struct ibv_qp *qp, struct ibv_pd *pd, struct ibv_mr *mr
                          uint64_t length, int access, uint64_t wr_id, struct ibv_mw **out, uint32_t *rkey);
 int rdmaio_probe_local_inv(struct ibv_qp *qp, uint32_t rkey, uint64_t wr_id);
 int rdmaio_probe_dealloc_mw(struct ibv_mw *mw);
+/* a serial one-sided request: fill, post and poll in one call (onesided.c) */
+struct rdmaio_onesided_port { struct ibv_qp *qp; struct ibv_cq *cq; uint64_t wr_base; uint32_t max_inline;
+                              int poll_errno; uint64_t posted; uint64_t polled; struct rdmaio_wc record;
+                              struct rdmaio_wc_group group; };
+#define RDMAIO_POSTED ...
+#define RDMAIO_POSTED_DONE ...
+#define RDMAIO_POSTED_OTHER ...
+#define RDMAIO_POSTED_POLL_FAILED ...
+int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index, uint64_t local_addr,
+                              uint32_t lkey, uint32_t length, uint32_t opcode, uint64_t remote_addr,
+                              uint32_t rkey, uint64_t compare_add, uint64_t swap);
+int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const struct rdmaio_batch *b);

@@ -155,4 +155,28 @@ int rdmaio_post_bind_mw(struct ibv_qp *qp, struct ibv_mw *mw, struct ibv_mr *mr,
 int rdmaio_dealloc_mw(struct ibv_mw *mw);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);
 
+/* ---- a serial one-sided request in one call (onesided.c: rdmaio_onesided_post_poll) -------------------
+ * A connection's port: its QP and CQ (NULLed when the QP is destroyed or the process forked), the wr_id
+ * base (kind and tag), the inline limit, and room for the one record the call may take from the CQ. */
+struct rdmaio_onesided_port {
+    struct ibv_qp *qp;
+    struct ibv_cq *cq;
+    uint64_t wr_base;
+    uint32_t max_inline;
+    int poll_errno;              /* RDMAIO_POSTED_POLL_FAILED: the poll's errno */
+    uint64_t posted;             /* requests posted through the port */
+    uint64_t polled;             /* records taken from the CQ */
+    struct rdmaio_wc record;     /* RDMAIO_POSTED_OTHER: the record taken (not the request's own success) */
+    struct rdmaio_wc_group group; /* ... and its dispatch group (start 0, count 1) */
+};
+/* Results of rdmaio_onesided_post_poll (a negative value is the post's -errno: nothing was posted). */
+#define RDMAIO_POSTED 0              /* posted; the CQ was empty */
+#define RDMAIO_POSTED_DONE 1         /* posted; its own successful completion was taken from the CQ */
+#define RDMAIO_POSTED_OTHER 2        /* posted; another record was taken: port->record, to dispatch */
+#define RDMAIO_POSTED_POLL_FAILED 3  /* posted; the poll failed (port->poll_errno) */
+int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index, uint64_t local_addr,
+                              uint32_t lkey, uint32_t length, uint32_t opcode, uint64_t remote_addr,
+                              uint32_t rkey, uint64_t compare_add, uint64_t swap);
+int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const struct rdmaio_batch *b);
+
 #endif

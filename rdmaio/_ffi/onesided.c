@@ -83,3 +83,106 @@ int rdmaio_probe_dealloc_mw(struct ibv_mw *mw)
     int rc = ibv_dealloc_mw(mw);
     return rc ? rdmaio_neg_errno(rc) : 0;
 }
+
+/* ---- a serial one-sided request: fill, post and poll in one call --------------------------------------
+ * One task calling one request at a time (rdmaio.core.onesided.operations) posts it alone and looks at the
+ * CQ once before it sleeps: a device may have completed it inside ibv_post_send (rxe runs a loopback READ
+ * or atomic there). At most ONE record is taken from the CQ, so whatever follows it stays there, in
+ * order, for the dispatcher; the record is the request's own successful completion in the common case. */
+static int is_atomic(uint32_t opcode)
+{
+    return opcode == IBV_WR_ATOMIC_FETCH_AND_ADD || opcode == IBV_WR_ATOMIC_CMP_AND_SWP;
+}
+
+int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index, uint64_t local_addr,
+                              uint32_t lkey, uint32_t length, uint32_t opcode, uint64_t remote_addr,
+                              uint32_t rkey, uint64_t compare_add, uint64_t swap)
+{
+    struct ibv_sge sge;
+    struct ibv_send_wr wr, *bad = NULL;
+
+    if (!port->qp || !port->cq)
+        return -EBADF; /* the queue pair was destroyed (or this is a forked child) */
+    if (is_atomic(opcode)) {
+        if (length != 8)
+            return -EINVAL;
+    } else if (opcode != IBV_WR_RDMA_READ && opcode != IBV_WR_RDMA_WRITE) {
+        return -EINVAL; /* writes with immediate data and sends take a credit: not posted here */
+    }
+    memset(&wr, 0, sizeof(wr));
+    sge.addr = local_addr;
+    sge.length = length;
+    sge.lkey = lkey;
+    wr.wr_id = port->wr_base | index;
+    wr.sg_list = &sge;
+    wr.num_sge = length ? 1 : 0;
+    wr.opcode = (enum ibv_wr_opcode)opcode;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    if (is_atomic(opcode)) {
+        wr.wr.atomic.remote_addr = remote_addr;
+        wr.wr.atomic.rkey = rkey;
+        wr.wr.atomic.compare_add = compare_add;
+        wr.wr.atomic.swap = swap;
+    } else {
+        wr.wr.rdma.remote_addr = remote_addr;
+        wr.wr.rdma.rkey = rkey;
+        if (opcode == IBV_WR_RDMA_WRITE && length && length <= port->max_inline)
+            wr.send_flags |= IBV_SEND_INLINE;
+    }
+    port->posted++;
+    int rc = ibv_post_send(port->qp, &wr, &bad);
+    if (rc) {
+        port->posted--;
+        return rdmaio_neg_errno(rc);
+    }
+    int n = rdmaio_poll_cq(port->cq, &port->record, 1);
+    if (n < 0) {
+        port->poll_errno = -n;
+        return RDMAIO_POSTED_POLL_FAILED;
+    }
+    if (n == 0)
+        return RDMAIO_POSTED;
+    port->polled++;
+    if (port->record.wr_id == wr.wr_id && port->record.status == IBV_WC_SUCCESS &&
+        port->record.qp_num == port->qp->qp_num)
+        return RDMAIO_POSTED_DONE;
+    port->group.key = ((uint64_t)port->record.qp_num << RDMAIO_KEY_TAG_BITS) |
+                      ((port->record.wr_id >> RDMAIO_WR_TAG_SHIFT) & RDMAIO_WR_TAG_MASK);
+    port->group.start = 0;
+    port->group.count = 1;
+    return RDMAIO_POSTED_OTHER;
+}
+
+/* A wave of a batch (see struct rdmaio_batch; rdmaio_post_batch posts it, only its last request
+ * signalled) posted by one task calling serially, then one look at the CQ as rdmaio_onesided_post_poll
+ * takes: RDMAIO_POSTED_DONE when the record taken is the wave's own successful completion (RC completes a
+ * send queue in order: the last request's success means every request of the wave succeeded). A
+ * negative value is the post's -errno (requests before the failing chain may have been posted: the
+ * caller fails the connection). */
+int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const struct rdmaio_batch *b)
+{
+    int bad = -1;
+
+    if (!port->qp || !port->cq)
+        return -EBADF;
+    int rc = rdmaio_post_batch(port->qp, b, &bad);
+    if (rc < 0)
+        return rc;
+    port->posted += (uint64_t)rc;
+    int n = rdmaio_poll_cq(port->cq, &port->record, 1);
+    if (n < 0) {
+        port->poll_errno = -n;
+        return RDMAIO_POSTED_POLL_FAILED;
+    }
+    if (n == 0)
+        return RDMAIO_POSTED;
+    port->polled++;
+    if (port->record.wr_id == b->wr_id && port->record.status == IBV_WC_SUCCESS &&
+        port->record.qp_num == port->qp->qp_num)
+        return RDMAIO_POSTED_DONE;
+    port->group.key = ((uint64_t)port->record.qp_num << RDMAIO_KEY_TAG_BITS) |
+                      ((port->record.wr_id >> RDMAIO_WR_TAG_SHIFT) & RDMAIO_WR_TAG_MASK);
+    port->group.start = 0;
+    port->group.count = 1;
+    return RDMAIO_POSTED_OTHER;
+}

@@ -273,9 +273,11 @@ class Connection:
                 # READ/WRITE/atomic completions free no send slot, bring no credit and no data: the sender
                 # and the reader have nothing new (a serial one-sided caller polls after every post, so
                 # this is its per-request path). What waits for a free op slot was woken by on_completion.
-                self.onesided.pump()
+                if self.onesided.operations.waiting_for_credit:
+                    self.onesided.pump()
                 return
-            self.onesided.pump()  # one-sided: credits may have arrived
+            if self.onesided.operations.waiting_for_credit:  # else pump() has nothing to post
+                self.onesided.pump()  # one-sided: credits may have arrived
             self.sender.on_batch_end()
             if self.closing:
                 self.finish_close()  # a graceful close ends when its last send completes

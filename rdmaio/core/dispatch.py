@@ -459,6 +459,40 @@ class CompletionDispatcher:
             self._poll([p for p in self._pool if p.cq is cq])  # more may be there, or a handler asked
         return False
 
+    def deliver(self, cq: Queue, records: Any, key: int) -> bool:
+        """``records`` (the caller's own array, every record of dispatch key ``key``) were taken from ``cq``
+        by a caller (a serial one-sided request's post-and-poll in one C call keeps its own successful
+        completion and hands anything else here). Dispatched as :meth:`poll_now` would: True. During a
+        dispatch (the caller ran inside a handler) they are kept, in order, as records that came before
+        their handler was set are, and False is returned: the caller makes sure a :meth:`poll_now` comes
+        soon (later records of the same key are delivered after them in any case)."""
+        n = len(records)
+        self.polls += 1
+        if not n:
+            return True
+        self.completions += n
+        if self._closed:
+            self.dropped += n
+            return True
+        if self._dispatching:
+            self._stash.setdefault(key, []).append(records)
+            self._replay.add(key)
+            self._again = True
+            return False
+        if self._replay:
+            for kept in list(self._replay):
+                self._deliver_kept(kept)
+        self._dispatching = True
+        try:
+            self._dispatch(records, [_Run(key, 0, n)], 1)
+        finally:
+            self._dispatching = False
+        if self._again:
+            self._poll(list(self._pool))
+        else:
+            self._poll([p for p in self._pool if p.cq is cq])  # records were taken: more may be there
+        return True
+
     def _poll(self, pooled: list[_PooledCQ]) -> None:
         if self._dispatching:
             self._again = True  # the records being dispatched must not be overwritten: poll later
@@ -553,3 +587,14 @@ class CompletionDispatcher:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<rdmaio CompletionDispatcher {state} cqs={len(self._pool)} connections={len(self._tags)}>"
+
+
+class _Run:
+    """One run of records of one dispatch key (what :meth:`CompletionDispatcher.deliver` dispatches)."""
+
+    __slots__ = ("count", "key", "start")
+
+    def __init__(self, key: int, start: int, count: int) -> None:
+        self.key = key
+        self.start = start
+        self.count = count

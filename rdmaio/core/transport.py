@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import cast
 
+from rdmaio import verbs
 from rdmaio.core.dispatch import CompletionHandler, CQReservation
 from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT
 from rdmaio.core.reactor import Reactor
@@ -31,7 +32,7 @@ from rdmaio.verbs import (
     make_wr_id,
 )
 
-__all__ = ["Transport"]
+__all__ = ["OneSidedPort", "Transport"]
 
 CQ_MARGIN = 8
 """CQ entries reserved beyond the send, one-sided and receive depths: control work requests."""
@@ -198,6 +199,11 @@ class Transport:
         n = qp.post_rdma_and_poll(count, cq, cast(CompletionBatch, batch))
         return completions.polled(cq, qp.qp_num, wr_id, n)
 
+    def onesided_port(self, wr_base: int) -> OneSidedPort:
+        """The port of this connection's serial one-sided requests (one C call posts one and takes at most
+        one record from the CQ; see :class:`OneSidedPort`); ``wr_base`` carries their kind and tag."""
+        return OneSidedPort(self, self.qp.onesided_port(self.cq, wr_base, self.max_inline))
+
     def close(self) -> None:
         """Tear down in dependency order: unregister from the dispatcher, QP, slot rings (MRs), CQ
         reservation. Idempotent.
@@ -222,3 +228,35 @@ class Transport:
         self.send_ring.close()
         if self.cq_reservation is not None:
             self.cq_reservation.release()  # after the QP: a CQ is destroyed only once its QPs are
+
+
+class OneSidedPort:
+    """A connection's port for serial one-sided requests (what the one-sided engine calls a ``SerialPort``):
+    :attr:`post_poll` is the verbs port's C call; the rare outcomes go through the Domain's dispatcher."""
+
+    def __init__(self, transport: Transport, port: verbs.OneSidedPort) -> None:
+        self._transport = transport
+        self._port = port
+        self.post_poll = port.post_poll
+        """``rdmaio_onesided_post_poll`` bound to the port (see :class:`rdmaio.verbs.OneSidedPort`)."""
+        self.post_batch_poll = port.post_batch_poll
+        """A wave of a batch and one look at the CQ (:meth:`rdmaio.verbs.OneSidedPort.post_batch_poll`)."""
+
+    def after_poll(self, result: int) -> bool:
+        """``POSTED_OTHER``: hand (a copy of) the record the call took to the dispatcher (False: it keeps
+        it for its next poll, see :meth:`CompletionDispatcher.deliver`); ``POSTED_POLL_FAILED``: raise the
+        poll's error."""
+        port = self._port
+        if result == verbs.POSTED_POLL_FAILED:
+            raise port.poll_error()
+        transport = self._transport
+        records, key = port.taken()
+        return transport.completions.deliver(transport.cq, records, key)
+
+    def post_error(self, result: int) -> BaseException:
+        """The error of a failed post: the verbs objects' own (closed, forked) first, else the errno's."""
+        return self._port.post_error(result)
+
+    def poll(self) -> None:
+        """Poll the Domain's CQs now (delivers what a dispatch in progress kept)."""
+        self._transport.poll_completions()

@@ -12,4 +12,8 @@ Modules:
 * :mod:`rdmaio.testing.fakes` holds the in-memory stand-ins the unit tests run on instead of a device:
   fake verbs objects (queue pair, cm id, channels, CQs, device, protection domain, memory regions and
   windows), a fake core backend, transport and reactor, and a fake Endpoint for the compatibility layers.
+* :mod:`rdmaio.testing.nullpair` is a connected pair of real Endpoints over a null device built on those
+  fakes (sends land in the peer one loop iteration later, one-sided requests run on real memory), made
+  directly or through the server's real accept path, with a meter of the device's own CPU time (the native
+  overhead benchmark, ``python -m bench --overhead``, and the Python-call budgets use it).
 """

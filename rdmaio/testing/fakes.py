@@ -777,6 +777,10 @@ class FakeTransport:
         """One-sided requests are not carried by this fake."""
         raise AssertionError("this fake transport carries no one-sided requests")
 
+    def onesided_port(self, wr_base: int) -> None:
+        """No serial one-sided port: this fake carries no one-sided requests."""
+        return None
+
     def post_receives(self, slots: list[int]) -> None:
         """Repost receive slots."""
         self.posted.extend(slots)
@@ -1249,3 +1253,172 @@ class FakeEndpoint:
 def fake_pair(options: Options | None = None, **kwargs: Any) -> tuple[FakeEndpoint, FakeEndpoint]:
     """Two connected :class:`FakeEndpoint` objects (see :meth:`FakeEndpoint.pair`)."""
     return FakeEndpoint.pair(options, **kwargs)
+
+
+# --- one-sided: a serial request's post-and-poll, and an engine over fakes ------------------------------
+
+
+class FakeSerialPort:
+    """A connection's one-sided port (``rdmaio.core.onesided.interfaces.SerialPort``) over a :class:`FakeQP`:
+    :meth:`post_poll` records the request in the QP's ``posted``/``calls`` as ``post_rdma`` does, then
+    answers as the C call would: :attr:`at_post` (called with the request's dict) returns the outcome
+    (``verbs.POSTED`` when None: the fake device has not completed it yet). :attr:`after` is called for
+    ``POSTED_OTHER`` / ``POSTED_POLL_FAILED`` (it dispatches what the poll took, as the dispatcher would,
+    and returns whether it did); :attr:`failures` are the outcomes of :meth:`post_error`."""
+
+    def __init__(self, qp: FakeQP) -> None:
+        self.qp = qp
+        self.at_post: Callable[[dict[str, int]], int] | None = None
+        self.after: Callable[[int], bool] = lambda result: True
+        self.polls = 0
+        self.polls_asked = 0
+        self.wr_base = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, 0, 0)
+
+    def post_poll(
+        self,
+        index: int,
+        local_addr: int,
+        lkey: int,
+        length: int,
+        opcode: int,
+        remote_addr: int,
+        rkey: int,
+        compare_add: int,
+        swap: int,
+    ) -> int:
+        """Post one request (recorded), then poll once (the outcome :attr:`at_post` decides)."""
+        qp = self.qp
+        if qp.fail_next:
+            return -12
+        qp.calls.append(1)
+        entry = {
+            "wr_id": self.wr_base | index,
+            "local_addr": local_addr,
+            "length": length,
+            "lkey": lkey,
+            "opcode": opcode,
+            "send_flags": int(lib.IBV_SEND_SIGNALED),
+            "imm_data": 0,
+            "rkey": rkey,
+            "remote_addr": remote_addr,
+            "compare_add": compare_add,
+            "swap": swap,
+        }
+        qp.posted.append(entry)
+        self.polls += 1
+        return verbs.POSTED if self.at_post is None else self.at_post(entry)
+
+    def post_batch_poll(
+        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
+    ) -> int:
+        """A wave, recorded as :meth:`FakeQP.post_batch` records it, then one poll: :attr:`at_post` decides
+        (called with the wave's last request)."""
+        qp = self.qp
+        if qp.fail_next:
+            return -12
+        FakeQP.post_batch(qp, wr_id, opcode, local_addr, lkey, rkey, remote_addr, **arrays)
+        self.polls += 1
+        return verbs.POSTED if self.at_post is None else self.at_post(qp.posted[-1])
+
+    def after_poll(self, result: int) -> bool:
+        """What the poll took that was not the request's own success: :attr:`after` handles it."""
+        return self.after(result)
+
+    def post_error(self, result: int) -> BaseException:
+        """The error of a failed post (``result`` is ``-errno``)."""
+        return VerbsError("fake post failure", errno=-result, call="ibv_post_send")
+
+    def poll(self) -> None:
+        """A poll of the dispatcher (counted in :attr:`polls_asked`)."""
+        self.polls_asked += 1
+
+
+def onesided_rig(
+    *,
+    max_ops: int = 16,
+    complete_at_post: bool = True,
+    record: bool = True,
+    close_state: Any = None,
+    io: Any = None,
+) -> SimpleNamespace:
+    """A :class:`~rdmaio.core.onesided.OneSidedEngine` on the running asyncio loop over a :class:`FakeQP`
+    whose fake device completes every request at its post (``complete_at_post``: the completion is taken by
+    the post's own poll) or one loop iteration later (through ``on_completion``, as a connection's handler
+    delivers it). Batch waves always complete one iteration later. Returns ``engine``, ``qp``, ``port`` and
+    a ``key`` granting everything on 4 KiB (for tools/onesided_calls.py and the call-count tests). Without
+    ``record``, a single request completed at its post is not recorded (the port's call returns at once,
+    as cheap as a fake of the C call can be: for CPU figures). With ``close_state`` (a
+    :class:`~rdmaio.protocol.closestate.CloseState`), the credits' ``flush_error`` is its own, as a
+    Session's is. ``io``: the loop backend (a TrioBackend under trio; the running asyncio loop's when None).
+    """
+    from rdmaio.core.backend import AsyncioBackend
+    from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, OneSidedEngine, RemoteKey
+
+    if io is None:
+        call_soon: Callable[..., Any] = asyncio.get_running_loop().call_soon
+        io = AsyncioBackend(asyncio.get_running_loop())
+    else:
+        backend = io
+
+        def call_soon(fn: Callable[..., None], *args: Any) -> Any:
+            return backend.call_soon(lambda: fn(*args))
+
+    qp = FakeQP()
+    port = FakeSerialPort(qp)
+    if complete_at_post and not record:
+        done = verbs.POSTED_DONE
+        port.post_poll = lambda *request: done  # type: ignore[method-assign]
+        port.post_batch_poll = lambda *wave, **arrays: done  # type: ignore[method-assign]
+    rig = SimpleNamespace(qp=qp, port=port, failures=[])
+    credits = SimpleNamespace(
+        can_take_slot=lambda: True,
+        take_slot=lambda: None,
+        on_slot_used=lambda: None,
+        flush_error=close_state.flush_error if close_state is not None else lambda: None,
+    )
+
+    def fail(exc: BaseException) -> None:
+        rig.failures.append(exc)
+        rig.engine.close(exc)
+
+    engine = OneSidedEngine(
+        io,
+        qp,
+        credits,
+        register_local=FakeRegion,
+        register_grant=lambda view, bits: FakeRegion(view, bits),
+        cache_get=FakeRegistration,
+        fail=fail,
+        max_ops=max_ops,
+        max_inline=0,
+        revoke_timeout=5.0,
+        port=port,
+    )
+    rig.engine = engine
+    if complete_at_post:
+        port.at_post = lambda entry: verbs.POSTED_DONE
+    else:
+
+        def complete_later(entry: dict[str, int]) -> int:
+            call_soon(engine.on_completion, entry["wr_id"], 0)
+            return verbs.POSTED
+
+        port.at_post = complete_later
+    post_batch = qp.post_batch
+
+    def post_batch_completed_later(wr_id: int, *args: Any, **arrays: Any) -> None:
+        post_batch(wr_id, *args, **arrays)
+        call_soon(engine.on_completion, wr_id, 0)
+
+    qp.post_batch = post_batch_completed_later  # type: ignore[method-assign]
+    original_post_rdma = qp.post_rdma
+
+    def post_rdma_completed_later(count: int) -> None:
+        start = len(qp.posted)
+        original_post_rdma(count)
+        for entry in qp.posted[start:]:
+            call_soon(engine.on_completion, entry["wr_id"], 0)
+
+    qp.post_rdma = post_rdma_completed_later  # type: ignore[method-assign]
+    rig.key = RemoteKey(0x10000, 0x77, 4096, ACCESS_READ | ACCESS_WRITE | ACCESS_ATOMIC, 1)
+    return rig

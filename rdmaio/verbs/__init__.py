@@ -63,7 +63,14 @@ from rdmaio.verbs.enums import (
     wc_status_str,
 )
 from rdmaio.verbs.memory import MemoryRegion, MemoryWindow, ProtectionDomain
-from rdmaio.verbs.qp import QueuePair
+from rdmaio.verbs.qp import (
+    POSTED,
+    POSTED_DONE,
+    POSTED_OTHER,
+    POSTED_POLL_FAILED,
+    OneSidedPort,
+    QueuePair,
+)
 from rdmaio.verbs.srq import SharedReceiveQueue
 from rdmaio.verbs.wr import (
     MAX_POLL,
@@ -97,6 +104,10 @@ __all__ = [
     "EVENT_SRQ_LIMIT_REACHED",
     "MAX_POLL",
     "MTU_BYTES",
+    "POSTED",
+    "POSTED_DONE",
+    "POSTED_OTHER",
+    "POSTED_POLL_FAILED",
     "RDMA_OP",
     "SEND_INLINE",
     "SEND_SIGNALED",
@@ -125,6 +136,7 @@ __all__ = [
     "MemoryRegion",
     "MemoryWindow",
     "OneSidedCaps",
+    "OneSidedPort",
     "PortInfo",
     "ProtectionDomain",
     "QueuePair",

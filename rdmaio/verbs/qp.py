@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from rdmaio._ffi import ffi, lib
@@ -155,27 +158,9 @@ class QueuePair(_Resource):
         if batch is None:
             batch = self._batch = ffi.new("struct rdmaio_batch *")
         count = len(remote_addr)
-        keep = [ffi.from_buffer("uint64_t[]", remote_addr)]  # alive until the call returns
-        batch.wr_id = wr_id
-        batch.local_addr = local_addr
-        batch.lkey = lkey
-        batch.opcode = opcode
-        batch.rkey = rkey
-        batch.count = count
-        batch.remote_addr = keep[0]
-        for name, array, ctype in (
-            ("length", length, "uint32_t[]"),
-            ("local_offset", local_offset, "uint64_t[]"),
-            ("compare_add", compare_add, "uint64_t[]"),
-            ("swap", swap, "uint64_t[]"),
-        ):
-            if array is None:
-                setattr(batch, name, ffi.NULL)
-            else:
-                if len(array) != count:
-                    raise ValueError(f"{name} has {len(array)} entries for {count} requests")
-                keep.append(ffi.from_buffer(ctype, array))
-                setattr(batch, name, keep[-1])
+        keep = _fill_batch(  # noqa: F841 - the arrays stay alive until the call returns
+            batch, wr_id, opcode, local_addr, lkey, rkey, remote_addr, length, local_offset, compare_add, swap
+        )
         rc = lib.rdmaio_post_batch(self._ptr, batch, self._bad)
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"batch request {self._bad[0]} of {count}")
@@ -228,6 +213,175 @@ class QueuePair(_Resource):
         attr.qp_state = lib.IBV_QPS_ERR
         _check(lib.ibv_modify_qp(self._ptr, attr, lib.IBV_QP_STATE), "ibv_modify_qp", "to ERR")
 
+    def onesided_port(self, cq: CompletionQueue, wr_base: int, max_inline: int) -> OneSidedPort:
+        """The :class:`OneSidedPort` of this QP and its completion queue ``cq`` (made once): serial one-sided
+        requests with ``wr_id = wr_base | index`` are posted and polled through it in one C call."""
+        self._check_usable()
+        cq._check_usable()
+        port: OneSidedPort | None = getattr(self, "_port", None)
+        if port is None:
+            port = self._port = OneSidedPort(self, cq, wr_base, max_inline)
+        return port
+
     def _destroy(self) -> None:
+        port: OneSidedPort | None = getattr(self, "_port", None)
+        if port is not None:
+            port.disable()  # before the QP goes: the port's C call must never reach a destroyed QP
         lib.rdma_destroy_qp(self._cm_id._ptr)
         self._cm_id.qp = None
+
+
+# --- one-sided port ---------------------------------------------------------------------------------
+
+_live_ports: weakref.WeakSet[OneSidedPort] = weakref.WeakSet()
+
+
+def _disable_ports_in_child() -> None:
+    # A forked child must not post on its parent's queue pairs (ibv_fork_init(3)): the C call then
+    # returns -EBADF, and the caller's checks raise ForkError.
+    for port in list(_live_ports):
+        port.disable()
+
+
+os.register_at_fork(after_in_child=_disable_ports_in_child)
+
+
+class OneSidedPort:
+    """A serial one-sided request in ONE C call (``rdmaio_onesided_post_poll``): it fills the work request,
+    posts it, and takes at most one record from the completion queue. :attr:`post_poll` is that C function
+    bound to this port (a ``functools.partial`` of a cffi function: calling it runs no Python code), called
+    as ``post_poll(index, local_addr, lkey, length, opcode, remote_addr, rkey, compare_add, swap)``; it
+    returns ``-errno`` (nothing posted), or :data:`POSTED` (the CQ was empty), :data:`POSTED_DONE` (the
+    request's own successful completion was taken), :data:`POSTED_OTHER` (another record was taken:
+    :meth:`taken`, to dispatch) or
+    :data:`POSTED_POLL_FAILED` (:meth:`poll_error`). Made by :meth:`QueuePair.onesided_port`; disabled
+    (every call returns ``-EBADF``) when its QP is destroyed and in a forked child."""
+
+    def __init__(self, qp: QueuePair, cq: CompletionQueue, wr_base: int, max_inline: int) -> None:
+        self._qp = weakref.ref(qp)
+        self._cq = weakref.ref(cq)
+        self._port = port = ffi.new("struct rdmaio_onesided_port *")
+        port.qp = qp._ptr
+        port.cq = cq._ptr
+        port.wr_base = wr_base
+        port.max_inline = max(0, max_inline)
+        self._batch = ffi.new("struct rdmaio_batch *")
+        self.post_poll = functools.partial(lib.rdmaio_onesided_post_poll, port)
+        """The C call (see the class docstring)."""
+        _live_ports.add(self)
+
+    @property
+    def enabled(self) -> bool:
+        """False once :meth:`disable` ran (the QP was destroyed, or this is a forked child)."""
+        return bool(self._port.qp != ffi.NULL)
+
+    @property
+    def posted(self) -> int:
+        """Requests posted through the port."""
+        return int(self._port.posted)
+
+    @property
+    def polled(self) -> int:
+        """Records taken from the completion queue."""
+        return int(self._port.polled)
+
+    def disable(self) -> None:
+        """Make every later call return ``-EBADF`` without touching the QP or the CQ."""
+        self._port.qp = ffi.NULL
+        self._port.cq = ffi.NULL
+
+    def taken(self) -> tuple[Any, int]:
+        """A copy of the record a :data:`POSTED_OTHER` call took (a ``struct rdmaio_wc[1]``) and its
+        dispatch key."""
+        copy = ffi.new("struct rdmaio_wc[]", 1)
+        copy[0] = self._port.record
+        return copy, int(self._port.group.key)
+
+    def post_batch_poll(
+        self,
+        wr_id: int,
+        opcode: int,
+        local_addr: int,
+        lkey: int,
+        rkey: int,
+        remote_addr: Any,
+        *,
+        length: Any = None,
+        local_offset: Any = None,
+        compare_add: Any = None,
+        swap: Any = None,
+    ) -> int:
+        """A wave of a batch (the arguments of :meth:`QueuePair.post_batch`), then one look at the CQ, in
+        one C call (``rdmaio_onesided_post_batch_poll``): the results of :attr:`post_poll`, where
+        :data:`POSTED_DONE` means the wave's own (last, signalled) request completed successfully."""
+        batch = self._batch
+        keep = _fill_batch(  # noqa: F841 - the arrays stay alive until the call returns
+            batch, wr_id, opcode, local_addr, lkey, rkey, remote_addr, length, local_offset, compare_add, swap
+        )
+        return int(lib.rdmaio_onesided_post_batch_poll(self._port, batch))
+
+    def poll_error(self) -> VerbsError:
+        """The error of a :data:`POSTED_POLL_FAILED` call."""
+        return VerbsError.from_errno("ibv_poll_cq", int(self._port.poll_errno))
+
+    def post_error(self, result: int) -> Exception:
+        """The error of a call that posted nothing (``result`` is ``-errno``): the queue pair's or the
+        completion queue's own when one is closed or was created before a fork (ForkError), else the
+        provider's errno."""
+        for resource in (self._qp(), self._cq()):
+            if resource is not None:
+                try:
+                    resource._check_usable()
+                except Exception as exc:
+                    return exc
+        return VerbsError.from_errno("ibv_post_send", -result, "one-sided request")
+
+
+POSTED: int = lib.RDMAIO_POSTED
+"""``OneSidedPort.post_poll``: posted, the CQ was empty."""
+POSTED_DONE: int = lib.RDMAIO_POSTED_DONE
+"""``OneSidedPort.post_poll``: posted, and its own successful completion was taken from the CQ."""
+POSTED_OTHER: int = lib.RDMAIO_POSTED_OTHER
+"""``OneSidedPort.post_poll``: posted, and another record was taken (to dispatch)."""
+POSTED_POLL_FAILED: int = lib.RDMAIO_POSTED_POLL_FAILED
+"""``OneSidedPort.post_poll``: posted, and the poll failed."""
+
+
+def _fill_batch(
+    batch: Any,
+    wr_id: int,
+    opcode: int,
+    local_addr: int,
+    lkey: int,
+    rkey: int,
+    remote_addr: Any,
+    length: Any,
+    local_offset: Any,
+    compare_add: Any,
+    swap: Any,
+) -> list[Any]:
+    """Fill ``struct rdmaio_batch`` ``batch``; returns the C views of the arrays (keep them alive until
+    the post returns)."""
+    count = len(remote_addr)
+    keep = [ffi.from_buffer("uint64_t[]", remote_addr)]
+    batch.wr_id = wr_id
+    batch.local_addr = local_addr
+    batch.lkey = lkey
+    batch.opcode = opcode
+    batch.rkey = rkey
+    batch.count = count
+    batch.remote_addr = keep[0]
+    for name, array, ctype in (
+        ("length", length, "uint32_t[]"),
+        ("local_offset", local_offset, "uint64_t[]"),
+        ("compare_add", compare_add, "uint64_t[]"),
+        ("swap", swap, "uint64_t[]"),
+    ):
+        if array is None:
+            setattr(batch, name, ffi.NULL)
+        else:
+            if len(array) != count:
+                raise ValueError(f"{name} has {len(array)} entries for {count} requests")
+            keep.append(ffi.from_buffer(ctype, array))
+            setattr(batch, name, keep[-1])
+    return keep

@@ -26,6 +26,7 @@ from rdmaio.endpoint import Endpoint
 from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, Handshake, Session
 from rdmaio.testing.fakes import FakeCMId, FakeReactor, FakeTransport, fake_completion, wire
+from rdmaio.testing.nullpair import null_pair
 from rdmaio.verbs import CMEventType
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -48,23 +49,11 @@ def _no_device(device: Any) -> Any:
 
 
 def pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Endpoint, Endpoint]:
-    """Two endpoints connected back to back through fake verbs objects (call inside a running loop)."""
-    monkeypatch.setattr(rdmaio.core.onesided, "cached_caps", _no_device)
+    """Two endpoints connected back to back over the null device of rdmaio.testing.nullpair (call inside a
+    running loop); ``monkeypatch`` is kept for the callers, the pair needs none."""
     hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH | FEATURE_ONESIDED)
-    transports = [FakeTransport(10, 1), FakeTransport(11, 2)]
-    for a, b in ((0, 1), (1, 0)):
-        transports[a].qp.wire = wire(transports[a], transports[b])
-    ids = [FakeCMId(local_address=("198.18.0.1", 2)), FakeCMId(local_address=("198.18.0.2", 2))]
-    reactor: Any = FakeReactor()
-    endpoints = [
-        Endpoint(Connection(reactor, ids[i], transports[i], Session(hs, hs), OPTIONS))  # type: ignore[arg-type]
-        for i in (0, 1)
-    ]
-    event: Any = SimpleNamespace(event=CMEventType.DISCONNECTED)
-    for i in (0, 1):
-        # Our disconnect reaches the peer as DISCONNECTED one loop iteration later.
-        ids[i].on_disconnect = functools.partial(endpoints[1 - i]._conn._on_cm_event, event)
-    return endpoints[0], endpoints[1]
+    a, b, _device = null_pair(OPTIONS, hs)
+    return a, b
 
 
 def test_messages_and_stream_bytes_travel_in_order(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from rdmaio.core.onesided import (
 )
 from rdmaio.core.onesided import operations as onesided_operations
 from rdmaio.protocol import Handshake, Session
-from rdmaio.testing.fakes import FakeQP, FakeRegion, FakeRegistration, FakeWindow
+from rdmaio.testing.fakes import FakeQP, FakeRegion, FakeRegistration, FakeSerialPort, FakeWindow
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 WR_ONESIDED = 2 << 56
@@ -83,6 +83,9 @@ class Rig:
         self.reaps = 0  # polls asked for by export() to free bind entries
         self.poll = poll
         self.polled_for: list[int] = []
+        self.port = FakeSerialPort(self.qp)
+        self.port.at_post = self._at_post
+        self.port.after = self._after_poll
         self.engine = OneSidedEngine(
             AsyncioBackend(asyncio.get_running_loop()),
             self.qp,
@@ -98,7 +101,7 @@ class Rig:
             peer_onesided=peer_onesided,
             notice_limit=notice_limit,
             repost=self.reposted.append,
-            post_polled=None if poll is None else self._post_polled,
+            port=None if poll is None else self.port,
             register_bindable=self._bindable,
             bind_window=self._bind if windows else None,
             poll=self._reap,
@@ -122,14 +125,17 @@ class Rig:
         for window in self.windows:
             self.engine.on_completion(window.wr_id, status)
 
-    def _post_polled(self, count: int, wr_id: int) -> bool:
-        # Post, then the tests' poll completes what it finds through on_completion, as the dispatcher
-        # would.
-        assert self.poll is not None
-        self.qp.post_rdma(count)
-        self.polled_for.append(wr_id)
+    def _at_post(self, wr: dict[str, int]) -> int:
+        # Posted (recorded by the fake port); the poll "found something" that is not known to be the
+        # request's own success: the engine hands it on (_after_poll), where the tests' poll completes
+        # what it finds through on_completion, as the dispatcher would.
+        self.polled_for.append(wr["wr_id"])
+        return rdmaio.verbs.POSTED_OTHER
+
+    def _after_poll(self, result: int) -> bool:
+        assert self.poll is not None and result == rdmaio.verbs.POSTED_OTHER
         self.poll()
-        return False
+        return True
 
     def _local(self, buffer: Any) -> FakeRegion:
         self.local.append(FakeRegion(buffer))
@@ -486,6 +492,35 @@ def test_close_fails_every_pending_op_and_releases_everything(arun: Run) -> None
     arun(main())
 
 
+def test_a_call_waits_for_a_staging_slot_held_by_a_completed_op_not_yet_released(arun: Run) -> None:
+    """A completion gives its op slot back at once, but the staging slot only when its caller resumes: a
+    call in between (every staging slot held) waits for one instead of failing (it raised IndexError)."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=2)
+        first = [asyncio.ensure_future(rig.engine.read(key(), 8 * i, 8)) for i in range(2)]
+        go = asyncio.Event()
+
+        async def third() -> bytes:
+            await go.wait()
+            return await rig.engine.read(key(), 16, 8)
+
+        late = asyncio.ensure_future(third())
+        await settle()
+        go.set()  # the third caller runs before the first two resume (they are woken after it)
+        for i in range(2):
+            rig.complete(i, data=b"12345678")
+        assert rig.engine.operations.in_flight == 0 and rig.engine.operations._free_staging == []
+        assert await asyncio.gather(*first) == [b"12345678"] * 2
+        await settle()
+        assert len(rig.qp.posted) == 3
+        rig.complete(data=b"abcdefgh")
+        assert await asyncio.wait_for(late, 5) == b"abcdefgh"
+        assert sorted(rig.engine.operations._free_staging) == [0, 1] and rig.engine.ops == {}
+
+    arun(main())
+
+
 def test_cancelled_read_keeps_its_staging_until_the_completion(arun: Run) -> None:
     async def main() -> None:
         rig = Rig(max_ops=2)
@@ -805,22 +840,20 @@ def test_a_lone_request_completed_at_post_returns_without_sleeping(arun: Run) ->
 
 
 def test_a_completion_found_alone_at_post_is_completed_by_the_caller(arun: Run) -> None:
-    """post_polled() True: the request's own successful completion was all the poll found, so the dispatcher
-    did not deliver it and the engine completes the op itself (no on_completion call)."""
+    """The C call returned POSTED_DONE: the request's own successful completion was what the poll took, so
+    the dispatcher did not deliver it and the engine completes the call itself (no on_completion call)."""
 
     async def main() -> None:
         rig = Rig(poll=lambda: None)
         await first_call_completed_later(rig, rig.engine.read(key(), 0, 8))
         asked: list[int] = []
 
-        def post_polled(count: int, wr_id: int) -> bool:
-            rig.qp.post_rdma(count)
-            asked.append(wr_id)
-            wr = rig.qp.posted[-1]
+        def at_post(wr: dict[str, int]) -> int:
+            asked.append(wr["wr_id"])
             ffi.memmove(ffi.cast("void *", wr["local_addr"]), b"w" * 64, 64)  # the NIC's READ
-            return True
+            return rdmaio.verbs.POSTED_DONE
 
-        rig.engine.operations._post_polled = post_polled
+        rig.port.at_post = at_post
         assert await rig.engine.read(key(), 0, 64) == b"w" * 64
         assert await rig.engine.fetch_add(key(), 8, 2) == int.from_bytes(b"w" * 8, sys.byteorder)
         assert asked == [rig.qp.posted[1]["wr_id"], rig.qp.posted[2]["wr_id"]]

@@ -75,7 +75,7 @@ from rdmaio.core.backend import Backend
 from rdmaio.core.onesided.batches import BatchCalls
 from rdmaio.core.onesided.caps import OneSidedCaps, cached_caps, query_caps, rd_atomic_depth
 from rdmaio.core.onesided.exporter import CTL_FIRST_EXTERNAL, MAX_BINDS_IN_FLIGHT, SCOPES, Exporter, Grant
-from rdmaio.core.onesided.interfaces import BindWindow, Credits, RdmaQueue, Region
+from rdmaio.core.onesided.interfaces import BindWindow, Credits, RdmaQueue, Region, SerialPort
 from rdmaio.core.onesided.keys import (
     ACCESS_ATOMIC,
     ACCESS_READ,
@@ -133,7 +133,12 @@ class OneSidedEngine:
     and no remote flags, ``bind_window(region, wr_id, access)`` allocates a type 2 window and posts its
     bind on the connection's QP (None: the device has no windows), ``poll()`` polls the completion queue
     now (to free bind entries). ``max_revoked_ranges`` bounds the peer's revoked key ids kept.
-    ``repost(slot)`` gives a receive held by write-notice back-pressure back to the NIC.
+    ``repost(slot)`` gives a receive held by write-notice back-pressure back to the NIC. ``port`` (a
+    :class:`~rdmaio.core.onesided.interfaces.SerialPort`, or ``make_port(wr_base)`` makes it) posts and
+    polls a serial request in one C call.
+
+    A connection calls :attr:`pump` after a batch of completions only while
+    ``operations.waiting_for_credit`` is not 0 (otherwise it has nothing to post).
     """
 
     def __init__(
@@ -159,11 +164,14 @@ class OneSidedEngine:
         peer_onesided: bool = True,
         notice_limit: int = 64,
         repost: Callable[[int], None] | None = None,
-        post_polled: Callable[[int, int], bool] | None = None,
+        port: SerialPort | None = None,
+        make_port: Callable[[int], SerialPort | None] | None = None,
     ) -> None:
         stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
         wr_base = verbs.make_wr_id(WR_KIND_ONESIDED, tag, 0)
+        if make_port is not None:
+            port = make_port(wr_base)
         indexes = itertools.count(1)  # ops and window binds share it: the index tells which
         revoked_ids = RevokedKeys(max_revoked_ranges)  # keys the peer revoked
         operations = OperationEngine(
@@ -180,7 +188,7 @@ class OneSidedEngine:
             indexes=indexes,
             revoked_ids=revoked_ids,
             peer_onesided=peer_onesided,
-            post_polled=post_polled,
+            port=port,
         )
         exporter = Exporter(
             io,
@@ -287,7 +295,7 @@ class OneSidedEngine:
             peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
-            post_polled=transport.post_rdma_polled,
+            make_port=transport.onesided_port,
         )
 
     @property

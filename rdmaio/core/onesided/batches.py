@@ -32,10 +32,7 @@ class BatchCalls:
         self._operations = operations
         self._check_key = operations.check_key
         self._raise_if_failed = operations.raise_if_failed
-        self._start = operations.start
-        self._post_wave = operations.post_wave
-        self._finish = operations.finish
-        self._release = operations.release
+        self._wave = operations.wave
 
     async def fetch_add_many(
         self, key: RemoteKey, offsets: Iterable[int], add: int | Iterable[int] = 1
@@ -68,13 +65,9 @@ class BatchCalls:
         step = self._operations.max_ops
         for i in range(0, len(where), step):
             wave = remote[i : i + step]
-            op = await self._start(key, WR_FADD, 8 * len(wave), count=len(wave))
-            self._post_wave(op, key, wave, compare_add=operands[i : i + step])
-            await self._finish(op)
-            assert op.buffer is not None
+            data = await self._wave(key, WR_FADD, 8 * len(wave), wave, compare_add=operands[i : i + step])
             # The NIC stores each original value as a u64 in this host's byte order.
-            results.extend(struct.unpack_from(f"={op.count}Q", op.buffer))
-            self._release(op)
+            results.extend(struct.unpack_from(f"={len(wave)}Q", data))
         return results
 
     async def read_many(self, key: RemoteKey, ranges: Iterable[tuple[int, int]]) -> list[bytes]:
@@ -98,15 +91,10 @@ class BatchCalls:
             lengths = array("I", [wanted[i][1] for i in wave])
             starts = array("Q", [0, *accumulate(lengths)][:-1])
             total = starts[-1] + lengths[-1]
-            op = await self._start(key, WR_READ, total, count=len(wave))
             remote = array("Q", [key.addr + wanted[i][0] for i in wave])
-            self._post_wave(op, key, remote, length=lengths, local_offset=starts)
-            await self._finish(op)
-            assert op.buffer is not None
-            view = op.buffer
+            data = await self._wave(key, WR_READ, total, remote, length=lengths, local_offset=starts)
             for i, start, length in zip(wave, starts, lengths, strict=True):
-                results[i] = bytes(view[start : start + length])
-            self._release(op)
+                results[i] = data[start : start + length]
         return results
 
 

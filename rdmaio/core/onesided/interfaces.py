@@ -9,9 +9,10 @@ tests give fakes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["BindWindow", "Credits", "RdmaQueue", "Region", "Window"]
+__all__ = ["BindWindow", "Credits", "RdmaQueue", "Region", "SerialPort", "Window"]
 
 
 class Region(Protocol):
@@ -72,3 +73,31 @@ class Credits(Protocol):
 
     def flush_error(self) -> BaseException | None:
         """The error of the connection, or None while it is usable."""
+
+
+class SerialPort(Protocol):
+    """A connection's port for serial requests (``rdmaio.core.transport.Transport.onesided_port``): fill,
+    post and poll one request in one C call (``rdmaio.verbs.OneSidedPort``)."""
+
+    @property
+    def post_poll(self) -> Callable[..., int]:
+        """``post_poll(index, local_addr, lkey, length, opcode, remote_addr, rkey, compare_add, swap)``:
+        post the request ``wr_id = wr_base | index`` and take at most one record from the CQ; ``-errno``
+        (nothing posted) or one of ``rdmaio.verbs.POSTED``, ``POSTED_DONE``, ``POSTED_OTHER``,
+        ``POSTED_POLL_FAILED``."""
+
+    def after_poll(self, result: int) -> bool:
+        """``POSTED_OTHER``: dispatch the record taken (True), or keep it for the next poll of the
+        dispatcher (False: the caller makes sure one comes); ``POSTED_POLL_FAILED``: raise its error."""
+
+    def post_error(self, result: int) -> BaseException:
+        """The error of a failed post (``result`` is ``-errno``)."""
+
+    def poll(self) -> None:
+        """Poll the completion queues now (delivers records a dispatch in progress kept)."""
+
+    def post_batch_poll(
+        self, wr_id: int, opcode: int, local_addr: int, lkey: int, rkey: int, remote_addr: Any, **arrays: Any
+    ) -> int:
+        """A wave of a batch (``QueuePair.post_batch``'s arguments) and one look at the CQ in one C call;
+        the results of :attr:`post_poll` (``POSTED_DONE``: the wave's last request completed)."""

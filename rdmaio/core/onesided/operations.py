@@ -17,15 +17,17 @@ this engine goes to :attr:`OperationEngine.on_other_completion` (the exporter's 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import errno
+import struct
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from rdmaio import verbs
-from rdmaio.core.backend import Backend, Waiter
-from rdmaio.core.onesided.interfaces import Credits, RdmaQueue, Region
+from rdmaio.core.backend import AsyncioBackend, Backend, Waiter
+from rdmaio.core.onesided.interfaces import Credits, RdmaQueue, Region, SerialPort
 from rdmaio.core.onesided.keys import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, RemoteKey, access_str
 from rdmaio.core.onesided.revoked import RevokedKeys
 from rdmaio.errors import (
@@ -37,6 +39,7 @@ from rdmaio.errors import (
     RemoteAccessRefusedError,
     RemoteKeyRevokedError,
 )
+from rdmaio.protocol.closestate import CloseState
 from rdmaio.verbs.native import ffi, lib
 
 __all__ = [
@@ -81,6 +84,16 @@ _INLINE_OPCODES = frozenset((_WR_WRITE, _WR_WRITE_IMM, _WR_SEND))
 _DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
 # Calls completed at their post that may return in a row without yielding to the loop (see _wait).
 _AT_POST_BUDGET = 16
+_POSTED_DONE = verbs.POSTED_DONE
+_POSTED_OTHER = verbs.POSTED_OTHER
+_U64_AT = struct.Struct("=Q").unpack_from  # an atomic's old value: a u64 in this host's byte order
+_running_loop = asyncio.get_running_loop  # C
+# The running asyncio task without a Python call: _asyncio.current_task (C, Python 3.12+), else the dict
+# the C task machinery keeps per loop (Python 3.11, where asyncio.current_task is Python code).
+_c_current_task: Callable[[], object] | None = getattr(sys.modules.get("_asyncio"), "current_task", None)
+_TASKS_BY_LOOP: dict[Any, Any] | None = (
+    None if _c_current_task is not None else getattr(asyncio.tasks, "_current_tasks", None)
+)
 
 
 class Op:
@@ -113,8 +126,8 @@ class Op:
     def __init__(self, index: int) -> None:
         self.index = index
         self.count = 1  # work requests (send queue entries) it stands for: a batch has several
-        # Made when a caller has to wait (most serial calls complete at their post and never need one).
-        self.waiter: Waiter | None = None
+        # Made when a caller has to wait: an asyncio.Future on asyncio, else the backend's Waiter.
+        self.waiter: Any = None
         self.done = False
         self.posted = False
         self.orphan = False  # nobody waits for it any more: its completion releases its memory
@@ -157,8 +170,13 @@ class OperationEngine:
     (local-access registration of rdmaio-owned memory), ``cache_get`` (the Domain's registration cache,
     for ``read_into``), ``fail`` (fails the whole connection), ``wr_base`` (kind and tag of our wr_ids),
     ``indexes`` (the counter shared with the window binds), ``revoked_ids`` (the keys the peer revoked,
-    kept by the exporter), the connection's ``stats`` counter, and ``post_polled(count, wr_id)`` (post and
-    look at the CQ in one C call; True when the request's own successful completion was all it found).
+    kept by the exporter), the connection's ``stats`` counter, and ``port`` (a
+    :class:`~rdmaio.core.onesided.interfaces.SerialPort`: fill, post and poll one request in one C call).
+
+    A serial call (one task calling one request at a time, nothing else of this engine in flight) on a
+    device that completes at the post (rxe does) runs as ONE Python call: its checks, the C call that posts
+    and polls, and its result, inline, with no op object (the staging slot is used and given back at once).
+    Otherwise the op is tracked and its completion wakes the caller directly (:meth:`on_completion`).
 
     Documented plain attributes: :attr:`ops` (pending ops by index), :attr:`in_flight` (work requests of
     those ops), :attr:`max_ops`, :attr:`revoked_ids`, :attr:`peer_onesided`, :attr:`error` and
@@ -181,7 +199,7 @@ class OperationEngine:
         indexes: Iterator[int],
         revoked_ids: RevokedKeys,
         peer_onesided: bool,
-        post_polled: Callable[[int, int], bool] | None,
+        port: SerialPort | None,
     ) -> None:
         self._io = io
         self._qp = qp
@@ -202,10 +220,29 @@ class OperationEngine:
         # The peer announced FEATURE_ONESIDED: it understands write notices.
         self.peer_onesided = peer_onesided
         """The peer understands write notices and control messages (FEATURE_ONESIDED)."""
-        # Posts a lone request of a task calling serially and polls the completion queue once right after
-        # (see _post): post_polled(count, wr_id) is True when the request's own successful completion was
-        # all the poll found.
-        self._post_polled = post_polled
+        # Posts a lone request of a task calling serially and polls the completion queue once right after,
+        # in one C call (see _post).
+        self._port = port
+        self._post_poll: Callable[..., int] | None = port.post_poll if port is not None else None
+        # asyncio (and uvloop): an op's waiter is a bare asyncio.Future (made, resolved and awaited in C);
+        # the task is asyncio.current_task (C). Other backends: their Waiter and current_task().
+        self._futures = isinstance(io, AsyncioBackend)
+        self._current_task: Callable[[], object] = io.current_task
+        self._tasks_by_loop: dict[Any, Any] | None = None
+        if self._futures and _c_current_task is not None:
+            self._current_task = _c_current_task
+        elif self._futures:
+            self._tasks_by_loop = _TASKS_BY_LOOP
+        # The serial path asks whether the connection is closing by reading the two flags of the Session's
+        # close state behind credits.flush_error (flush_error() is None exactly while neither is set)
+        # instead of calling it; any other credits object is asked by the call.
+        state = getattr(credits.flush_error, "__self__", None)
+        self._close_state: CloseState | None = state if isinstance(state, CloseState) else None
+        # Serial calls and batch waves completed at their post (no op, no Counter update: statistics()
+        # adds them).
+        self._done_at_post = 0
+        self._waves_done_at_post = 0
+        self._wave_ops_done_at_post = 0
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
         self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
         self.ops: dict[int, Op] = {}
@@ -215,8 +252,14 @@ class OperationEngine:
         self._slot_waiters: collections.deque[Waiter] = collections.deque()
         self._credit_queue: collections.deque[Op] = collections.deque()
         self._pending_sends: collections.deque[bytes] = collections.deque()  # control messages to post
+        self.waiting_for_credit = 0
+        """Control messages and writes with immediate data waiting for a send credit: while 0,
+        :meth:`pump` has nothing to do (a connection may skip calling it)."""
         self._staging: Any = None  # a Region: registered rdmaio-owned memory, max_ops slots of STAGING_SLOT
         self._staging_view: memoryview | None = None
+        self._staging_buf: bytearray | None = None
+        self._staging_addr = 0
+        self._staging_lkey = 0
         self._free_staging = list(range(max_ops))
         self._doorbell: list[Op] = []  # requests to post together at the end of this loop iteration
         self._ring_handle: Any = None
@@ -247,7 +290,8 @@ class OperationEngine:
         revoked by the peer (the local checks before anything is posted)."""
         if not isinstance(key, RemoteKey):
             raise TypeError(f"expected a RemoteKey, got {type(key).__name__}")
-        if key.key_id in self.revoked_ids:
+        # No id from revoked_ids.top up is revoked: most keys in use pass without a look at the ranges.
+        if key.key_id < self.revoked_ids.top and key.key_id in self.revoked_ids:
             raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
         if not key.access_bits & need:
             raise RemoteAccessError(f"{key!r} does not grant {access_str(need)!r} access")
@@ -262,14 +306,68 @@ class OperationEngine:
 
     async def read(self, key: RemoteKey, offset: int, length: int) -> bytes:
         """RDMA READ into rdmaio-owned memory; see ``Endpoint.rdma_read``."""
-        self.check_key(key, offset, length, ACCESS_READ)
-        if length > MAX_OP_BYTES:
-            raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
-        if length == 0:
-            self.raise_if_failed()
-            return b""
-        op = self._start_now(key, WR_READ, length) or await self.start(key, WR_READ, length)
-        self._post(op, key.addr + offset, key.rkey)
+        post_poll = self._post_poll
+        if (
+            post_poll is not None
+            and not self.ops
+            and isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and isinstance(length, int)
+            and key.access_bits & ACCESS_READ
+            and offset >= 0
+            and 0 < length <= STAGING_SLOT
+            and offset + length <= key.length
+            and key.key_id >= self.revoked_ids.top
+            and self._free_staging
+            and self._staging_view is not None
+            and not self._slot_waiters
+            and self.error is None
+            and not self.closed
+            and self._last_poster
+            == id(
+                self._current_task()
+                if self._tasks_by_loop is None
+                else self._tasks_by_loop.get(_running_loop())
+            )
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
+        ):
+            # The serial path (see _post): every check above is check_key's, raise_if_failed's and
+            # _start_now's; a call that fails one takes the general path below, which raises.
+            at = self._free_staging[-1] * STAGING_SLOT
+            index = next(self._index) & _INDEX_MASK
+            result = post_poll(
+                index, self._staging_addr + at, self._staging_lkey, length, WR_READ, key.addr + offset,
+                key.rkey, 0, 0,
+            )  # fmt: skip
+            if result == _POSTED_DONE:
+                data = bytes(self._staging_view[at : at + length])
+                self._done_at_post += 1
+                self._at_post_streak += 1
+                if self._at_post_streak >= _AT_POST_BUDGET:
+                    self._at_post_streak = 0
+                    await self._io.sleep(0)
+                return data
+            op = await self._serial_rest(index, result, WR_READ, length, key.key_id)
+            assert op.buffer is not None and op.staging is not None
+            data = bytes(op.buffer[:length])
+            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
+            op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
+            return data
+        else:
+            self.check_key(key, offset, length, ACCESS_READ)
+            if length > MAX_OP_BYTES:
+                raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
+            if length == 0:
+                self.raise_if_failed()
+                return b""
+            op = self._start_now(key, WR_READ, length) or await self.start(key, WR_READ, length)
+            self._post(op, key.addr + offset, key.rkey)
         if self._must_await(op):
             await self.finish(op)
         assert op.buffer is not None
@@ -334,34 +432,141 @@ class OperationEngine:
 
     async def write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
         """RDMA WRITE (with immediate data when ``imm`` is given); see ``Endpoint.rdma_write``."""
-        view = memoryview(data)
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        length = view.nbytes
-        self.check_key(key, offset, length, ACCESS_WRITE)
-        if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
-            raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
-        if imm is not None and not self.peer_onesided:
-            raise FeatureNotSupportedError(
-                "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in its "
-                "handshake); this peer's rdmaio does not: write without imm and notify it with send()"
+        post_poll = self._post_poll
+        if (
+            post_poll is not None
+            and imm is None
+            and not self.ops
+            and type(data) is bytes
+            and isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and key.access_bits & ACCESS_WRITE
+            and offset >= 0
+            and 0 < len(data) <= STAGING_SLOT
+            and offset + len(data) <= key.length
+            and key.key_id >= self.revoked_ids.top
+            and self._free_staging
+            and self._staging_view is not None
+            and not self._slot_waiters
+            and self.error is None
+            and not self.closed
+            and self._last_poster
+            == id(
+                self._current_task()
+                if self._tasks_by_loop is None
+                else self._tasks_by_loop.get(_running_loop())
             )
-        if length > MAX_OP_BYTES:
-            raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
-        if length == 0 and imm is None:
-            self.raise_if_failed()
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
+        ):
+            # The serial path (see read()): the data is copied into staging before the post, as below.
+            length = len(data)
+            at = self._free_staging[-1] * STAGING_SLOT
+            self._staging_view[at : at + length] = data
+            index = next(self._index) & _INDEX_MASK
+            result = post_poll(
+                index, self._staging_addr + at, self._staging_lkey, length, _WR_WRITE, key.addr + offset,
+                key.rkey, 0, 0,
+            )  # fmt: skip
+            if result == _POSTED_DONE:
+                self._done_at_post += 1
+                self._at_post_streak += 1
+                if self._at_post_streak >= _AT_POST_BUDGET:
+                    self._at_post_streak = 0
+                    await self._io.sleep(0)
+                return
+            op = await self._serial_rest(index, result, _WR_WRITE, length, key.key_id)
+            assert op.staging is not None
+            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
+            op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
             return
-        opcode = _WR_WRITE if imm is None else _WR_WRITE_IMM
-        op = self._start_now(key, opcode, length) or await self.start(key, opcode, length)
-        if length:
-            assert op.buffer is not None
-            op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
-        self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
+        else:
+            view = memoryview(data)
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            length = view.nbytes
+            self.check_key(key, offset, length, ACCESS_WRITE)
+            if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
+                raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
+            if imm is not None and not self.peer_onesided:
+                raise FeatureNotSupportedError(
+                    "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in "
+                    "its handshake); this peer's rdmaio does not: write without imm and notify it with send()"
+                )
+            if length > MAX_OP_BYTES:
+                raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
+            if length == 0 and imm is None:
+                self.raise_if_failed()
+                return
+            opcode = _WR_WRITE if imm is None else _WR_WRITE_IMM
+            op = self._start_now(key, opcode, length) or await self.start(key, opcode, length)
+            if length:
+                assert op.buffer is not None
+                op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
+            self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
         if self._must_await(op):
             await self.finish(op)
         self.release(op)
 
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomic fetch-and-add on a u64; see ``Endpoint.fetch_add``."""
+        post_poll = self._post_poll
+        if (
+            post_poll is not None
+            and not self.ops
+            and isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and isinstance(add, int)
+            and key.access_bits & ACCESS_ATOMIC
+            and offset >= 0
+            and offset + 8 <= key.length
+            and not (key.addr + offset) & 7
+            and -(1 << 63) <= add <= U64
+            and key.key_id >= self.revoked_ids.top
+            and self._free_staging
+            and self._staging_view is not None
+            and not self._slot_waiters
+            and self.error is None
+            and not self.closed
+            and self._last_poster
+            == id(
+                self._current_task()
+                if self._tasks_by_loop is None
+                else self._tasks_by_loop.get(_running_loop())
+            )
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
+        ):
+            # The serial path (see read()).
+            at = self._free_staging[-1] * STAGING_SLOT
+            index = next(self._index) & _INDEX_MASK
+            result = post_poll(
+                index, self._staging_addr + at, self._staging_lkey, 8, WR_FADD, key.addr + offset, key.rkey,
+                add & U64, 0,
+            )  # fmt: skip
+            if result == _POSTED_DONE:
+                old: int = _U64_AT(self._staging_view, at)[0]
+                self._done_at_post += 1
+                self._at_post_streak += 1
+                if self._at_post_streak >= _AT_POST_BUDGET:
+                    self._at_post_streak = 0
+                    await self._io.sleep(0)
+                return old
+            op = await self._serial_rest(index, result, WR_FADD, 8, key.key_id)
+            assert op.staging is not None
+            old = _U64_AT(self._staging_view, op.staging * STAGING_SLOT)[0]
+            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
+            op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
+            return old
         self._check_atomic(key, offset)
         if not isinstance(add, int) or not -(1 << 63) <= add <= U64:
             raise ValueError(f"add must be an int in -2**63..2**64-1, not {add!r}")
@@ -371,6 +576,61 @@ class OperationEngine:
 
     async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
         """Atomic compare-and-swap on a u64; see ``Endpoint.compare_swap``."""
+        post_poll = self._post_poll
+        if (
+            post_poll is not None
+            and not self.ops
+            and isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and isinstance(expected, int)
+            and isinstance(desired, int)
+            and key.access_bits & ACCESS_ATOMIC
+            and offset >= 0
+            and offset + 8 <= key.length
+            and not (key.addr + offset) & 7
+            and 0 <= expected <= U64
+            and 0 <= desired <= U64
+            and key.key_id >= self.revoked_ids.top
+            and self._free_staging
+            and self._staging_view is not None
+            and not self._slot_waiters
+            and self.error is None
+            and not self.closed
+            and self._last_poster
+            == id(
+                self._current_task()
+                if self._tasks_by_loop is None
+                else self._tasks_by_loop.get(_running_loop())
+            )
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
+        ):
+            # The serial path (see read()).
+            at = self._free_staging[-1] * STAGING_SLOT
+            index = next(self._index) & _INDEX_MASK
+            result = post_poll(
+                index, self._staging_addr + at, self._staging_lkey, 8, _WR_CSWAP, key.addr + offset,
+                key.rkey, expected, desired,
+            )  # fmt: skip
+            if result == _POSTED_DONE:
+                old: int = _U64_AT(self._staging_view, at)[0]
+                self._done_at_post += 1
+                self._at_post_streak += 1
+                if self._at_post_streak >= _AT_POST_BUDGET:
+                    self._at_post_streak = 0
+                    await self._io.sleep(0)
+                return old
+            op = await self._serial_rest(index, result, _WR_CSWAP, 8, key.key_id)
+            assert op.staging is not None
+            old = _U64_AT(self._staging_view, op.staging * STAGING_SLOT)[0]
+            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
+            op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
+            return old
         self._check_atomic(key, offset)
         for name, value in (("expected", expected), ("desired", desired)):
             if not isinstance(value, int) or not 0 <= value <= U64:
@@ -378,6 +638,77 @@ class OperationEngine:
         op = self._start_now(key, _WR_CSWAP, 8) or await self.start(key, _WR_CSWAP, 8)
         self._post(op, key.addr + offset, key.rkey, compare_add=expected, swap=desired)
         return await self._atomic_result(op)
+
+    async def _serial_rest(
+        self,
+        index: int,
+        result: int,
+        opcode: int,
+        length: int,
+        key_id: int,
+        count: int = 1,
+        wave: bool = False,
+    ) -> Op:
+        """The rest of a serial request that the C call posted without finding its own successful
+        completion (or failed to post: raises its error, failing the connection): tracked as any posted
+        op (its staging slot taken, in :attr:`ops`), the record the poll took dispatched first (it may be
+        its own failure), then its completion awaited (what :meth:`finish` does, in one coroutine).
+        Returns the op, successful; the caller reads its staging slot and gives it back. ``count``
+        requests (a ``wave`` of a batch: counted as one) or one."""
+        port = self._port
+        assert port is not None and self._staging_view is not None
+        if result < 0:
+            exc = port.post_error(result)
+            self._fail_connection(exc)
+            raise exc
+        op = Op(index)
+        op.key_id = key_id
+        op.length = length
+        op.opcode = opcode
+        op.count = count
+        op.posted = True
+        slot = op.staging = self._free_staging.pop()
+        op.buffer = self._staging_view[slot * STAGING_SLOT : slot * STAGING_SLOT + length]
+        self.ops[index] = op
+        self.in_flight += count
+        stats = self._stats
+        stats["rdma_ops_posted"] += count
+        stats["rdma_doorbells"] += 1
+        if wave:
+            stats["rdma_batches"] += 1
+        if result != verbs.POSTED:
+            try:
+                if not port.after_poll(result):
+                    self._io.call_soon(port.poll)  # kept by a dispatch in progress: delivered by a poll
+            except Exception as exc:
+                self._complete(op, exc)
+                self._fail_connection(exc)
+        if op.done:
+            if not wave:
+                stats["rdma_completed_at_post"] += 1
+            self._at_post_streak += 1
+            if self._at_post_streak >= _AT_POST_BUDGET:
+                self._at_post_streak = 0
+                await self._io.sleep(0)
+        else:
+            self._at_post_streak = 0
+            try:
+                if self._futures:
+                    future = op.waiter = asyncio.Future()
+                    await future
+                else:
+                    waiter = op.waiter = self._io.waiter()
+                    await waiter.wait()
+            except BaseException:
+                if op.done:
+                    self.release(op)
+                else:
+                    op.orphan = True  # the NIC may still write into its staging: its completion frees it
+                raise
+        if op.error is not None:
+            self.release(op)
+            raise op.error
+        return op
 
     def _check_atomic(self, key: RemoteKey, offset: int) -> None:
         self.check_key(key, offset, 8, ACCESS_ATOMIC)
@@ -403,11 +734,21 @@ class OperationEngine:
     ) -> Op:
         """Wait for ``count`` op slots (at most ``max_ops`` work requests in flight: the send queue has
         room for that many), then give the op its local memory (a staging slot or a pooled large buffer,
-        unless ``staging`` is False)."""
+        unless ``staging`` is False). A staging slot stays taken until its op is released, which may be
+        after its completion gave its op slot back (the caller has not resumed yet): an op that needs one
+        also waits for a free staging slot."""
         self.raise_if_failed()
-        while self.in_flight + count > self.max_ops or self._slot_waiters:
+        # Needs a staging slot: ops that fit one (batches fit one by construction).
+        slot = staging and 0 < length <= STAGING_SLOT
+        woken = False
+        while (
+            self.in_flight + count > self.max_ops or (slot and not self._free_staging) or self._slot_waiters
+        ):
             waiter = self._io.waiter()
-            self._slot_waiters.append(waiter)
+            if woken:
+                self._slot_waiters.appendleft(waiter)  # woken first but no room yet: still first in line
+            else:
+                self._slot_waiters.append(waiter)
             try:
                 await waiter.wait()
             except BaseException:
@@ -417,10 +758,11 @@ class OperationEngine:
                     self._wake_slot_waiter()  # we were woken but give up: pass the wake-up on
                 raise
             self.raise_if_failed()
-            if self.in_flight + count <= self.max_ops:
+            if self.in_flight + count <= self.max_ops and (self._free_staging or not slot):
                 break
+            woken = True
         # Re-checked after the wait: a REVOKE may have arrived meanwhile.
-        if key.key_id in self.revoked_ids:
+        if key.key_id < self.revoked_ids.top and key.key_id in self.revoked_ids:
             self._wake_slot_waiter()
             raise RemoteKeyRevokedError(f"{key!r} was revoked by the peer")
         return self._new_op(key.key_id, opcode, length, staging, count)
@@ -430,6 +772,8 @@ class OperationEngine:
         case, without the cost of awaiting :meth:`start`); None when the caller must await ``start``."""
         if self.in_flight >= self.max_ops or self._slot_waiters:
             return None
+        if 0 < length <= STAGING_SLOT and not self._free_staging:
+            return None  # every staging slot is held by a completed op its caller has not released yet
         self.raise_if_failed()
         return self._new_op(key.key_id, opcode, length, True, 1)
 
@@ -452,6 +796,8 @@ class OperationEngine:
                 buf = bytearray(STAGING_SLOT * self.max_ops)
                 self._staging = self._register_local(buf)
                 self._staging_view = memoryview(buf)
+                self._staging_addr = self._staging.addr
+                self._staging_lkey = self._staging.lkey
             slot = self._free_staging.pop()
             op.staging = slot
             assert self._staging_view is not None
@@ -496,13 +842,14 @@ class OperationEngine:
         op.wr = (addr, lkey, remote_addr, rkey, imm, compare_add, swap)
         if op.opcode == _WR_WRITE_IMM:
             self._credit_queue.append(op)  # consumes a peer receive: needs a credit
+            self.waiting_for_credit += 1
             self.pump()
         elif len(self.ops) == 1 and not self._doorbell:
             # Alone in flight: post at once (nothing to share a doorbell with).
-            poster = id(self._io.current_task())
+            poster = id(self._task())
             serial = poster == self._last_poster
             self._last_poster = poster
-            if not serial or self._post_polled is None:
+            if not serial or self._post_poll is None:
                 self._post_now(op)
             else:
                 # One task calling one request at a time: look once before sleeping, as asyncio's
@@ -522,12 +869,17 @@ class OperationEngine:
             # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
             # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
             # system call that runs the requester) for up to _DOORBELL requests.
-            self._last_poster = id(self._io.current_task())
+            self._last_poster = id(self._task())
             self._doorbell.append(op)
             if len(self._doorbell) >= _DOORBELL:
                 self._ring()
             elif self._ring_handle is None:
                 self._ring_handle = self._io.call_soon(self._ring)
+
+    def _task(self) -> object:
+        """The running task (compared by identity only)."""
+        tasks = self._tasks_by_loop
+        return self._current_task() if tasks is None else tasks.get(_running_loop())
 
     def _ring(self) -> None:
         """Post the requests collected for one doorbell, as one chain."""
@@ -572,25 +924,42 @@ class OperationEngine:
     def _post_now(self, op: Op, *, polled: bool = False) -> None:
         """Post ``op`` alone; ``polled``: and look at the CQ in the same C call (a serial call, see
         :meth:`_post`), completing ``op`` here when its own completion is all the look found."""
-        self._fill(0, op)
-        own = False
-        try:
-            if polled:
-                assert self._post_polled is not None
-                own = self._post_polled(1, self._wr_base | op.index)
-            else:
+        if polled:
+            port = self._port
+            assert port is not None
+            addr, lkey, remote_addr, rkey, _imm, compare_add, swap = op.wr
+            result = port.post_poll(
+                op.index, addr, lkey, op.length, op.opcode, remote_addr, rkey, compare_add, swap
+            )
+            if result < 0:
+                exc = port.post_error(result)
+                self._complete(op, exc)
+                self._fail_connection(exc)
+                return
+            op.posted = True
+            self._stats["rdma_ops_posted"] += 1
+            self._stats["rdma_doorbells"] += 1
+            if result == _POSTED_DONE:
+                self._complete(op, None)
+            elif result != verbs.POSTED:
+                try:
+                    if not port.after_poll(result):
+                        self._io.call_soon(port.poll)  # kept by a dispatch in progress: a poll delivers it
+                except Exception as exc:
+                    self._complete(op, exc)
+                    self._fail_connection(exc)
+        else:
+            self._fill(0, op)
+            try:
                 self._qp.post_rdma(1)
-        except Exception as exc:
-            self._complete(op, exc)
-            self._fail_connection(exc)
+            except Exception as exc:
+                self._complete(op, exc)
+                self._fail_connection(exc)
+                return
+            op.posted = True
+            self._stats["rdma_ops_posted"] += 1
+            self._stats["rdma_doorbells"] += 1
             return
-        op.posted = True
-        self._stats["rdma_ops_posted"] += 1
-        self._stats["rdma_doorbells"] += 1
-        if not polled:
-            return
-        if own:
-            self._complete(op, None)
         if op.done:
             self._stats["rdma_completed_at_post"] += 1
             self._at_post_streak += 1
@@ -620,25 +989,91 @@ class OperationEngine:
             swap,
         )
 
-    def post_wave(self, op: Op, key: RemoteKey, remote: Any, **arrays: Any) -> None:
-        """Post one wave of a batch (``op.count`` requests on ``key`` at the ``remote`` addresses, with the
-        per-request ``arrays`` of ``QueuePair.post_batch``) as one chain, only the last signalled."""
+    async def wave(self, key: RemoteKey, opcode: int, nbytes: int, remote: Any, **arrays: Any) -> bytes:
+        """One wave of a batch: ``len(remote)`` requests of ``opcode`` on ``key`` at the ``remote`` addresses
+        (with the per-request ``arrays`` of ``QueuePair.post_batch``), ``nbytes`` bytes of staging for all
+        of them, posted as one chain of which only the last is signalled, and awaited; returns a copy of
+        the staging (what the NIC wrote) or raises the wave's error. What :meth:`start`, a post and
+        :meth:`finish` do, in one coroutine. Posted by a task calling serially with nothing else in
+        flight, the post and one look at the CQ are one C call, and a wave completed at its post (rxe
+        runs loopback atomics inside ``ibv_post_send``) returns without an op; otherwise its completion
+        resolves the wait directly. A cancelled wait leaves the wave to its completion, which releases
+        its memory."""
+        count = len(remote)
+        port = self._port
+        if (
+            port is not None
+            and not self.ops
+            and count <= self.max_ops
+            and nbytes <= STAGING_SLOT
+            and self._free_staging
+            and self._staging_view is not None
+            and not self._slot_waiters
+            and self.error is None
+            and not self.closed
+            and key.key_id >= self.revoked_ids.top
+            and self._last_poster
+            == id(
+                self._current_task()
+                if self._tasks_by_loop is None
+                else self._tasks_by_loop.get(_running_loop())
+            )
+            and (
+                self._credits.flush_error() is None
+                if self._close_state is None
+                else not (self._close_state.wire_down or self._close_state.local_closed)
+            )
+        ):
+            # The serial path (see read()): start()'s and raise_if_failed's checks above.
+            at = self._free_staging[-1] * STAGING_SLOT
+            index = next(self._index) & _INDEX_MASK
+            result = port.post_batch_poll(
+                self._wr_base | index, opcode, self._staging_addr + at, self._staging_lkey, key.rkey, remote,
+                **arrays,
+            )  # fmt: skip
+            if result == _POSTED_DONE:
+                data = bytes(self._staging_view[at : at + nbytes])
+                self._waves_done_at_post += 1
+                self._wave_ops_done_at_post += count
+                self._at_post_streak += 1
+                if self._at_post_streak >= _AT_POST_BUDGET:
+                    self._at_post_streak = 0
+                    await self._io.sleep(0)
+                return data
+            op = await self._serial_rest(index, result, opcode, nbytes, key.key_id, count, wave=True)
+            assert op.staging is not None
+            at = op.staging * STAGING_SLOT
+            data = bytes(self._staging_view[at : at + nbytes])
+            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
+            op.staging = op.buffer = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # they may wait for a staging slot
+            return data
+        op = await self.start(key, opcode, nbytes, count=count)
+        self._last_poster = id(self._task())
         addr, lkey = self._local_of(op)
         try:
-            self._qp.post_batch(self._wr_base | op.index, op.opcode, addr, lkey, key.rkey, remote, **arrays)
+            self._qp.post_batch(self._wr_base | op.index, opcode, addr, lkey, key.rkey, remote, **arrays)
         except Exception as exc:
             self._complete(op, exc)
             self._fail_connection(exc)
-            return
-        op.posted = True
-        self._stats["rdma_ops_posted"] += op.count
-        self._stats["rdma_doorbells"] += 1
-        self._stats["rdma_batches"] += 1
+        else:
+            op.posted = True
+            stats = self._stats
+            stats["rdma_ops_posted"] += count
+            stats["rdma_doorbells"] += 1
+            stats["rdma_batches"] += 1
+        await self.finish(op)
+        assert op.buffer is not None
+        data = bytes(op.buffer[:nbytes])
+        self.release(op)
+        return data
 
     def queue_send(self, payload: bytes) -> None:
         """Queue a SEND without immediate data of ``payload`` (a one-sided control message, a few bytes):
         posted in call order once an op slot and a send credit are free (it consumes a peer receive)."""
         self._pending_sends.append(payload)
+        self.waiting_for_credit += 1
         self.pump()
 
     def pump(self) -> None:
@@ -649,8 +1084,14 @@ class OperationEngine:
         if self.error is not None or self.closed:
             return
         credits = self._credits
-        while self._pending_sends and self.in_flight < self.max_ops and credits.can_take_slot():
+        while (
+            self._pending_sends
+            and self.in_flight < self.max_ops
+            and self._free_staging
+            and credits.can_take_slot()
+        ):
             payload = self._pending_sends.popleft()
+            self.waiting_for_credit -= 1
             op = self._new_op(None, _WR_SEND, len(payload), True, 1)
             op.orphan = True
             assert op.buffer is not None
@@ -662,6 +1103,7 @@ class OperationEngine:
             self._stats["control_sent"] += 1
         while self._credit_queue and credits.can_take_slot():
             op = self._credit_queue.popleft()
+            self.waiting_for_credit -= 1
             if op.done:
                 continue
             if op.key_id in self.revoked_ids:
@@ -704,18 +1146,35 @@ class OperationEngine:
                 self._at_post_streak = 0
                 await self._io.sleep(0)
             return
-        waiter = op.waiter = self._io.waiter()
-        await waiter.wait()
+        if self._futures:
+            # A bare future: made, resolved (on_completion) and awaited without Python code.
+            future = op.waiter = asyncio.Future()
+            await future
+        else:
+            waiter = op.waiter = self._io.waiter()
+            await waiter.wait()
 
     def on_completion(self, wr_id: int, status: int, vendor_err: int = 0) -> None:
         """A completion of one of our work requests (``wr_id >> 56 == 2``), successful or not: an op's,
         or another's of the same kind (a window bind's: :attr:`on_other_completion`)."""
-        op = self.ops.get(wr_id & _INDEX_MASK)
+        op = self.ops.pop(wr_id & _INDEX_MASK, None)
         if op is None:
             self.on_other_completion(wr_id & _INDEX_MASK, status, vendor_err)
             return
+        self.in_flight -= op.count  # what _forget does (ops hold no done op: _complete takes it out)
         if status == 0:
-            self._complete(op, None)
+            # _complete, inline: the one Python call of a completion that wakes its caller.
+            op.done = True
+            if op.orphan:  # a cancelled call or a control message: nobody will release its memory
+                self.release(op)
+            waiter = op.waiter
+            if waiter is not None:
+                if not self._futures:
+                    waiter.set()
+                elif not waiter.done():  # done: cancelled with its caller
+                    waiter.set_result(None)
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()
             return
         if status == _WC_REM_ACCESS_ERR:
             error: BaseException = RemoteAccessRefusedError(
@@ -741,12 +1200,18 @@ class OperationEngine:
         self._forget(op)
         if op.orphan:  # a cancelled call or a control message: nobody will release its memory
             self.release(op)
-        if op.waiter is not None:
-            op.waiter.set()
+        waiter = op.waiter
+        if waiter is not None:
+            if not self._futures:
+                waiter.set()
+            elif not waiter.done():  # done: cancelled with its caller
+                waiter.set_result(None)
         self._wake_slot_waiter()
 
     def _wake_slot_waiter(self) -> None:
-        if self._slot_waiters and self.in_flight < self.max_ops:
+        # The first waiter, once it can go on: an op slot and a staging slot are free (a staging slot comes
+        # back when a completed op's caller releases it, which wakes the next waiter then).
+        if self._slot_waiters and self.in_flight < self.max_ops and self._free_staging:
             self._slot_waiters.popleft().set()
         if self._pending_sends:
             self.pump()
@@ -756,6 +1221,8 @@ class OperationEngine:
         if op.staging is not None:
             self._free_staging.append(op.staging)
             op.staging = None
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()  # a caller or a control message may wait for a staging slot
         if op.pooled is not None:
             large, op.pooled = op.pooled, None
             if not self.closed and self._large_pooled + large.size <= _LARGE_POOL_BYTES:
@@ -794,6 +1261,8 @@ class OperationEngine:
         for op in list(self.ops.values()):
             self._complete(op, _fresh(self.error))
         self._credit_queue.clear()
+        self._pending_sends.clear()
+        self.waiting_for_credit = 0
         self._doorbell.clear()
         if self._ring_handle is not None:
             self._ring_handle.cancel()
@@ -814,10 +1283,10 @@ class OperationEngine:
         ops pending (always present, 0 until counted)."""
         stats = self._stats
         return {
-            "rdma_ops_posted": stats["rdma_ops_posted"],
-            "rdma_doorbells": stats["rdma_doorbells"],
-            "rdma_batches": stats["rdma_batches"],
-            "rdma_completed_at_post": stats["rdma_completed_at_post"],
+            "rdma_ops_posted": stats["rdma_ops_posted"] + self._done_at_post + self._wave_ops_done_at_post,
+            "rdma_doorbells": stats["rdma_doorbells"] + self._done_at_post + self._waves_done_at_post,
+            "rdma_batches": stats["rdma_batches"] + self._waves_done_at_post,
+            "rdma_completed_at_post": stats["rdma_completed_at_post"] + self._done_at_post,
             "rdma_ops_pending": len(self.ops),
         }
 

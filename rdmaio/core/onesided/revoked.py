@@ -25,13 +25,16 @@ __all__ = ["RevokedKeys"]
 class RevokedKeys:
     """A set of revoked key ids as a floor plus at most ``limit`` disjoint ranges ``[start, end)``."""
 
-    __slots__ = ("_ends", "_floor", "_starts", "limit")
+    __slots__ = ("_ends", "_floor", "_starts", "limit", "top")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._floor = 1  # key ids start at 1: every id below the floor is revoked (0 was never issued)
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self.top = 1
+        """No key id from this one up is revoked (a request's check compares with it before it looks up
+        the ranges)."""
 
     def __contains__(self, key_id: object) -> bool:
         if not isinstance(key_id, int):
@@ -79,4 +82,5 @@ class RevokedKeys:
         if starts and starts[0] == self._floor:  # the first range now touches the floor: absorb it
             self._floor = ends[0]
             del starts[0], ends[0]
+        self.top = ends[-1] if ends else self._floor
         return True
