@@ -46,9 +46,16 @@ def make_ffi() -> FFI:
     ffibuilder.cdef((HERE / "cdefs.h").read_text())
     ffibuilder.set_source(
         "rdmaio._rdmaio_cffi",
-        '#include <infiniband/verbs.h>\n#include <rdma/rdma_cma.h>\n#include "helper.h"\n',
+        '#include <infiniband/verbs.h>\n#include <rdma/rdma_cma.h>\n#include "helper.h"\n'
+        # session rules (session.c)
+        '#include "session.h"\n',
         # setuptools wants source paths relative to the project root (the cwd during the build).
-        sources=[os.path.relpath(HERE / "helper.c"), os.path.relpath(HERE / "onesided.c")],
+        sources=[
+            os.path.relpath(HERE / "helper.c"),
+            os.path.relpath(HERE / "onesided.c"),
+            # session rules
+            os.path.relpath(HERE / "session.c"),
+        ],
         include_dirs=[str(HERE), *INCLUDE_DIRS],
         libraries=["rdmacm", "ibverbs"],
         extra_compile_args=["-O2", "-Wall", "-std=gnu11"],

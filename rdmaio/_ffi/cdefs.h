@@ -252,3 +252,33 @@ int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index,
                               uint32_t lkey, uint32_t length, uint32_t opcode, uint64_t remote_addr,
                               uint32_t rkey, uint64_t compare_add, uint64_t swap);
 int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const struct rdmaio_batch *b);
+
+/* ---- session rules (session.c; the Python Session in rdmaio/protocol/session.py is their model) -------- */
+struct rdmaio_session {
+    int64_t batch_frames_received; int64_t batch_frames_sent; int64_t batch_pending;
+    int64_t batched_messages_received; int64_t batched_messages_sent; int64_t batching;
+    int64_t bytes_received; int64_t bytes_sent; int64_t credit_frames_received; int64_t credit_frames_sent;
+    int64_t default_threshold; int64_t eof_due; int64_t eof_sent; int64_t fast; int64_t frames_received;
+    int64_t frames_sent; int64_t grown; int64_t local_max; int64_t max_fragment; int64_t messages_received;
+    int64_t messages_sent; int64_t min_send_credits; int64_t onesided_received; int64_t onesided_sent;
+    int64_t peer_depth; int64_t peer_eof; int64_t peer_max; int64_t posted; int64_t recv_depth;
+    int64_t recv_in_message; int64_t recv_max; int64_t recv_message_bytes; int64_t rndv; int64_t send_credits;
+    int64_t send_in_message; int64_t send_message_bytes; int64_t slot_size; int64_t threshold;
+    int64_t ungranted; int64_t ungranted_ctl; int64_t wire_down;
+};
+struct rdmaio_rx_frame { uint32_t kind; uint32_t slot; uint32_t length; };
+#define RDMAIO_RX_DONE ...
+#define RDMAIO_RX_DEFER ...
+#define RDMAIO_RX_MORE ...
+int rdmaio_session_on_frame(struct rdmaio_session *s, uint32_t imm, uint32_t byte_len);
+int64_t rdmaio_session_take_data(struct rdmaio_session *s, int last, int64_t nbytes);
+int64_t rdmaio_session_take_batch(struct rdmaio_session *s, int64_t nbytes, int64_t messages);
+int64_t rdmaio_session_take_credit(struct rdmaio_session *s);
+int rdmaio_session_credit_frame_due(const struct rdmaio_session *s);
+int rdmaio_session_can_send_data(const struct rdmaio_session *s);
+int rdmaio_session_eof_pending(const struct rdmaio_session *s);
+int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n);
+int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);
+int rdmaio_session_take_slot(struct rdmaio_session *s);
+int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
+                     struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop);

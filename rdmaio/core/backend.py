@@ -16,7 +16,7 @@ import collections
 import logging
 import sys
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ __all__ = [
     "Backend",
     "Event",
     "Handle",
+    "OneShot",
     "TrioBackend",
     "Waiter",
     "current_backend",
@@ -54,6 +55,23 @@ class Waiter(Protocol):
         """The awaitable to wait on (once)."""
 
 
+class OneShot(Protocol):
+    """A one-shot wake-up for one task, shaped like an ``asyncio.Future``: await it; ``done()`` is True once
+    it was woken (on asyncio also once its waiting task was cancelled); ``set_result(None)`` wakes it and
+    may be called only while not ``done()``. On asyncio it is an ``asyncio.Future``, so the hot read path
+    (:class:`rdmaio.core.receive.Receiver`) makes, wakes and tests it with no Python call but
+    :meth:`Backend.one_shot`."""
+
+    def done(self) -> bool:
+        """True once woken (or, on asyncio, once its waiting task was cancelled)."""
+
+    def set_result(self, result: None) -> None:
+        """Wake the waiting task (only while not :meth:`done`)."""
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """Wait until woken."""
+
+
 class Event(Protocol):
     """A level-triggered event any number of tasks may wait on; a cancelled wait leaves it intact."""
 
@@ -74,6 +92,9 @@ class Backend(Protocol):
 
     def waiter(self) -> Waiter:
         """A new one-shot waiter."""
+
+    def one_shot(self) -> OneShot:
+        """A new :class:`OneShot` (a future-like one-shot wake-up)."""
 
     def event(self) -> Event:
         """A new cancellation-safe event."""
@@ -110,6 +131,8 @@ class Backend(Protocol):
 
 
 class _FutureWaiter:
+    """A one-shot waiter on an asyncio future (:meth:`AsyncioBackend.waiter` makes them)."""
+
     __slots__ = ("_fut",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -125,6 +148,9 @@ class _FutureWaiter:
     def wait(self) -> asyncio.Future[None]:
         # The future itself: awaiting an exact asyncio.Future takes the C task's fast path.
         return self._fut
+
+
+_new_future_waiter = object.__new__  # a _FutureWaiter without the Python call of __init__
 
 
 class _LaterHandle:
@@ -174,7 +200,21 @@ class AsyncioBackend:
 
     def waiter(self) -> Waiter:
         """A future-backed one-shot waiter."""
-        return _FutureWaiter(self.loop)
+        # One Python call per wait (every read that waits makes one): the loop is read inline, not through
+        # the property, and the waiter is made without running its __init__.
+        loop = self._loop_ref()
+        if loop is None:
+            raise RuntimeError("the event loop of this rdmaio backend no longer exists")
+        waiter = _new_future_waiter(_FutureWaiter)
+        waiter._fut = loop.create_future()
+        return waiter
+
+    def one_shot(self) -> OneShot:
+        """A future of the loop (the loop read inline: one Python call per wait of a reader)."""
+        loop = self._loop_ref()
+        if loop is None:
+            raise RuntimeError("the event loop of this rdmaio backend no longer exists")
+        return loop.create_future()
 
     def event(self) -> Event:
         """An ``asyncio.Event``."""
@@ -250,6 +290,24 @@ class _TrioWatch:
         self.removed = False
 
 
+class _TrioOneShot:
+    """:class:`OneShot` on trio: a ``trio.Event`` with a future's names."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.is_set())
+
+    def set_result(self, result: None) -> None:
+        self._event.set()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._event.wait().__await__()  # type: ignore[no-any-return]
+
+
 class TrioBackend:
     """The running trio run (used directly, or through anyio's trio backend)."""
 
@@ -274,6 +332,10 @@ class TrioBackend:
         """A ``trio.Event`` (a cancelled wait leaves it untouched)."""
         event: Waiter = self._trio.Event()
         return event
+
+    def one_shot(self) -> OneShot:
+        """A future-like one-shot over a ``trio.Event`` (a cancelled wait leaves it untouched)."""
+        return _TrioOneShot(self._trio.Event())
 
     def event(self) -> Event:
         """A ``trio.Event``."""

@@ -17,7 +17,9 @@ placeholders until pulled by :mod:`rdmaio.core.rendezvous`.
 completion records (``wr_id``, ``status``, ``opcode``, ``byte_len``, ``imm_data``, ``flags``) of one
 connection's group, the receive ring's memory, the session's credit counters and the receive buffer; it
 copies each frame out of its slot (one copy), re-posts the slots in one chained post and wakes the reader.
-A fast path can replace it without changing the connection that calls it.
+The frame rules themselves run in C on the session's C state (``rdmaio_rx_frames`` in
+rdmaio/_ffi/session.c); what C leaves (EOF, RNDV, one-sided receives, extension frames, violations) goes to
+the Python :class:`~rdmaio.protocol.Session`, in CQ order.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rdmaio import verbs
-from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.backend import Backend, OneShot
 from rdmaio.core.send import check_fork
 from rdmaio.errors import EndpointClosedError
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
-from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
 from rdmaio.verbs import WR_INDEX_MASK
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every wait: no call
+from rdmaio.verbs.native import ffi, lib
 
 __all__ = ["OneSidedReceives", "Receiver", "RendezvousReceives", "SlotPoster"]
 
@@ -48,6 +51,24 @@ _EOF = FrameKind.EOF
 _RNDV = FrameKind.RNDV  # zero-copy: a rendezvous descriptor, handled by rdmaio.core.rendezvous
 _RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided: a write notice
 _WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided: a receive without it is a control message
+# The session rules in C (rdmaio/_ffi/session.c), bound once: each is one C call, no Python frame.
+_CDATA = ffi.CData
+_rx_frames = lib.rdmaio_rx_frames
+_reposted = lib.rdmaio_session_reposted
+_grow = lib.rdmaio_session_grow
+_RX_DEFER = lib.RDMAIO_RX_DEFER
+_RX_FRAMES = 256  # frames one rdmaio_rx_frames call describes at most (it is called again for more)
+_WC_FIELDS = ("wr_id", "status", "opcode", "byte_len", "imm_data", "flags", "vendor_err", "qp_num")
+
+
+def _wc_array(records: Any, start: int, count: int) -> Any:
+    """``records[start:start + count]`` copied into a ``struct rdmaio_wc`` array (records that are not one
+    already, e.g. built one by one): what the C frame rules read."""
+    array = ffi.new("struct rdmaio_wc[]", max(count, 1))
+    for k in range(count):
+        wc = records[start + k]
+        array[k] = {name: int(getattr(wc, name, 0)) for name in _WC_FIELDS}
+    return array
 
 
 class SlotPoster(Protocol):
@@ -123,15 +144,30 @@ class Receiver:
         self._slot_size = transport.slot_size
         self._big_frame = transport.slot_size // 2  # frames at least this long count towards growth
         self._big_frames = 0  # such frames received since the receive window last grew
-        self._waiter: Waiter | None = None
+        # The read call's wake-up while it waits (on asyncio a future: made, woken and tested without a
+        # Python call but io.one_shot()); None when no read waits or it was woken.
+        self._waiter: OneShot | None = None
         self.stopped = False  # torn down: nothing is re-posted any more, reads raise
+        # The session's state: a C struct the hot rules run on in C (native), unless the session is not
+        # fast (its methods must see every frame) or its state is a Python object (C cannot read it).
+        state = self._state = session.rules_state
+        self._native: Any = state if isinstance(state, _CDATA) and state.fast else None
+        self._frames = ffi.new("struct rdmaio_rx_frame[]", _RX_FRAMES)  # what C applied, per frame
+        self._consumed = ffi.new("int *")
+        self._stop = ffi.new("int *")
 
     # --- completions (the connection hands each batch's receives here) ------------------------------
 
     def on_batch(self, records: Any, start: int, count: int) -> None:
         """Process the successful receive completions among ``records[start:start + count]`` (others are
         the connection's): each frame to the buffer or its engine, then re-post the slots not held (one
-        chained post), grow the window when the peer is credit-bound, and wake the reader."""
+        chained post), grow the window when the peer is credit-bound, and wake the reader.
+
+        With a C session state, the frame rules run in C over the run of records
+        (``rdmaio_rx_frames``), which stops at the first record it leaves to the session's Python methods
+        (a one-sided receive, EOF, RNDV, an extension's frame, any frame that breaks a rule): that one is
+        handled here, then C goes on with the rest, so the frames are applied in CQ order. ``records`` is
+        the poll's ``struct rdmaio_wc`` array; any other sequence of records is copied into one first."""
         repost: list[int] = []
         got_data = False
         data_frames = 0
@@ -141,61 +177,90 @@ class Receiver:
         recv_view = self._recv_view
         slot_size = self._slot_size
         big_frame = self._big_frame
-        for i in range(start, start + count):
-            wc = records[i]
-            if wc.status or not wc.opcode & _RECV_FLAG:
-                continue
-            slot = wc.wr_id & WR_INDEX_MASK
-            length = wc.byte_len
-            off = slot * slot_size
-            if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided
-                assert self.onesided is not None
-                if self.onesided.on_recv(wc.opcode, wc.imm_data, length, recv_view[off : off + length], slot):
-                    repost.append(slot)  # else held: write-notice back-pressure
-                continue
-            kind = session.on_frame(wc.imm_data, length)
-            if length >= big_frame:
-                self._big_frames += 1
-            if kind == _DATA_END:
-                data = rxbuf.add_message(bytes(recv_view[off : off + length]))
-                stats["messages_received"] += 1
-                stats["bytes_received"] += len(data)
-                got_data = True
-            elif kind == _DATA_BATCH:
-                messages = session.on_batch(recv_view[off : off + length])
-                size = rxbuf.add_messages(messages)
-                stats["messages_received"] += len(messages)
-                stats["bytes_received"] += size
-                got_data = True
-            elif kind == _DATA_MORE:
-                rxbuf.add_fragment(bytes(recv_view[off : off + length]))
-            elif kind == _RNDV:  # zero-copy: a placeholder now, the data is pulled later
-                assert self.rndv is not None  # on_frame refuses RNDV frames unless negotiated
-                self.rndv.on_request(recv_view[off : off + length])
-                # The announced bytes count against the limit: past it the slot is held as a data frame's
-                # is, so a peer cannot queue announcements faster than the application reads.
-                if rxbuf.admit(slot):
-                    repost.append(slot)
-                got_data = True
-                continue
+        native = self._native
+        if native is not None and not isinstance(records, _CDATA):
+            records, start = _wc_array(records, start, count), 0
+        frames = self._frames
+        consumed = self._consumed
+        stop = self._stop
+        i = start
+        end = start + count
+        while i < end:
+            if native is not None:
+                # C applies the frames it can (state changed in C), up to the first it must leave to us.
+                n = _rx_frames(native, records, i, end - i, frames, _RX_FRAMES, consumed, stop)
+                i += consumed[0]
+                python = stop[0] == _RX_DEFER  # records[i]: the session's Python methods apply it
             else:
-                # CREDIT and EOF carry no payload and never hold their slot: holding it would
-                # withhold the credit the peer needs to keep granting ours (two-way liveness).
-                repost.append(slot)
-                if kind == _EOF:
+                n = 0
+                python = True
+            for j in range(n + python):
+                if j < n:
+                    frame = frames[j]
+                    kind = frame.kind
+                    slot = frame.slot
+                    length = frame.length
+                    off = slot * slot_size
+                else:
+                    wc = records[i]
+                    i += 1
+                    if wc.status or not wc.opcode & _RECV_FLAG:
+                        continue
+                    slot = wc.wr_id & WR_INDEX_MASK
+                    length = wc.byte_len
+                    off = slot * slot_size
+                    if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WC_WITH_IMM:  # one-sided
+                        assert self.onesided is not None
+                        if self.onesided.on_recv(
+                            wc.opcode, wc.imm_data, length, recv_view[off : off + length], slot
+                        ):
+                            repost.append(slot)  # else held: write-notice back-pressure
+                        continue
+                    kind = session.on_frame(wc.imm_data, length)
+                if length >= big_frame:
+                    self._big_frames += 1
+                if kind == _DATA_END:
+                    data = rxbuf.add_message(bytes(recv_view[off : off + length]))
+                    stats["messages_received"] += 1
+                    stats["bytes_received"] += len(data)
                     got_data = True
-                continue
-            data_frames += 1
-            if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
-                repost.append(slot)
+                elif kind == _DATA_BATCH:
+                    messages = session.on_batch(recv_view[off : off + length])
+                    size = rxbuf.add_messages(messages)
+                    stats["messages_received"] += len(messages)
+                    stats["bytes_received"] += size
+                    got_data = True
+                elif kind == _DATA_MORE:
+                    rxbuf.add_fragment(bytes(recv_view[off : off + length]))
+                elif kind == _RNDV:  # zero-copy: a placeholder now, the data is pulled later
+                    assert self.rndv is not None  # on_frame refuses RNDV frames unless negotiated
+                    self.rndv.on_request(recv_view[off : off + length])
+                    # The announced bytes count against the limit: past it the slot is held as a data
+                    # frame's is, so a peer cannot queue announcements faster than the application reads.
+                    if rxbuf.admit(slot):
+                        repost.append(slot)
+                    got_data = True
+                    continue
+                else:
+                    # CREDIT and EOF carry no payload and never hold their slot: holding it would
+                    # withhold the credit the peer needs to keep granting ours (two-way liveness).
+                    repost.append(slot)
+                    if kind == _EOF:
+                        got_data = True
+                    continue
+                data_frames += 1
+                if rxbuf.admit(slot):  # else held: back-pressure, no credit for it yet
+                    repost.append(slot)
         if repost:
             self._transport.post_receives(repost)
-            session.on_recv_reposted(len(repost))
+            if native is None or _reposted(native, len(repost)):
+                session.on_recv_reposted(len(repost))  # the Python rule (or its error)
+        state = self._state  # the session's own fields: no property call
         if (
             data_frames
-            and session.can_grow
+            and state.recv_max > state.recv_depth
             and not rxbuf.held
-            and (data_frames > session.credit_threshold or self._big_frames > session.credit_threshold)
+            and (data_frames > state.threshold or self._big_frames > state.threshold)
         ):
             self._grow_receives()
         if got_data:
@@ -212,9 +277,11 @@ class Receiver:
         is full after 17. Small messages never add up to it, so a request/reply connection keeps its small
         window. Not while slots are held: then the application, not the window, is the limit."""
         self._big_frames = 0
-        added = self._transport.grow_receives(max(self.session.recv_depth, 1))
+        added = self._transport.grow_receives(max(self._state.recv_depth, 1))
         if added:
-            self.session.grow_receives(added)
+            native = self._native
+            if native is None or _grow(native, added):
+                self.session.grow_receives(added)
             self._stats["recv_ring_grown"] += 1
 
     # --- re-posting ---------------------------------------------------------------------------------
@@ -224,7 +291,9 @@ class Receiver:
         slots = self._rxbuf.releasable()
         if slots and not self.stopped:
             self._transport.post_receives(slots)
-            self.session.on_recv_reposted(len(slots))
+            native = self._native
+            if native is None or _reposted(native, len(slots)):
+                self.session.on_recv_reposted(len(slots))
             self._stage()
 
     def repost(self, slot: int) -> None:
@@ -232,7 +301,9 @@ class Receiver:
         engine's back-pressure); its credit is granted."""
         if not self.stopped:
             self._transport.post_receives([slot])
-            self.session.on_recv_reposted(1)
+            native = self._native
+            if native is None or _reposted(native, 1):
+                self.session.on_recv_reposted(1)
             self._stage()
 
     # --- waiting ------------------------------------------------------------------------------------
@@ -242,7 +313,8 @@ class Receiver:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            waiter.set()
+            if not waiter.done():  # done: its task was cancelled (asyncio) and has not cleaned up yet
+                waiter.set_result(None)
 
     def stop(self) -> None:
         """The connection is torn down: re-post nothing more; the waiting read call wakes and raises."""
@@ -254,7 +326,11 @@ class Receiver:
     def recv_nowait(self) -> bytes | None:
         """The next message if one is here and needs no pulling, else None (nothing taken)."""
         rxbuf = self._rxbuf
-        if not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes)):
+        messages = rxbuf.messages
+        # Fast test, no call: a head that is not a placeholder is a complete message to pop as it is.
+        if (not messages or isinstance(messages[0], Placeholder)) and (
+            not rxbuf.has_message() or (rxbuf.pending and not isinstance(rxbuf.head(), bytes))
+        ):
             return None
         data = rxbuf.pop_message()
         if rxbuf.held or rxbuf.pending:
@@ -262,17 +338,52 @@ class Receiver:
         return data
 
     async def recv(self) -> bytes | None:
-        """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`)."""
+        """The next message, or None at a clean end of stream (:meth:`rdmaio.Endpoint.recv`).
+
+        The hot path of a request/reply connection: one coroutine (this one) with the wait of
+        :meth:`_wait_more` inline, and the buffer's fast test (a complete message at the head) made on its
+        attributes, without a call."""
         rxbuf = self._rxbuf
-        while True:
-            while not rxbuf.has_message():
-                if not await self._wait_more():
-                    return None
-            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
-                break
-            assert self.rndv is not None
-            await self.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
-        data = rxbuf.pop_message()
+        messages = rxbuf.messages
+        while not messages or isinstance(messages[0], Placeholder):
+            if messages and rxbuf.has_message():  # a placeholder at the head (settled ones are replaced now)
+                if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                    break
+                assert self.rndv is not None
+                await self.rndv.take_head(None)  # zero-copy: pulled, then popped as any message
+                continue
+            # Nothing to read: wait for more (as _wait_more(), inline; keep the two the same).
+            if self._generation != _fork_state._generation:
+                check_fork(self._generation)
+            outcome = self.session.recv_outcome()
+            if outcome is EOF:
+                return None
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if self.stopped:
+                raise EndpointClosedError("endpoint is closed")
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                raise RuntimeError("another task is already waiting to read from this endpoint")
+            waiter = self._waiter = self.io.one_shot()
+            rxbuf.reader_waiting = True
+            if rxbuf.held:
+                self.repost_released()
+            try:
+                await waiter
+            finally:
+                rxbuf.reader_waiting = False
+                if self._waiter is waiter:
+                    self._waiter = None
+        # The head is a complete message now (bytes).
+        if rxbuf.offset:
+            data = rxbuf.pop_message()  # the rest of a message a stream read began
+        else:
+            # pop_message(), inline (as ReceiveBuffer's docstring allows): take it whole, count it read.
+            data = messages.popleft()  # type: ignore[assignment]
+            size = len(data)
+            rxbuf.unread -= size
+            rxbuf.ready -= size
         if rxbuf.held or rxbuf.pending:
             self._after_read()
         return data
@@ -280,17 +391,20 @@ class Receiver:
     async def recv_into(self, target: memoryview) -> int:
         """The next message copied (or READ) into ``target`` (:meth:`rdmaio.Endpoint.recv_into`)."""
         rxbuf = self._rxbuf
-        while True:
-            while not rxbuf.has_message():
-                if not await self._wait_more():
-                    return 0
-            if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
-                break
-            assert self.rndv is not None
-            n = await self.rndv.take_head(target)  # zero-copy: READ straight into target
-            if n is not None:
-                self._after_read()
-                return n
+        messages = rxbuf.messages
+        # As recv(): the buffer's fast test first (a complete message at the head), no call.
+        while not messages or isinstance(messages[0], Placeholder):
+            if messages and rxbuf.has_message():  # a placeholder at the head (settled ones are replaced now)
+                if not rxbuf.pending or isinstance(rxbuf.head(), bytes):
+                    break
+                assert self.rndv is not None
+                n = await self.rndv.take_head(target)  # zero-copy: READ straight into target
+                if n is not None:
+                    self._after_read()
+                    return n
+                continue
+            if not await self._wait_more():
+                return 0
         n = rxbuf.read_message_into(target)
         self._after_read()
         return n
@@ -308,16 +422,16 @@ class Receiver:
             raise outcome
         if self.stopped:
             raise EndpointClosedError("endpoint is closed")
-        if self._waiter is not None and not self._waiter.is_set():
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
             raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self.io.waiter()
-        self._waiter = waiter
+        waiter = self._waiter = self.io.one_shot()
         rxbuf = self._rxbuf
         rxbuf.reader_waiting = True
         if rxbuf.held:
             self.repost_released()
         try:
-            await waiter.wait()
+            await waiter
         finally:
             rxbuf.reader_waiting = False
             if self._waiter is waiter:

@@ -60,9 +60,6 @@ _SEND_INLINE = verbs.SEND_INLINE
 _SLOTLESS = 1 << 31  # wr index bit of a frame that holds no send slot (inline or empty)
 _SEQ_MASK = _SLOTLESS - 1
 
-_DRAIN = memoryview(b"")
-"""What :meth:`Sender.send_nowait` returns for a message it queued when the caller must still drain."""
-
 
 def check_fork(generation: int) -> None:
     """Raise :class:`~rdmaio.errors.ForkError` if the process forked since ``generation`` was read
@@ -186,6 +183,8 @@ class Sender:
         self._scratch_addr = 0
         self._stats = stats
         self._wr_id_base = verbs.make_wr_id(verbs.WR_KIND_SEND, tag, 0)  # | slot
+        # The peer's maximum message size (its handshake, fixed): a send within it needs no size check call.
+        self._peer_max = session.peer.max_message_size
         max_fragment = min(session.max_fragment, slot_size)
         # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
         # at the peer's maximum message size too (a peer may announce one below its slot size).
@@ -256,10 +255,10 @@ class Sender:
 
     # --- the send calls (Endpoint's) ---------------------------------------------------------------
 
-    def send_nowait(self, data: Any) -> memoryview | None:
-        """:meth:`rdmaio.Endpoint.send`'s synchronous part: check, and queue a small message at once.
-        None: done (most small messages end here, so the front creates no coroutine for them); otherwise
-        the view that :meth:`send_rest` must finish (nothing of it queued yet, or :data:`_DRAIN`)."""
+    async def send(self, data: Any) -> None:
+        """:meth:`rdmaio.Endpoint.send` (an endpoint's ``send`` is this bound method): check, and queue a
+        small message at once - most end here, with no call to another coroutine; the rest is
+        :meth:`send_rest`'s."""
         if self._generation != _fork_state._generation:
             check_fork(self._generation)
         session = self.session
@@ -272,23 +271,17 @@ class Sender:
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
         size = view.nbytes
-        session.check_message_size(size)
+        if size > self._peer_max:
+            session.check_message_size(size)  # raises MessageTooLargeError
         rndv = self.rndv
         if size > self.queue.batch_limit or (rndv is not None and size >= rndv.threshold):
-            return view
-        return _DRAIN if self._queue_batched(view, size) else None
-
-    async def send(self, data: Any) -> None:
-        """:meth:`rdmaio.Endpoint.send`."""
-        view = self.send_nowait(data)
-        if view is not None:
             await self.send_rest(view)
+        elif self._queue_batched(view, size):
+            await self.drain()  # above the high-water mark
 
     async def send_rest(self, view: memoryview) -> None:
-        """What :meth:`send_nowait` left: wait below high water, or a rendezvous or a large message."""
-        if view is _DRAIN:
-            await self.drain()
-            return
+        """What :meth:`send` does not do at once, for a message above the batch limit or at the rendezvous
+        threshold: a rendezvous, or a large message (or a batched one when rendezvous had no room)."""
         size = view.nbytes
         rndv = self.rndv
         if rndv is not None and size >= rndv.threshold and await rndv.send(view):
@@ -424,12 +417,15 @@ class Sender:
         earlier in this iteration (the seam for C: see the module docstring)."""
         if self.stopped:
             return
-        if not self.queue.txq and not self.staged and self._reclaim is None:
-            # The common case after a completion batch or a flush: nothing queued, nothing staged. Only a
-            # due EOF or CREDIT frame is left to look for.
-            session = self.session
-            if not session.eof_pending() and not session.credit_frame_due():
-                return
+        if (
+            not self.queue.txq
+            and not self.staged
+            and self._reclaim is None
+            and not self.session.control_frame_due()
+        ):
+            # The common case after a completion batch or a flush: nothing queued, nothing staged, and no
+            # EOF or CREDIT frame due (one question to the session).
+            return
         self._stage_queued()
         handle = self._post_handle
         if handle is not None:
@@ -480,7 +476,10 @@ class Sender:
         """A completion batch of this connection was processed: something came back, so the next small
         message may go at once; transmit what the batch made possible and wake the writers."""
         self.coalesce_next = False
-        self.transmit()
+        # transmit()'s early-out, here: after most batches nothing is queued or staged and no control frame
+        # is due, and that costs no transmit() call.
+        if self.queue.txq or self.staged or self._reclaim is not None or self.session.control_frame_due():
+            self.transmit()
         if self.waiters:
             self.wake_writers()
 

@@ -32,6 +32,7 @@ from rdmaio.protocol.credit_ledger import SharedCreditLedger
 from rdmaio.protocol.reclaim import ReclaimSession
 from rdmaio.protocol.shared_session import SharedSession
 from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_RECV, MemoryRegion, SharedReceiveQueue, make_wr_id
+from rdmaio.verbs.native import ffi
 
 if TYPE_CHECKING:
     from rdmaio.core.domain import Domain
@@ -45,6 +46,7 @@ __all__ = [
     "SharedReceiveQueueFullError",
     "SharedSession",
     "new_session",
+    "new_session_state",
     "shared_pool",
 ]
 
@@ -393,13 +395,20 @@ def new_session(local: Handshake, peer: Handshake, transport: OnSharedQueue) -> 
     """The session of a new connection: a :class:`~rdmaio.protocol.shared_session.SharedSession` on a shared
     receive queue (reporting to its pool's ledger), a :class:`~rdmaio.protocol.reclaim.ReclaimSession` (to
     answer RECLAIM) if both sides announced ``FEATURE_RECLAIM``, else a plain
-    :class:`~rdmaio.protocol.Session`."""
+    :class:`~rdmaio.protocol.Session`.
+
+    Its state is a C ``struct rdmaio_session`` (the fields of
+    :class:`~rdmaio.protocol.sessionstate.SessionState`): the receiver applies the hot frame rules to it in
+    C (:meth:`rdmaio.core.receive.Receiver.on_batch`), and the session's own methods work on the same
+    fields. A :class:`SharedSession` marks it not fast, so its frames all go through its methods."""
+    state = ffi.new("struct rdmaio_session *")  # new_session_state(), inlined: no call per connection
     member = transport.shared
     if member is not None:
         pool = member.pool
         session = SharedSession(
             local,
             peer,
+            state=state,
             # Partials of the ledger's own methods: no Python call of ours between a repost and the ledger.
             reposted=functools.partial(pool.ledger.on_reposted, member.key),
             returned=functools.partial(pool.ledger.on_returned, member.key),
@@ -408,5 +417,11 @@ def new_session(local: Handshake, peer: Handshake, transport: OnSharedQueue) -> 
         member.attach(session)
         return session
     if local.features & peer.features & FEATURE_RECLAIM:
-        return ReclaimSession(local, peer)
-    return Session(local, peer)
+        return ReclaimSession(local, peer, state=state)
+    return Session(local, peer, state=state)
+
+
+def new_session_state() -> Any:
+    """A zeroed C ``struct rdmaio_session``, the state a session of the core works on (kept alive by the
+    session that holds it)."""
+    return ffi.new("struct rdmaio_session *")

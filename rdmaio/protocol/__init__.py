@@ -70,6 +70,9 @@ Modules
 * :mod:`~rdmaio.protocol.frames`: frame kinds and credits in immediate values; DATA_BATCH payloads.
 * :mod:`~rdmaio.protocol.session`: the :class:`Session` (credits taken and granted, frames validated and
   counted, receives reposted and grown): one class, so the per-frame path makes no call of its own.
+* :mod:`~rdmaio.protocol.sessionstate`: the Session's per-frame counters as one object (``SessionState``);
+  the core injects a C struct with the same fields, on which C applies the hot rules (the Session is their
+  reference model).
 * :mod:`~rdmaio.protocol.closestate`: the close state a Session holds as an object, with its rules as tables.
 * :mod:`~rdmaio.protocol.reclaim`: the reclaim protocol of one connection (RECLAIM/RETURN frames, a window
   that shrinks): ``ReclaimSession``.

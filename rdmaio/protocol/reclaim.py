@@ -26,6 +26,7 @@ from rdmaio.protocol.frames import (
 )
 from rdmaio.protocol.handshake import FEATURE_RECLAIM, MIN_RECV_DEPTH, Handshake
 from rdmaio.protocol.session import Session
+from rdmaio.protocol.sessionstate import SessionState
 
 __all__ = ["MIN_WINDOW", "RETURN_KEEP", "ReclaimSession"]
 
@@ -78,10 +79,11 @@ class ReclaimSession(Session):
         *,
         credit_threshold: int | None = None,
         shared: bool = False,
+        state: SessionState | None = None,
     ) -> None:
         if shared and credit_threshold is not None:
             raise ValueError("a window drawn from a shared pool shrinks: its credit threshold must follow it")
-        super().__init__(local, peer, credit_threshold=credit_threshold)
+        super().__init__(local, peer, credit_threshold=credit_threshold, state=state)
         if shared and self.recv_depth < MIN_WINDOW:  # pragma: no cover - MIN_RECV_DEPTH enforces it
             raise ValueError(f"a shared window starts at {MIN_WINDOW} receives at least")
         self._shared = shared

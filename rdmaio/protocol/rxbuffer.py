@@ -68,17 +68,28 @@ class Placeholder:
 
 
 class ReceiveBuffer:
-    """Complete messages not yet read, the message being reassembled, placeholders and the slots held back."""
+    """Complete messages not yet read, the message being reassembled, placeholders and the slots held back.
+
+    Plain attributes the per-message path reads without a call: :attr:`held` (receive slots held back for
+    back-pressure), :attr:`messages` (the queue of complete messages and placeholders, read-only: a head
+    that is not a :class:`Placeholder` is what :meth:`pop_message` returns next, from :attr:`offset` on),
+    :attr:`offset`, :attr:`unread`, :attr:`ready`, :attr:`pending`, :attr:`announced`, :attr:`assembling`.
+    A reader may pop a complete message at the head itself when :attr:`offset` is 0, as
+    :meth:`pop_message` would: ``messages.popleft()`` and its length off :attr:`unread` and :attr:`ready`
+    (:meth:`rdmaio.core.receive.Receiver.recv` does, keep the two the same).
+    """
 
     __slots__ = (
         "_held",
         "_messages",
-        "_offset",
         "_parts",
         "_unsettled",
         "announced",
         "assembling",
+        "held",
         "limit",
+        "messages",
+        "offset",
         "pending",
         "reader_waiting",
         "ready",
@@ -92,12 +103,16 @@ class ReceiveBuffer:
         # Complete messages (bytes) and placeholders, in order. A settled placeholder stays until it
         # reaches the head, where it is replaced by its data (or dropped): settling costs no search.
         self._messages: collections.deque[bytes | Placeholder] = collections.deque()
-        self._offset = 0  # bytes of _messages[0] already read by stream reads
+        # The same deque, for the readers' fast test: a head that is not a Placeholder is a complete message
+        # (bytes) that pop_message() returns as it is, with no settling to do. Read it, never change it.
+        self.messages = self._messages
+        self.offset = 0  # bytes of _messages[0] already read by stream reads (read it, never change it)
         self.unread = 0  # bytes of complete messages not read yet (settled placeholders' data included)
         self.ready = 0  # of them, the bytes before the first unsettled placeholder (what stream reads see)
         self._parts: list[bytes] = []  # fragments of the message being reassembled
         self.assembling = 0  # their total size
         self._held: list[int] = []
+        self.held = 0  # len(_held): receive slots held back (not posted again) for back-pressure
         self.reader_waiting = False
         # Placeholders in order, from the first unsettled one on (settled ones behind it stay until it is
         # settled): each carries the bytes of complete messages between it and the next one.
@@ -117,11 +132,6 @@ class ReceiveBuffer:
         """What the back-pressure rule compares with ``limit``: :attr:`buffered` plus the announced bytes
         of the unsettled placeholders plus :data:`PLACEHOLDER_CHARGE` for each."""
         return self.unread + self.assembling + self.announced + self.pending * PLACEHOLDER_CHARGE
-
-    @property
-    def held(self) -> int:
-        """Receive slots held back (not posted again) for back-pressure."""
-        return len(self._held)
 
     def _added(self, size: int) -> None:
         self.unread += size
@@ -143,7 +153,13 @@ class ReceiveBuffer:
             self._parts.clear()
             self.assembling = 0
         self._messages.append(data)
-        self._added(len(data))
+        # _added(), inline: this runs once per message received.
+        size = len(data)
+        self.unread += size
+        if self._unsettled:
+            self._unsettled[-1]._trailing += size
+        else:
+            self.ready += size
         return data
 
     def add_messages(self, messages: list[bytes]) -> int:
@@ -218,7 +234,7 @@ class ReceiveBuffer:
                 return
             if head._data is None:
                 messages.popleft()
-                self._offset = 0
+                self.offset = 0
             else:
                 messages[0] = head._data
                 head._data = None
@@ -229,8 +245,15 @@ class ReceiveBuffer:
     def admit(self, slot: int) -> bool:
         """Decide about the slot of a data or RNDV frame just added: True to post it again now, False if
         held."""
-        if self.committed > self.limit and (self.unread or self.pending) and not self.reader_waiting:
+        unread = self.unread
+        # committed, inline: this runs once per data frame received.
+        if (
+            unread + self.assembling + self.announced + self.pending * PLACEHOLDER_CHARGE > self.limit
+            and (unread or self.pending)
+            and not self.reader_waiting
+        ):
             self._held.append(slot)
+            self.held += 1
             return False
         return True
 
@@ -240,6 +263,7 @@ class ReceiveBuffer:
             self.committed <= self.limit or not (self.unread or self.pending) or self.reader_waiting
         ):
             held, self._held = self._held, []
+            self.held = 0
             return held
         return []
 
@@ -252,7 +276,7 @@ class ReceiveBuffer:
 
     def pop_message(self) -> bytes:
         """The rest of the next message (``IndexError`` if there is none; the head must not be an unsettled
-        placeholder)."""
+        placeholder). Receiver.recv does the common case inline (see the class docstring)."""
         data = self._messages.popleft()
         if isinstance(data, Placeholder):
             self._messages.appendleft(data)
@@ -261,9 +285,9 @@ class ReceiveBuffer:
             if isinstance(data, Placeholder):
                 self._messages.appendleft(data)
                 raise IndexError("the next message is announced, not received yet")
-        if self._offset:
-            data = data[self._offset :]
-            self._offset = 0
+        if self.offset:
+            data = data[self.offset :]
+            self.offset = 0
         self.unread -= len(data)
         self.ready -= len(data)
         return data
@@ -274,14 +298,14 @@ class ReceiveBuffer:
         data = self._messages[0]
         if isinstance(data, Placeholder):
             raise IndexError("the next message is announced, not received yet")
-        start = self._offset
+        start = self.offset
         n = min(len(data) - start, target.nbytes)
         target[:n] = memoryview(data)[start : start + n]
         if start + n == len(data):
             self._messages.popleft()
-            self._offset = 0
+            self.offset = 0
         else:
-            self._offset = start + n
+            self.offset = start + n
         self.unread -= n
         self.ready -= n
         return n
@@ -292,10 +316,10 @@ class ReceiveBuffer:
         self._settle_head()
         while messages:
             head = messages[0]
-            if isinstance(head, Placeholder) or len(head) != self._offset:
+            if isinstance(head, Placeholder) or len(head) != self.offset:
                 return
             messages.popleft()
-            self._offset = 0
+            self.offset = 0
             self._settle_head()
 
     def take(self, n: int) -> bytes:
@@ -311,14 +335,14 @@ class ReceiveBuffer:
                     break  # (cannot happen: `ready` ends at the first unsettled one)
                 self._settle_head()
                 continue
-            start = self._offset
+            start = self.offset
             end = min(len(head), start + remaining)
             parts.append(head if start == 0 and end == len(head) else head[start:end])
             if end == len(head):
                 messages.popleft()
-                self._offset = 0
+                self.offset = 0
             else:
-                self._offset = end
+                self.offset = end
             remaining -= end - start
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.unread -= len(data)
@@ -336,11 +360,11 @@ class ReceiveBuffer:
         if not messages or isinstance(messages[0], Placeholder):
             return
         first = messages[0]
-        if not self._offset and (len(messages) == 1 or isinstance(messages[1], Placeholder)):
+        if not self.offset and (len(messages) == 1 or isinstance(messages[1], Placeholder)):
             return
-        parts = [first[self._offset :]]
+        parts = [first[self.offset :]]
         messages.popleft()
-        self._offset = 0
+        self.offset = 0
         while messages:
             self._settle_head()
             if not messages or isinstance(messages[0], Placeholder):
@@ -362,7 +386,7 @@ class ReceiveBuffer:
     def startswith(self, prefix: bytes, start: int) -> bool:
         """True if the ready bytes (as merged by :meth:`find`) have ``prefix`` at ``start``."""
         head = self.head()
-        return isinstance(head, bytes | bytearray) and head.startswith(prefix, self._offset + start)
+        return isinstance(head, bytes | bytearray) and head.startswith(prefix, self.offset + start)
 
     def clear(self) -> int:
         """Drop every byte before the first unsettled placeholder; return how many."""

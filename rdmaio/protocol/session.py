@@ -2,10 +2,13 @@
 accounting, frame validation and the one-sided credit hooks, with its close state as an object.
 
 A Session is one object on the per-frame path: what we send (credits taken and granted, imm values) and
-what we receive (frames validated and counted, receives reposted and grown) work on the same plain
-attributes, so that :meth:`Session.take_data_frame`, :meth:`Session.on_frame`,
-:meth:`Session.on_recv_reposted`, :meth:`Session.can_send_data` and :meth:`Session.credit_frame_due` make
-no call of their own. The close state machine is a :class:`~rdmaio.protocol.closestate.CloseState` the
+what we receive (frames validated and counted, receives reposted and grown) work on the fields of one
+state object (:mod:`rdmaio.protocol.sessionstate`), so that :meth:`Session.take_data_frame`,
+:meth:`Session.on_frame`, :meth:`Session.on_recv_reposted`, :meth:`Session.can_send_data` and
+:meth:`Session.credit_frame_due` make no call of their own. The core gives its sessions a C struct as that
+object and applies these hot rules to it in C (rdmaio/_ffi/session.c): this class is the reference model
+of those ports, and what they leave (every error, EOF, RNDV, extension frames) it applies itself. The
+close state machine is a :class:`~rdmaio.protocol.closestate.CloseState` the
 Session holds and tells every close event (:meth:`Session.close`, :meth:`Session.abort`, ...); its
 answers (:meth:`~rdmaio.protocol.closestate.CloseState.send_error`, ``flush_error``, ``recv_outcome``)
 are bound to the Session once.
@@ -48,6 +51,7 @@ from rdmaio.protocol.frames import (
     unpack_batch,
 )
 from rdmaio.protocol.handshake import FEATURE_BATCH, FEATURE_RNDV, MAX_CREDITS, Handshake
+from rdmaio.protocol.sessionstate import SessionState
 
 __all__ = ["EOF", "EOFType", "Session", "State"]
 
@@ -57,6 +61,11 @@ class Session:
 
     ``local`` is the handshake this side sent, ``peer`` the one it received. See the module docstring for
     the credit rules and why ``credit_threshold`` must be in ``2..local.recv_depth-1``.
+
+    Every per-frame counter is a field of one state object (:attr:`rules_state`): a
+    :class:`~rdmaio.protocol.sessionstate.SessionState` unless ``state`` gives another object with the same
+    fields (the core gives a C struct, to which C functions apply the hot rules; this class is their
+    reference model). The Session initialises every field of the object it is given.
 
     Contract with the I/O layer:
 
@@ -71,51 +80,13 @@ class Session:
     """
 
     __slots__ = (
-        "_batch_frames_received",
-        "_batch_frames_sent",
-        "_batch_pending",
-        "_batched_messages_received",
-        "_batched_messages_sent",
-        "_batching",
-        "_bytes_received",
-        "_bytes_sent",
         "_close",
-        "_credit_frames_received",
-        "_credit_frames_sent",
-        "_default_threshold",
-        "_eof_due",
-        "_eof_sent",
-        "_frames_received",
-        "_frames_sent",
-        "_grown",
         "_local",
-        "_local_max",
-        "_max_fragment",
-        "_messages_received",
-        "_messages_sent",
-        "_min_send_credits",
-        "_onesided_received",
-        "_onesided_sent",
         "_peer",
-        "_peer_depth",
-        "_peer_eof",
-        "_peer_max",
-        "_posted",
-        "_recv_depth",
-        "_recv_in_message",
-        "_recv_max",
-        "_recv_message_bytes",
-        "_rndv",
-        "_send_credits",
-        "_send_in_message",
-        "_send_message_bytes",
-        "_slot_size",
-        "_threshold",
-        "_ungranted",
-        "_ungranted_ctl",
-        "_wire_down",
+        "_s",
         "flush_error",
         "recv_outcome",
+        "rules_state",
         "send_error",
     )
 
@@ -128,13 +99,27 @@ class Session:
     #: What a read that finds no buffered data gets: None, :data:`EOF` or an exception
     #: (:meth:`CloseState.recv_outcome`).
     recv_outcome: Callable[[], BaseException | EOFType | None]
+    #: The state object this Session's rules work on (a :class:`SessionState`, or the object the I/O layer
+    #: injected with ``state=``): another implementation of the rules may work on it too. (An attribute,
+    #: not a property: the core reads it once per connection, at no call.)
+    rules_state: SessionState
+    _s: SessionState
 
-    def __init__(self, local: Handshake, peer: Handshake, *, credit_threshold: int | None = None) -> None:
+    def __init__(
+        self,
+        local: Handshake,
+        peer: Handshake,
+        *,
+        credit_threshold: int | None = None,
+        state: SessionState | None = None,
+    ) -> None:
         # Receives posted at first: fewer than recv_depth only if we announced FEATURE_GROW.
         depth = local.initial_depth
-        self._default_threshold = credit_threshold is None
         if credit_threshold is None:
+            default_threshold = 1
             credit_threshold = depth // 2
+        else:
+            default_threshold = 0
         if not 2 <= credit_threshold <= depth - 1:
             raise ValueError(
                 f"credit_threshold {credit_threshold} out of range 2..{depth - 1} "
@@ -142,61 +127,66 @@ class Session:
             )
         self._local = local
         self._peer = peer
+        # Every per-frame counter lives in one state object: a SessionState, or the object the I/O layer
+        # injected (a C struct with the same fields, which C functions apply the hot rules to).
+        s = self._s = self.rules_state = SessionState() if state is None else state
+        s.default_threshold = default_threshold
         # Handshake fields the hot path reads, copied to avoid a second attribute lookup per frame.
-        # _recv_depth is the receives we have added so far (posted or consumed by frames in flight);
-        # grow_receives() raises it up to _recv_max.
-        self._recv_depth = depth
-        self._recv_max = local.recv_depth
-        self._grown = 0
-        self._slot_size = local.slot_size
-        self._local_max = local.max_message_size
-        self._peer_depth = peer.recv_depth
-        self._max_fragment = peer.slot_size
-        self._peer_max = peer.max_message_size
-        self._batching = bool(local.features & peer.features & FEATURE_BATCH)
-        self._rndv = bool(local.features & peer.features & FEATURE_RNDV)
-        self._threshold = credit_threshold
+        # recv_depth is the receives we have added so far (posted or consumed by frames in flight);
+        # grow_receives() raises it up to recv_max.
+        s.recv_depth = depth
+        s.recv_max = local.recv_depth
+        s.grown = 0
+        s.slot_size = local.slot_size
+        s.local_max = local.max_message_size
+        s.peer_depth = peer.recv_depth
+        s.max_fragment = peer.slot_size
+        s.peer_max = peer.max_message_size
+        s.batching = int(bool(local.features & peer.features & FEATURE_BATCH))
+        s.rndv = int(bool(local.features & peer.features & FEATURE_RNDV))
+        s.threshold = credit_threshold
         # The peer posted initial_depth receives; its recv_depth bounds what it may grant us later.
-        self._send_credits = peer.initial_depth
-        self._ungranted = 0
-        self._ungranted_ctl = 0
-        self._posted = depth
-        self._recv_in_message = False
-        self._recv_message_bytes = 0
-        self._send_in_message = False
-        self._send_message_bytes = 0
-        self._batch_pending = -1  # payload size of the DATA_BATCH frame awaiting on_batch(), -1 if none
+        s.send_credits = peer.initial_depth
+        s.ungranted = 0
+        s.ungranted_ctl = 0
+        s.posted = depth
+        s.recv_in_message = 0
+        s.recv_message_bytes = 0
+        s.send_in_message = 0
+        s.send_message_bytes = 0
+        s.batch_pending = -1  # payload size of the DATA_BATCH frame awaiting on_batch(), -1 if none
         # The close state is an object of its own; the per-frame path reads its copies of two facts.
         close = self._close = CloseState()
-        self._wire_down = False  # close.wire_down, copied by every close event: no frame may be sent
-        self._peer_eof = False  # the peer's EOF frame arrived (also told to the close state)
-        self._eof_sent = False  # our EOF frame was taken
-        self._eof_due = False  # write_eof()/close() asked for an EOF frame that was not taken yet
+        s.wire_down = 0  # close.wire_down, copied by every close event: no frame may be sent
+        s.peer_eof = 0  # the peer's EOF frame arrived (also told to the close state)
+        s.eof_sent = 0  # our EOF frame was taken
+        s.eof_due = 0  # write_eof()/close() asked for an EOF frame that was not taken yet
         # The close state's answers, bound once: a send or an empty read asks them, at no extra call.
         self.send_error = close.send_error
         self.flush_error = close.flush_error
         self.recv_outcome = close.recv_outcome
         # Counters. Those the statistics can derive (data frames, credits granted/received) are not kept.
-        self._frames_sent = 0
-        self._frames_received = 0
-        self._bytes_sent = 0
-        self._bytes_received = 0
-        self._messages_sent = 0
-        self._messages_received = 0
-        self._credit_frames_sent = 0
-        self._credit_frames_received = 0
-        self._batch_frames_sent = 0
-        self._batch_frames_received = 0
-        self._batched_messages_sent = 0
-        self._batched_messages_received = 0
-        self._onesided_sent = 0  # peer receives consumed by our one-sided requests
-        self._onesided_received = 0
-        self._min_send_credits = self._send_credits
+        s.frames_sent = 0
+        s.frames_received = 0
+        s.bytes_sent = 0
+        s.bytes_received = 0
+        s.messages_sent = 0
+        s.messages_received = 0
+        s.credit_frames_sent = 0
+        s.credit_frames_received = 0
+        s.batch_frames_sent = 0
+        s.batch_frames_received = 0
+        s.batched_messages_sent = 0
+        s.batched_messages_received = 0
+        s.onesided_sent = 0  # peer receives consumed by our one-sided requests
+        s.onesided_received = 0
+        s.min_send_credits = s.send_credits
+        s.fast = 1  # a subclass whose frames or reposts must reach its own methods sets 0
 
     def __repr__(self) -> str:
         return (
-            f"<Session {self.state.name} send_credits={self._send_credits} ungranted={self._ungranted} "
-            f"posted={self._posted} eof_sent={self._eof_sent} peer_eof={self._peer_eof}>"
+            f"<Session {self.state.name} send_credits={self._s.send_credits} ungranted={self._s.ungranted} "
+            f"posted={self._s.posted} eof_sent={self._s.eof_sent} peer_eof={self._s.peer_eof}>"
         )
 
     # -- properties ---------------------------------------------------------------------------------------
@@ -214,53 +204,53 @@ class Session:
     @property
     def send_credits(self) -> int:
         """Peer slots known to be posted for us: frames we may still send."""
-        return self._send_credits
+        return self._s.send_credits
 
     @property
     def ungranted(self) -> int:
         """Slots reposted locally that the peer has not been told about yet."""
-        return self._ungranted
+        return self._s.ungranted
 
     @property
     def ungranted_for_credit_frames(self) -> int:
         """The part of :attr:`ungranted` owed for slots the peer's CREDIT frames consumed (it does not count
         towards the credit threshold: see :meth:`credit_frame_due`)."""
-        return self._ungranted_ctl
+        return self._s.ungranted_ctl
 
     @property
     def posted(self) -> int:
         """Receive slots currently posted locally."""
-        return self._posted
+        return self._s.posted
 
     @property
     def credit_threshold(self) -> int:
         """Number of ungranted credits that makes a standalone CREDIT frame due."""
-        return self._threshold
+        return self._s.threshold
 
     @property
     def max_fragment(self) -> int:
         """The most payload bytes one frame may carry (the peer's slot size)."""
-        return self._max_fragment
+        return self._s.max_fragment
 
     @property
     def batching(self) -> bool:
         """True if both handshakes announced :data:`FEATURE_BATCH`: DATA_BATCH frames may be sent."""
-        return self._batching
+        return bool(self._s.batching)
 
     @property
     def rendezvous(self) -> bool:
         """True if both handshakes announced :data:`FEATURE_RNDV`: RNDV frames may be sent."""
-        return self._rndv
+        return bool(self._s.rndv)
 
     @property
     def peer_eof(self) -> bool:
         """True once the peer's EOF frame was received."""
-        return self._peer_eof
+        return bool(self._s.peer_eof)
 
     @property
     def eof_sent(self) -> bool:
         """True once our EOF frame was taken (:meth:`take_eof_frame`)."""
-        return self._eof_sent
+        return bool(self._s.eof_sent)
 
     # -- close (the CloseState decides; the Session keeps its copy of wire_down) -------------------------
 
@@ -272,7 +262,7 @@ class Session:
     def close(self) -> None:
         """Graceful local close: implies :meth:`write_eof`; the state becomes CLOSING. Idempotent."""
         self._close.close()
-        self._eof_due = not self._eof_sent
+        self._s.eof_due = int(not self._s.eof_sent)
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Abort the connection now (state ABORTED); ``exc``, if any, is reported to pending operations.
@@ -281,25 +271,25 @@ class Session:
         """
         close = self._close
         close.abort(exc)
-        self._wire_down = close.wire_down
+        self._s.wire_down = int(close.wire_down)
 
     def on_disconnected(self) -> None:
         """The transport reported DISCONNECTED (the peer left or our disconnect completed)."""
         close = self._close
         close.on_disconnected()
-        self._wire_down = close.wire_down
+        self._s.wire_down = int(close.wire_down)
 
     def on_transport_error(self, exc: BaseException) -> None:
         """A completion or rdma_cm error made the transport unusable (only the first cause is kept)."""
         close = self._close
         close.on_transport_error(exc)
-        self._wire_down = close.wire_down
+        self._s.wire_down = int(close.wire_down)
 
     def mark_closed(self) -> None:
         """The I/O layer finished tearing the connection down; the state becomes CLOSED."""
         close = self._close
         close.mark_closed()
-        self._wire_down = close.wire_down
+        self._s.wire_down = int(close.wire_down)
 
     def check_wire(self) -> None:
         """Raise the connection's error if no frame may be sent any more (aborted, transport lost or torn
@@ -317,53 +307,47 @@ class Session:
         ``batched_messages_*`` the messages those carried; ``messages_*`` and ``bytes_*`` count every
         message and its bytes however it travelled (batch record headers are not counted).
         """
-        eof_sent = int(self._eof_sent)
-        eof_received = int(self._peer_eof)
-        frames_sent = self._frames_sent
-        frames_received = self._frames_received
+        s = self._s
+        eof_sent = int(s.eof_sent)
+        eof_received = int(s.peer_eof)
+        frames_sent = s.frames_sent
+        frames_received = s.frames_received
         return {
             "frames_sent": frames_sent,
             "frames_received": frames_received,
-            "data_frames_sent": frames_sent - self._credit_frames_sent - self._batch_frames_sent - eof_sent,
+            "data_frames_sent": frames_sent - s.credit_frames_sent - s.batch_frames_sent - eof_sent,
             "data_frames_received": (
-                frames_received - self._credit_frames_received - self._batch_frames_received - eof_received
+                frames_received - s.credit_frames_received - s.batch_frames_received - eof_received
             ),
-            "bytes_sent": self._bytes_sent,
-            "bytes_received": self._bytes_received,
-            "messages_sent": self._messages_sent,
-            "messages_received": self._messages_received,
-            "credit_frames_sent": self._credit_frames_sent,
-            "credit_frames_received": self._credit_frames_received,
-            "batch_frames_sent": self._batch_frames_sent,
-            "batch_frames_received": self._batch_frames_received,
-            "batched_messages_sent": self._batched_messages_sent,
-            "batched_messages_received": self._batched_messages_received,
+            "bytes_sent": s.bytes_sent,
+            "bytes_received": s.bytes_received,
+            "messages_sent": s.messages_sent,
+            "messages_received": s.messages_received,
+            "credit_frames_sent": s.credit_frames_sent,
+            "credit_frames_received": s.credit_frames_received,
+            "batch_frames_sent": s.batch_frames_sent,
+            "batch_frames_received": s.batch_frames_received,
+            "batched_messages_sent": s.batched_messages_sent,
+            "batched_messages_received": s.batched_messages_received,
             "eof_sent": eof_sent,
             "eof_received": eof_received,
             # Every repost became an ungranted credit and every grant came out of those; reposts are the
             # posted slots minus the initial ones plus those consumed by received frames.
             # Growth adds slots to both posted and recv_depth, and grants them like reposts.
             "credits_granted": (
-                self._posted
-                - self._recv_depth
-                + self._grown
-                + frames_received
-                + self._onesided_received
-                - self._ungranted
+                s.posted - s.recv_depth + s.grown + frames_received + s.onesided_received - s.ungranted
             ),
             # send_credits = peer.initial_depth - frames and one-sided requests sent + credits received.
-            "credits_received": (
-                self._send_credits - self._peer.initial_depth + frames_sent + self._onesided_sent
-            ),
-            "onesided_slots_sent": self._onesided_sent,
-            "onesided_slots_received": self._onesided_received,
-            "send_credits": self._send_credits,
-            "min_send_credits": self._min_send_credits,
-            "ungranted": self._ungranted,
-            "posted": self._posted,
-            "credit_threshold": self._threshold,
-            "recv_depth": self._recv_depth,
-            "batching": int(self._batching),
+            "credits_received": (s.send_credits - self._peer.initial_depth + frames_sent + s.onesided_sent),
+            "onesided_slots_sent": s.onesided_sent,
+            "onesided_slots_received": s.onesided_received,
+            "send_credits": s.send_credits,
+            "min_send_credits": s.min_send_credits,
+            "ungranted": s.ungranted,
+            "posted": s.posted,
+            "credit_threshold": s.threshold,
+            "recv_depth": s.recv_depth,
+            "batching": int(s.batching),
         }
 
     # -- sending: credits taken and granted ----------------------------------------------------------------
@@ -372,16 +356,16 @@ class Session:
         """Raise :class:`MessageTooLargeError` if the peer does not accept a message of ``n`` bytes."""
         if n < 0:
             raise ValueError(f"message size {n} is negative")
-        if n > self._peer_max:
+        if n > self._s.peer_max:
             raise MessageTooLargeError(
-                f"message of {n} bytes exceeds the peer's maximum message size of {self._peer_max} bytes"
+                f"message of {n} bytes exceeds the peer's maximum message size of {self._s.peer_max} bytes"
             )
 
     def fragment_count(self, n: int) -> int:
         """Number of frames a message of ``n`` bytes needs (an empty message still needs one)."""
         if n < 0:
             raise ValueError(f"message size {n} is negative")
-        return max(1, -(-n // self._max_fragment))
+        return max(1, -(-n // self._s.max_fragment))
 
     def can_send_data(self) -> bool:
         """True if a DATA frame may be posted now (transport usable, EOF not sent, two credits held).
@@ -390,7 +374,7 @@ class Session:
         Data accepted before ``write_eof()``/``close()`` may still be flushed; whether the application may
         hand over *new* data is :meth:`send_error`'s business.
         """
-        return self._send_credits >= 2 and not (self._eof_sent or self._wire_down)
+        return self._s.send_credits >= 2 and not (self._s.eof_sent or self._s.wire_down)
 
     def take_data_frame(self, last: bool, nbytes: int = 0) -> int:
         """Account for one DATA frame about to be posted and return its immediate value.
@@ -400,36 +384,37 @@ class Session:
         size and counted in :meth:`statistics`. Raises the connection's error if the transport is unusable,
         :class:`EndpointClosedError` after the EOF frame, RuntimeError without two credits.
         """
-        send_credits = self._send_credits - 1
-        if self._wire_down or self._eof_sent or send_credits < 1 or not 0 <= nbytes <= self._max_fragment:
+        s = self._s
+        send_credits = s.send_credits - 1
+        if s.wire_down or s.eof_sent or send_credits < 1 or not 0 <= nbytes <= s.max_fragment:
             self._raise_send_error(nbytes, 2)
-        message_bytes = self._send_message_bytes + nbytes
-        if message_bytes > self._peer_max:
+        message_bytes = s.send_message_bytes + nbytes
+        if message_bytes > s.peer_max:
             raise MessageTooLargeError(
-                f"message exceeds the peer's maximum message size of {self._peer_max} bytes"
+                f"message exceeds the peer's maximum message size of {s.peer_max} bytes"
             )
         # Every frame piggybacks everything we owe: fewer standalone CREDIT frames. The cap is a guard only:
         # ungranted <= posted <= recv_depth <= MAX_CREDITS as long as on_frame accepts the frames.
-        grant = self._ungranted
+        grant = s.ungranted
         if grant:
             if grant > _CREDIT_MASK:
                 grant = _CREDIT_MASK
-            self._ungranted -= grant
-            if self._ungranted_ctl > self._ungranted:
-                self._ungranted_ctl = self._ungranted
-        self._send_credits = send_credits
-        if send_credits < self._min_send_credits:
-            self._min_send_credits = send_credits
-        self._frames_sent += 1
-        self._bytes_sent += nbytes
+            s.ungranted -= grant
+            if s.ungranted_ctl > s.ungranted:
+                s.ungranted_ctl = s.ungranted
+        s.send_credits = send_credits
+        if send_credits < s.min_send_credits:
+            s.min_send_credits = send_credits
+        s.frames_sent += 1
+        s.bytes_sent += nbytes
         if last:
-            self._messages_sent += 1
-            if self._send_in_message:
-                self._send_in_message = False
-                self._send_message_bytes = 0
+            s.messages_sent += 1
+            if s.send_in_message:
+                s.send_in_message = 0
+                s.send_message_bytes = 0
             return _IMM_END | grant
-        self._send_in_message = True
-        self._send_message_bytes = message_bytes
+        s.send_in_message = 1
+        s.send_message_bytes = message_bytes
         return _IMM_MORE | grant
 
     def take_batch_frame(self, nbytes: int, messages: int) -> int:
@@ -443,22 +428,23 @@ class Session:
         if batching was not negotiated (:attr:`batching`), in the middle of a message or without two
         credits, ValueError for an impossible ``nbytes``/``messages``.
         """
-        if self._wire_down or self._eof_sent:
+        s = self._s
+        if s.wire_down or s.eof_sent:
             self._raise_send_error(nbytes, 2)
-        if not self._batching:
+        if not s.batching:
             raise RuntimeError("cannot send a DATA_BATCH frame: batching was not negotiated")
-        if self._send_in_message:
+        if s.send_in_message:
             raise RuntimeError("cannot send a DATA_BATCH frame in the middle of a message (DATA_END missing)")
         if not 1 <= messages <= nbytes // BATCH_RECORD_HEADER:
             raise ValueError(f"{messages} messages cannot make a DATA_BATCH payload of {nbytes} bytes")
-        if nbytes > self._max_fragment:
-            raise ValueError(f"DATA_BATCH frame of {nbytes} bytes out of range 0..{self._max_fragment}")
-        if self._send_credits < 2:
-            raise RuntimeError(f"no credit for a DATA frame (send_credits={self._send_credits}, need 2)")
-        self._batch_frames_sent += 1
-        self._batched_messages_sent += messages
-        self._messages_sent += messages
-        self._bytes_sent += nbytes - BATCH_RECORD_HEADER * messages
+        if nbytes > s.max_fragment:
+            raise ValueError(f"DATA_BATCH frame of {nbytes} bytes out of range 0..{s.max_fragment}")
+        if s.send_credits < 2:
+            raise RuntimeError(f"no credit for a DATA frame (send_credits={s.send_credits}, need 2)")
+        s.batch_frames_sent += 1
+        s.batched_messages_sent += messages
+        s.messages_sent += messages
+        s.bytes_sent += nbytes - BATCH_RECORD_HEADER * messages
         return self._take(_IMM_BATCH)
 
     def take_rndv_frame(self, nbytes: int) -> int:
@@ -466,15 +452,15 @@ class Session:
         return its immediate value. It follows the rules of a DATA_END frame (two credits, not after EOF, not
         in the middle of a message); the message it announces is counted by the rendezvous layer."""
         if (
-            self._wire_down
-            or self._eof_sent
-            or self._send_credits < 2
-            or not 0 < nbytes <= self._max_fragment
+            self._s.wire_down
+            or self._s.eof_sent
+            or self._s.send_credits < 2
+            or not 0 < nbytes <= self._s.max_fragment
         ):
             self._raise_send_error(nbytes, 2)
-        if not self._rndv:
+        if not self._s.rndv:
             raise RuntimeError("cannot send an RNDV frame: rendezvous was not negotiated")
-        if self._send_in_message:
+        if self._s.send_in_message:
             raise RuntimeError("cannot send an RNDV frame in the middle of a message (DATA_END missing)")
         return self._take(_IMM_RNDV)
 
@@ -488,12 +474,25 @@ class Session:
         sent a CREDIT frame with every message in both directions. They are granted on the next frame, and
         the liveness rule (a peer with fewer than two credits is owed ``recv_depth - 1``) still sends one.
         """
+        s = self._s
+        owed = s.ungranted
+        return (
+            (owed - s.ungranted_ctl >= s.threshold or owed >= s.recv_depth - 1)
+            and s.send_credits >= 1
+            and not s.wire_down
+        )
+
+    def control_frame_due(self) -> bool:
+        """``eof_pending() or credit_frame_due()`` in one call: whether a sender with no data to send has a
+        control frame to look at (its early-out after a completion batch asks only this)."""
+        if self._wire_down:
+            return False
+        if self._eof_due:
+            return True
         owed = self._ungranted
         return (
-            (owed - self._ungranted_ctl >= self._threshold or owed >= self._recv_depth - 1)
-            and self._send_credits >= 1
-            and not self._wire_down
-        )
+            owed - self._ungranted_ctl >= self._threshold or owed >= self._recv_depth - 1
+        ) and self._send_credits >= 1
 
     def take_credit_frame(self) -> int:
         """Account for one CREDIT frame about to be posted and return its immediate value.
@@ -501,92 +500,93 @@ class Session:
         Allowed with a single credit left, but only if it grants at least one credit (the liveness argument
         relies on that). Send it when :meth:`credit_frame_due` says so to keep idle peers quiet.
         """
-        grant = self._ungranted
-        send_credits = self._send_credits - 1
-        if self._wire_down or send_credits < 0 or grant < 1:
+        s = self._s
+        grant = s.ungranted
+        send_credits = s.send_credits - 1
+        if s.wire_down or send_credits < 0 or grant < 1:
             self.check_wire()
             if send_credits < 0:
                 raise RuntimeError("no credit left for a CREDIT frame")
             raise RuntimeError("a CREDIT frame must grant at least one credit (ungranted is 0)")
         if grant > _CREDIT_MASK:
             grant = _CREDIT_MASK
-        self._ungranted -= grant
-        if self._ungranted_ctl > self._ungranted:
-            self._ungranted_ctl = self._ungranted
-        self._send_credits = send_credits
-        if send_credits < self._min_send_credits:
-            self._min_send_credits = send_credits
-        self._frames_sent += 1
-        self._credit_frames_sent += 1
+        s.ungranted -= grant
+        if s.ungranted_ctl > s.ungranted:
+            s.ungranted_ctl = s.ungranted
+        s.send_credits = send_credits
+        if send_credits < s.min_send_credits:
+            s.min_send_credits = send_credits
+        s.frames_sent += 1
+        s.credit_frames_sent += 1
         return _IMM_CREDIT | grant
 
     def write_eof(self) -> None:
         """Half-close: request an EOF frame after the pending data; new data is refused from now on."""
         self._close.write_eof()
-        self._eof_due = not self._eof_sent
+        self._s.eof_due = int(not self._s.eof_sent)
 
     def eof_pending(self) -> bool:
         """True if ``write_eof()``/``close()`` asked for an EOF frame that was not sent yet.
 
         False once the transport is gone, as there is no one left to tell.
         """
-        return self._eof_due and not self._wire_down
+        return bool(self._s.eof_due and not self._s.wire_down)
 
     def can_send_eof(self) -> bool:
         """True if the pending EOF frame may be posted now as far as credits and framing go.
 
         EOF may use the last credit only if it grants one too (see the module docstring).
         """
-        return self.eof_pending() and not self._send_in_message and self._eof_credit_ok()
+        return self.eof_pending() and not self._s.send_in_message and self._eof_credit_ok()
 
     def _eof_credit_ok(self) -> bool:
         # The last credit may go to EOF only if EOF grants one back; otherwise both sides could end up
         # holding zero credits with nothing in flight.
-        return self._send_credits >= 2 or (self._send_credits == 1 and self._ungranted >= 1)
+        return self._s.send_credits >= 2 or (self._s.send_credits == 1 and self._s.ungranted >= 1)
 
     def take_eof_frame(self) -> int:
         """Account for the EOF frame about to be posted and return its immediate value (once only)."""
         self.check_wire()
-        if self._eof_sent:
+        if self._s.eof_sent:
             raise RuntimeError("EOF was already sent")
-        if self._send_in_message:
+        if self._s.send_in_message:
             raise RuntimeError("cannot send EOF in the middle of a message (DATA_END missing)")
         if not self._eof_credit_ok():
             raise RuntimeError(
                 f"no credit for the EOF frame "
-                f"(send_credits={self._send_credits}, ungranted={self._ungranted})"
+                f"(send_credits={self._s.send_credits}, ungranted={self._s.ungranted})"
             )
         self._close.write_eof()
-        self._eof_sent = True
-        self._eof_due = False
+        self._s.eof_sent = 1
+        self._s.eof_due = 0
         return self._take(_IMM_EOF)
 
     def _grant_owed(self, limit: int) -> int:
         """Take up to ``limit`` owed credits for a frame about to be posted and return them (the part owed
         for CREDIT-frame slots shrinks with them). take_data_frame/take_credit_frame inline it."""
-        grant = min(self._ungranted, limit)
-        self._ungranted -= grant
-        if self._ungranted_ctl > self._ungranted:
-            self._ungranted_ctl = self._ungranted
+        grant = min(self._s.ungranted, limit)
+        self._s.ungranted -= grant
+        if self._s.ungranted_ctl > self._s.ungranted:
+            self._s.ungranted_ctl = self._s.ungranted
         return grant
 
     def _take(self, kind_bits: int) -> int:
         # Shared by the less frequent frames (EOF, DATA_BATCH); take_data_frame/take_credit_frame inline it.
         grant = self._grant_owed(MAX_CREDITS)
-        self._send_credits -= 1
-        self._min_send_credits = min(self._min_send_credits, self._send_credits)
-        self._frames_sent += 1
+        self._s.send_credits -= 1
+        self._s.min_send_credits = min(self._s.min_send_credits, self._s.send_credits)
+        self._s.frames_sent += 1
         return kind_bits | grant
 
     def _raise_send_error(self, nbytes: int, needed: int) -> NoReturn:
         """Raise what a DATA/DATA_BATCH take must raise, in the order of the checks (slow path only)."""
         self.check_wire()
-        if self._eof_sent:
+        if self._s.eof_sent:
             raise EndpointClosedError("cannot send data: EOF was already sent (write_eof() was called)")
-        if not 0 <= nbytes <= self._max_fragment:
-            raise ValueError(f"fragment of {nbytes} bytes out of range 0..{self._max_fragment}")
+        if not 0 <= nbytes <= self._s.max_fragment:
+            raise ValueError(f"fragment of {nbytes} bytes out of range 0..{self._s.max_fragment}")
         # The last credit is reserved so that a CREDIT/EOF frame can always be sent.
-        raise RuntimeError(f"no credit for a DATA frame (send_credits={self._send_credits}, need {needed})")
+        raise RuntimeError(f"no credit for a DATA frame (send_credits={self._s.send_credits}, need {needed})")
 
     # -- one-sided operations -----------------------------------------------------------------------------
     # An RDMA WRITE with immediate data and a one-sided control message (a SEND without immediate data)
@@ -596,33 +596,33 @@ class Session:
 
     def can_take_slot(self) -> bool:
         """True if a one-sided request that consumes a peer receive may be posted now (two credits)."""
-        return self._send_credits >= 2 and not self._wire_down
+        return self._s.send_credits >= 2 and not self._s.wire_down
 
     def take_slot(self) -> None:
         """Account for one WRITE-with-immediate or one-sided control message about to be posted.
 
         Raises the connection's error if the transport is unusable, RuntimeError without two credits.
         """
-        if self._wire_down:
+        if self._s.wire_down:
             self.check_wire()
-        if self._send_credits < 2:
-            raise RuntimeError(f"no credit for a one-sided request (send_credits={self._send_credits})")
-        self._send_credits -= 1
-        self._onesided_sent += 1
-        if self._send_credits < self._min_send_credits:
-            self._min_send_credits = self._send_credits
+        if self._s.send_credits < 2:
+            raise RuntimeError(f"no credit for a one-sided request (send_credits={self._s.send_credits})")
+        self._s.send_credits -= 1
+        self._s.onesided_sent += 1
+        if self._s.send_credits < self._s.min_send_credits:
+            self._s.min_send_credits = self._s.send_credits
 
     # -- receiving: frames validated and counted, receives reposted and grown --------------------------------
 
     @property
     def recv_depth(self) -> int:
         """Receives added so far (posted, or consumed by frames not yet reposted): the current window."""
-        return self._recv_depth
+        return self._s.recv_depth
 
     @property
     def can_grow(self) -> int:
         """How many more receives :meth:`grow_receives` may add (0 unless we announced FEATURE_GROW)."""
-        return self._recv_max - self._recv_depth
+        return self._s.recv_max - self._s.recv_depth
 
     def grow_receives(self, n: int) -> None:
         """The I/O layer posted ``n`` receives on new slots: the window grows and they become credits owed
@@ -633,24 +633,26 @@ class Session:
         growth raises both sides of it by ``n``, and the default threshold follows the window (half of it),
         staying in ``2..recv_depth-1``.
         """
-        if not 0 < n <= self._recv_max - self._recv_depth:
-            raise ValueError(f"cannot grow by {n}: {self._recv_depth} of at most {self._recv_max} posted")
-        self._recv_depth += n
-        self._posted += n
-        self._ungranted += n
-        self._grown += n
-        if self._default_threshold:
-            self._threshold = self._recv_depth // 2
+        s = self._s
+        if not 0 < n <= s.recv_max - s.recv_depth:
+            raise ValueError(f"cannot grow by {n}: {s.recv_depth} of at most {s.recv_max} posted")
+        s.recv_depth += n
+        s.posted += n
+        s.ungranted += n
+        s.grown += n
+        if s.default_threshold:
+            s.threshold = s.recv_depth // 2
 
     def on_recv_reposted(self, n: int) -> None:
         """The I/O layer posted ``n`` receive buffers again; they become credits owed to the peer."""
-        posted = self._posted + n
-        if n < 0 or posted > self._recv_depth:
+        s = self._s
+        posted = s.posted + n
+        if n < 0 or posted > s.recv_depth:
             if n < 0:
                 raise ValueError(f"reposted count {n} is negative")
-            raise RuntimeError(f"{posted} receives posted, more than recv_depth {self._recv_depth}")
-        self._posted = posted
-        self._ungranted += n
+            raise RuntimeError(f"{posted} receives posted, more than recv_depth {s.recv_depth}")
+        s.posted = posted
+        s.ungranted += n
 
     def on_frame(self, imm: int, byte_len: int) -> FrameKind:
         """Validate and apply one received frame; return its kind (DATA_END completes a message).
@@ -660,70 +662,66 @@ class Session:
         (:class:`FrameError`, or :class:`ReceivedMessageTooLargeError`) if the peer broke the protocol; the
         session is then aborted with that error, as its accounting can no longer be trusted.
         """
+        s = self._s
         # Fast path: one combined test of what every frame must satisfy (imm well-formed, a slot posted and
         # granted for it, credits not overflowing, length within the slot), then the kind's own rules. Any
         # failure goes to _reject(), which re-checks in the documented order to pick the error message.
         # Nothing is changed before every check passed, so a rejected frame leaves the counters intact.
-        send_credits = self._send_credits + (imm & _CREDIT_MASK)
+        send_credits = s.send_credits + (imm & _CREDIT_MASK)
         if (
             imm & _BAD_IMM_BITS
             # posted - ungranted = the peer's credits + frames and grants in flight: this frame must be one
             # of them. (ungranted >= 0, so this also means a receive is posted: no RNR.)
-            or self._posted <= self._ungranted
-            or send_credits > self._peer_depth
-            or not 0 <= byte_len <= self._slot_size
+            or s.posted <= s.ungranted
+            or send_credits > s.peer_depth
+            or not 0 <= byte_len <= s.slot_size
         ):
             self._reject(imm, byte_len)
         kind = imm >> _KIND_SHIFT
         if kind == _K_END:
-            if self._peer_eof or self._recv_message_bytes + byte_len > self._local_max:
+            if s.peer_eof or s.recv_message_bytes + byte_len > s.local_max:
                 self._reject(imm, byte_len)
-            self._bytes_received += byte_len
-            self._messages_received += 1
-            if self._recv_in_message:
-                self._recv_in_message = False
-                self._recv_message_bytes = 0
+            s.bytes_received += byte_len
+            s.messages_received += 1
+            if s.recv_in_message:
+                s.recv_in_message = 0
+                s.recv_message_bytes = 0
             result = _DATA_END
         elif kind == _K_MORE:
-            size = self._recv_message_bytes + byte_len
-            if self._peer_eof or size > self._local_max:
+            size = s.recv_message_bytes + byte_len
+            if s.peer_eof or size > s.local_max:
                 self._reject(imm, byte_len)
-            self._bytes_received += byte_len
-            self._recv_in_message = True
-            self._recv_message_bytes = size
+            s.bytes_received += byte_len
+            s.recv_in_message = 1
+            s.recv_message_bytes = size
             result = _DATA_MORE
         elif kind == _K_CREDIT:
             if byte_len:
                 self._reject(imm, byte_len)
-            self._credit_frames_received += 1
-            self._ungranted_ctl += 1  # its slot is re-posted at once: owed, but no reason for a CREDIT frame
+            s.credit_frames_received += 1
+            s.ungranted_ctl += 1  # its slot is re-posted at once: owed, but no reason for a CREDIT frame
             result = _CREDIT
         elif kind == _K_BATCH:
-            if (
-                not self._batching
-                or self._peer_eof
-                or self._recv_in_message
-                or byte_len < BATCH_RECORD_HEADER
-            ):
+            if not s.batching or s.peer_eof or s.recv_in_message or byte_len < BATCH_RECORD_HEADER:
                 self._reject(imm, byte_len)
-            self._batch_frames_received += 1
-            self._batch_pending = byte_len
+            s.batch_frames_received += 1
+            s.batch_pending = byte_len
             result = _DATA_BATCH
         elif kind == _K_EOF:
-            if byte_len or self._peer_eof or self._recv_in_message:
+            if byte_len or s.peer_eof or s.recv_in_message:
                 self._reject(imm, byte_len)
-            self._peer_eof = True
+            s.peer_eof = 1
             self._close.on_peer_eof()
             result = _EOF_KIND
         elif kind == _K_RNDV:
-            if not self._rndv or self._peer_eof or self._recv_in_message or not byte_len:
+            if not s.rndv or s.peer_eof or s.recv_in_message or not byte_len:
                 self._reject(imm, byte_len)
             result = _RNDV
         else:
             self._reject(imm, byte_len)
-        self._posted -= 1
-        self._send_credits = send_credits
-        self._frames_received += 1
+        s.posted -= 1
+        s.send_credits = send_credits
+        s.frames_received += 1
         return result
 
     def on_batch(self, payload: BytesLike) -> list[bytes]:
@@ -735,21 +733,22 @@ class Session:
         malformed - the session is then aborted - and RuntimeError if no DATA_BATCH frame is waiting for
         it or ``payload`` has a different length.
         """
-        expected = self._batch_pending
+        s = self._s
+        expected = s.batch_pending
         if expected < 0:
             raise RuntimeError("on_batch() called without a DATA_BATCH frame from on_frame()")
         if len(payload) != expected:
             raise RuntimeError(f"on_batch() got {len(payload)} bytes, the DATA_BATCH frame had {expected}")
-        self._batch_pending = -1
+        s.batch_pending = -1
         try:
-            messages = unpack_batch(payload, self._local_max)
+            messages = unpack_batch(payload, s.local_max)
         except ProtocolError as exc:
             self.abort(exc)
             raise
         count = len(messages)
-        self._messages_received += count
-        self._batched_messages_received += count
-        self._bytes_received += expected - BATCH_RECORD_HEADER * count
+        s.messages_received += count
+        s.batched_messages_received += count
+        s.bytes_received += expected - BATCH_RECORD_HEADER * count
         return messages
 
     def _reject(self, imm: int, byte_len: int) -> NoReturn:
@@ -760,6 +759,7 @@ class Session:
 
     def _frame_error(self, imm: int, byte_len: int) -> ProtocolError:
         """The error that an invalid received frame commits: the first failing check, in a fixed order."""
+        s = self._s
         try:
             kind, credits = decode_imm(imm)
         except FrameError as exc:
@@ -768,49 +768,49 @@ class Session:
         if kind is FrameKind.RECLAIM or kind is FrameKind.RETURN:  # shared receive queues (FEATURE_RECLAIM)
             return FrameError(f"{name} frame although FEATURE_RECLAIM was not negotiated")
         is_data = kind in (_DATA_MORE, _DATA_END, _DATA_BATCH, _RNDV)
-        if self._posted <= 0:
+        if s.posted <= 0:
             return FrameError(
                 f"{name} frame arrived with no receive posted (RNR): the peer overran its credits"
             )
         # Stricter than posted > 0, which misses a peer that uses slots we reposted but never granted.
-        if self._posted - self._ungranted <= 0:
+        if s.posted - s.ungranted <= 0:
             return FrameError(f"{name} frame arrived although the peer held no credit for it")
-        if not 0 <= byte_len <= self._slot_size:
-            return FrameError(f"{name} frame of {byte_len} bytes exceeds the slot size of {self._slot_size}")
+        if not 0 <= byte_len <= s.slot_size:
+            return FrameError(f"{name} frame of {byte_len} bytes exceeds the slot size of {s.slot_size}")
         if not is_data and byte_len != 0:
             return FrameError(f"{name} frame carries {byte_len} payload bytes, it must carry none")
-        if self._send_credits + credits > self._peer_depth:
+        if s.send_credits + credits > s.peer_depth:
             return FrameError(
-                f"peer granted {credits} credits, more than its recv_depth {self._peer_depth} allows "
-                f"(we hold {self._send_credits})"
+                f"peer granted {credits} credits, more than its recv_depth {s.peer_depth} allows "
+                f"(we hold {s.send_credits})"
             )
-        if is_data and self._peer_eof:
+        if is_data and s.peer_eof:
             return FrameError(f"{name} frame after the peer's EOF")
         if kind is _DATA_BATCH:
-            if not self._batching:
+            if not s.batching:
                 return FrameError("DATA_BATCH frame although batching was not negotiated")
-            if self._recv_in_message:
+            if s.recv_in_message:
                 return FrameError("DATA_BATCH frame in the middle of a message (DATA_END missing)")
             if byte_len < BATCH_RECORD_HEADER:
                 return FrameError(f"DATA_BATCH frame of {byte_len} bytes is too short for one record")
         elif kind is _RNDV:
-            if not self._rndv:
+            if not s.rndv:
                 return FrameError("RNDV frame although rendezvous was not negotiated")
-            if self._recv_in_message:
+            if s.recv_in_message:
                 return FrameError("RNDV frame in the middle of a message (DATA_END missing)")
             if not byte_len:
                 return FrameError("RNDV frame without a descriptor")
         elif is_data:
-            size = self._recv_message_bytes + byte_len
-            if size > self._local_max:
+            size = s.recv_message_bytes + byte_len
+            if size > s.local_max:
                 return ReceivedMessageTooLargeError(
                     f"peer sent a message of at least {size} bytes, more than our maximum message size "
-                    f"of {self._local_max} bytes"
+                    f"of {s.local_max} bytes"
                 )
         elif kind is _EOF_KIND:
-            if self._peer_eof:
+            if s.peer_eof:
                 return FrameError("second EOF frame from the peer")
-            if self._recv_in_message:
+            if s.recv_in_message:
                 return FrameError("EOF frame in the middle of a message (DATA_END missing)")
         # Unreachable while the fast path in on_frame and these checks agree (the tests hold them to it).
         return ProtocolError(f"frame {imm:#010x} of {byte_len} bytes rejected")  # pragma: no cover
@@ -820,12 +820,12 @@ class Session:
 
         Raises :class:`FrameError` (and aborts) if the peer held no credit for it.
         """
-        if self._posted - self._ungranted <= 0:
+        if self._s.posted - self._s.ungranted <= 0:
             exc = FrameError("a one-sided request consumed a receive the peer held no credit for")
             self.abort(exc)
             raise exc
-        self._posted -= 1
-        self._onesided_received += 1
+        self._s.posted -= 1
+        self._s.onesided_received += 1
 
     # -- control frames of protocol extensions ------------------------------------------------------------
     # The reclaim protocol (rdmaio.protocol.reclaim) adds two control frames and a window that shrinks.
@@ -834,8 +834,8 @@ class Session:
     def can_send_control(self) -> bool:
         """True if a control frame that grants every credit owed may be posted now: the transport is usable
         and two credits are held, or only the last one if the frame grants one back (the rule of EOF)."""
-        return not self._wire_down and (
-            self._send_credits >= 2 or (self._send_credits == 1 and self._ungranted >= 1)
+        return not self._s.wire_down and (
+            self._s.send_credits >= 2 or (self._s.send_credits == 1 and self._s.ungranted >= 1)
         )
 
     def take_control_frame(self, imm_bits: int, give_back: int = 0) -> int:
@@ -843,9 +843,9 @@ class Session:
         kind and fields of its own) with every credit owed granted. It costs one credit, plus ``give_back``
         credits it hands back to the peer. The caller has checked that the frame may be sent."""
         grant = self._grant_owed(MAX_CREDITS)
-        self._send_credits -= 1 + give_back
-        self._min_send_credits = min(self._min_send_credits, self._send_credits)
-        self._frames_sent += 1
+        self._s.send_credits -= 1 + give_back
+        self._s.min_send_credits = min(self._s.min_send_credits, self._s.send_credits)
+        self._s.frames_sent += 1
         return imm_bits | grant
 
     def check_control_frame(self, imm: int, byte_len: int, name: str) -> None:
@@ -853,37 +853,37 @@ class Session:
         peer held a credit for it, it carries no payload, its grant stays within the peer's recv_depth. A
         failure aborts the session and raises :class:`FrameError` (``name`` is the frame's, for the message).
         """
-        if self._posted <= self._ungranted:
+        if self._s.posted <= self._s.ungranted:
             self._abort_frame(f"{name} frame arrived although the peer held no credit for it")
         if byte_len:
             self._abort_frame(f"{name} frame carries {byte_len} payload bytes, it must carry none")
-        if self._send_credits + (imm & _CREDIT_MASK) > self._peer_depth:
+        if self._s.send_credits + (imm & _CREDIT_MASK) > self._s.peer_depth:
             self._abort_frame(
-                f"peer granted {imm & _CREDIT_MASK} credits, more than its recv_depth {self._peer_depth}"
+                f"peer granted {imm & _CREDIT_MASK} credits, more than its recv_depth {self._s.peer_depth}"
             )
 
     def count_control_frame(self, imm: int, given_back: int = 0) -> None:
         """Apply a received control frame that passed every check: its receive was consumed, its grant is
         ours, and ``given_back`` posted receives the peer held credits for leave the window (the default
         threshold follows the window)."""
-        self._posted -= given_back + 1
+        self._s.posted -= given_back + 1
         if given_back:
-            self._recv_depth -= given_back
-            if self._default_threshold:
-                self._threshold = self._recv_depth // 2
-        self._send_credits += imm & _CREDIT_MASK
-        self._frames_received += 1
+            self._s.recv_depth -= given_back
+            if self._s.default_threshold:
+                self._s.threshold = self._s.recv_depth // 2
+        self._s.send_credits += imm & _CREDIT_MASK
+        self._s.frames_received += 1
 
     def shrink_receives(self, n: int) -> None:
         """``n`` consumed receives leave the window instead of being reposted (the inverse of
         :meth:`grow_receives`, for a window lent from a shared pool); the default threshold follows."""
-        if not 0 <= n <= self._recv_depth - self._posted:
+        if not 0 <= n <= self._s.recv_depth - self._s.posted:
             raise ValueError(
-                f"cannot shrink by {n}: {self._recv_depth - self._posted} consumed and unreposted"
+                f"cannot shrink by {n}: {self._s.recv_depth - self._s.posted} consumed and unreposted"
             )
-        self._recv_depth -= n
-        if self._default_threshold:
-            self._threshold = self._recv_depth // 2
+        self._s.recv_depth -= n
+        if self._s.default_threshold:
+            self._s.threshold = self._s.recv_depth // 2
 
     def _abort_frame(self, message: str) -> NoReturn:
         exc = FrameError(message)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from rdmaio.protocol.frames import FrameKind, returned_credits
 from rdmaio.protocol.handshake import Handshake
 from rdmaio.protocol.reclaim import ReclaimSession
+from rdmaio.protocol.sessionstate import SessionState
 
 __all__ = ["SharedSession"]
 
@@ -40,8 +41,12 @@ class SharedSession(ReclaimSession):
         reposted: Callable[[int], tuple[int, int]],
         returned: Callable[[int], None],
         settled: Callable[[], None],
+        state: SessionState | None = None,
     ) -> None:
-        super().__init__(local, peer, shared=True)
+        super().__init__(local, peer, shared=True, state=state)
+        # Every received frame and repost must reach on_frame/on_recv_reposted below (they report to the
+        # ledger): no other implementation of the rules may apply them to the state behind our back.
+        self._s.fast = 0
         self._reposted = reposted
         self._returned = returned
         self._settled = settled

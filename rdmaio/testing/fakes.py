@@ -30,7 +30,8 @@ Core level:
   and the reactor it registers with (or a server's acceptor adopts its ids from); :func:`wire` makes one
   transport's posts land in another's receive slots, as the NIC would, so two real connections can talk
   back to back.
-* :func:`fake_completion` -- a work completion record.
+* :func:`fake_completion`, :func:`completion_array` -- a work completion record (a real
+  ``struct rdmaio_wc``, which the C frame rules read) and several in one array.
 
 Compatibility-layer level:
 
@@ -79,6 +80,7 @@ __all__ = [
     "FakeTimer",
     "FakeTransport",
     "FakeWindow",
+    "completion_array",
     "fake_completion",
     "fake_pair",
     "wire",
@@ -300,11 +302,17 @@ class FakeDeviceHandles:
 
 @dataclasses.dataclass
 class CompletionRecord:
-    """A completion record as the CQ hands it out (only what the dispatcher reads)."""
+    """A completion to script on a :class:`FakeCQ` (what the dispatcher reads, plus what a receiver reads);
+    :meth:`FakeCQ.poll_grouped` writes it into a real ``struct rdmaio_wc`` of the poll buffer."""
 
     wr_id: int
     qp_num: int
     status: int = 0
+    opcode: int = 0
+    byte_len: int = 0
+    imm_data: int = 0
+    flags: int = 0
+    vendor_err: int = 0
 
 
 @dataclasses.dataclass
@@ -316,18 +324,40 @@ class CompletionGroup:
     count: int
 
 
+_WC_FIELDS = ("wr_id", "status", "opcode", "byte_len", "imm_data", "flags", "vendor_err", "qp_num")
+
+
+def _wc_fields(record: Any) -> dict[str, int]:
+    return {name: int(getattr(record, name, 0)) for name in _WC_FIELDS}
+
+
+def completion_array(records: Any) -> Any:
+    """The completion records ``records`` (from :func:`fake_completion`, :class:`CompletionRecord` or any
+    object with their fields) copied into one ``struct rdmaio_wc`` array, as a CQ poll hands them to a
+    completion handler: the C frame rules read it."""
+    array = ffi.new("struct rdmaio_wc[]", max(len(records), 1))
+    for i, record in enumerate(records):
+        array[i] = record[0] if isinstance(record, ffi.CData) else _wc_fields(record)
+    return array
+
+
 class FakeCompletionBatch:
-    """The poll buffer: room for ``size`` records, filled by :meth:`FakeCQ.poll_grouped`."""
+    """The poll buffer: room for ``size`` real ``struct rdmaio_wc`` records (:attr:`records`), filled by
+    :meth:`FakeCQ.poll_grouped`."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.records: list[CompletionRecord] = []
+        self.records: Any = ffi.new("struct rdmaio_wc[]", size)
         self.groups: list[CompletionGroup] = []
         self.ngroups = 0
 
-    def copy_records(self, start: int, count: int) -> list[CompletionRecord]:
-        """Records ``start`` to ``start + count`` of the last poll."""
-        return list(self.records[start : start + count])
+    def copy_records(self, start: int, count: int) -> Any:
+        """Records ``start`` to ``start + count`` of the last poll (a new ``struct rdmaio_wc[count]``)."""
+        if not 0 <= start <= start + count <= self.size:
+            raise IndexError(f"records {start}..{start + count} of a batch of {self.size}")
+        copy = ffi.new("struct rdmaio_wc[]", max(count, 1))
+        ffi.memmove(copy, self.records + start, count * ffi.sizeof("struct rdmaio_wc"))
+        return copy
 
 
 class FakeCQ:
@@ -340,7 +370,7 @@ class FakeCQ:
         FakeCQ._next_handle += 0x40
         self.handle = FakeCQ._next_handle
         self.cqe = cqe
-        self.pending: list[CompletionRecord] = []
+        self.pending: list[Any] = []  # CompletionRecord or fake_completion() records
         self.closed = False
         self.log = log
 
@@ -348,14 +378,15 @@ class FakeCQ:
         """Move up to ``batch.size`` records into ``batch``, grouped by dispatch key in first-seen order
         (as the C helper does); returns how many."""
         taken, self.pending = self.pending[: batch.size], self.pending[batch.size :]
-        order: dict[int, list[CompletionRecord]] = {}
+        order: dict[int, list[Any]] = {}
         for rec in taken:
             order.setdefault(verbs.dispatch_key(rec.qp_num, verbs.wr_tag(rec.wr_id)), []).append(rec)
-        batch.records, batch.groups, start = [], [], 0
+        batch.groups, start = [], 0
         for key, recs in order.items():
             batch.groups.append(CompletionGroup(key, start, len(recs)))
-            batch.records.extend(recs)
-            start += len(recs)
+            for rec in recs:
+                batch.records[start] = _wc_fields(rec)
+                start += 1
         batch.ngroups = len(batch.groups)
         return len(taken)
 
@@ -390,17 +421,28 @@ class FakeCompletionChannel:
 
 
 def fake_completion(
-    wr_id: int, opcode: int, byte_len: int = 0, imm_data: int = 0, flags: int = 0, status: int = 0
+    wr_id: int,
+    opcode: int,
+    byte_len: int = 0,
+    imm_data: int = 0,
+    flags: int = 0,
+    status: int = 0,
+    qp_num: int = 0,
 ) -> Any:
-    """A work completion with the fields the completion handlers read."""
-    return SimpleNamespace(
-        wr_id=wr_id,
-        status=status,
-        opcode=opcode,
-        byte_len=byte_len,
-        imm_data=imm_data,
-        flags=flags,
-        vendor_err=0,
+    """A work completion: a real ``struct rdmaio_wc`` (a cffi pointer to one, with the fields the
+    completion handlers read); :func:`completion_array` puts several in one array, as a poll does."""
+    return ffi.new(
+        "struct rdmaio_wc *",
+        {
+            "wr_id": wr_id,
+            "status": status,
+            "opcode": opcode,
+            "byte_len": byte_len,
+            "imm_data": imm_data,
+            "flags": flags,
+            "vendor_err": 0,
+            "qp_num": qp_num,
+        },
     )
 
 
@@ -803,18 +845,20 @@ def wire(sender: FakeTransport, receiver: FakeTransport) -> Callable[[Chain], No
     send_opcode = int(verbs.WcOpcode.SEND)
 
     def deliver(chain: Chain) -> None:
-        recvs = []
+        recvs: list[tuple[int, ...]] = []
         sends = []
         for wr_id, data, imm, flags in chain:
             slot = receiver.posted.popleft()  # credits guarantee one is posted (no RNR)
             receiver.recv_ring.view[slot * slot_size : slot * slot_size + len(data)] = data
             recv_id = verbs.make_wr_id(verbs.WR_KIND_RECV, receiver.tag, slot)
-            recvs.append(fake_completion(recv_id, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
+            # struct rdmaio_wc fields in order: wr_id, status, opcode, byte_len, imm_data, flags, ...
+            recvs.append((recv_id, 0, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
             if flags & verbs.SEND_SIGNALED:
                 sends.append(fake_completion(wr_id, send_opcode))
         assert receiver.handler is not None and sender.handler is not None
         if not receiver.closed:
-            receiver.handler(recvs, 0, len(recvs))
+            # one struct rdmaio_wc array, as a poll fills: the C frame rules read it
+            receiver.handler(ffi.new("struct rdmaio_wc[]", recvs), 0, len(recvs))
         if sends and not sender.closed:
             sender.handler(sends, 0, len(sends))
 

@@ -145,6 +145,27 @@ def test_waiter_wakes_one_task_and_survives_cancellation(run: Runner) -> None:
     run(test)
 
 
+def test_one_shot_wakes_one_task_and_says_when_it_is_done(run: Runner) -> None:
+    # What a read call waits on: awaited directly, woken with set_result(None) only while not done().
+    async def test(io: Backend) -> None:
+        one = io.one_shot()
+        assert not one.done()
+        io.call_soon(lambda: one.set_result(None))
+        await one
+        assert one.done()
+        # A wait that times out: on asyncio the future is cancelled (done, never to be set); on trio the
+        # event is left alone (not done, may still be set). Either way the guarded wake-up is harmless.
+        lonely = io.one_shot()
+        with pytest.raises(TimeoutError):
+            async with io.timeout(0.01):
+                await lonely
+        if not lonely.done():
+            lonely.set_result(None)
+        assert lonely.done()
+
+    run(test)
+
+
 def test_event_is_level_triggered_and_cancel_safe(run: Runner) -> None:
     async def test(io: Backend) -> None:
         event = io.event()

@@ -22,6 +22,7 @@ import rdmaio
 import rdmaio.core.onesided
 from rdmaio import verbs
 from rdmaio.core.connection import Connection
+from rdmaio.core.shared_receive import new_session
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, Handshake, Session
@@ -276,7 +277,7 @@ def test_the_receive_window_grows_for_full_frames_arriving_one_per_wake_up(
         reactor: Any = FakeReactor()
         options = dataclasses.replace(OPTIONS, initial_depth=GrowingTransport.INITIAL)
         a, b = (
-            Endpoint(Connection(reactor, ids[i], transports[i], Session(hs, hs), options))  # type: ignore[arg-type]
+            Endpoint(Connection(reactor, ids[i], transports[i], new_session(hs, hs, transports[i]), options))  # type: ignore[arg-type]
             for i in (0, 1)
         )
         for i in range(40):  # small messages, one per wake-up: no growth
@@ -311,7 +312,7 @@ def test_request_reply_sends_no_credit_frame_per_message(arun: Run, monkeypatch:
         reactor: Any = FakeReactor()
         options = dataclasses.replace(OPTIONS, initial_depth=initial)
         a, b = (
-            Endpoint(Connection(reactor, ids[i], transports[i], Session(hs, hs), options))  # type: ignore[arg-type]
+            Endpoint(Connection(reactor, ids[i], transports[i], new_session(hs, hs, transports[i]), options))  # type: ignore[arg-type]
             for i in (0, 1)
         )
 

@@ -162,6 +162,7 @@ NARROW: dict[str, set[str]] = {
         "rdmaio.protocol.frames",
         "rdmaio.protocol.handshake",
         "rdmaio.protocol.reclaim",
+        "rdmaio.protocol.sessionstate",
     },
     # the sender and the receiver get the connection's parts injected: neither imports the connection
     "rdmaio.core.send": {
@@ -176,6 +177,7 @@ NARROW: dict[str, set[str]] = {
         "rdmaio.protocol.reclaim",
     },
     "rdmaio.core.receive": {
+        "rdmaio.verbs.native",
         "rdmaio.verbs",
         "rdmaio.core.backend",
         "rdmaio.core.send",

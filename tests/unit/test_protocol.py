@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_session_native import NativeSession
 
 from rdmaio.errors import (
     ConnectionAbortedError,
@@ -1337,6 +1338,7 @@ class Side:
             self.assembling.clear()
 
 
+ENGINES = ("python", "c")  # the Python Session, or the C rules on a C state (NativeSession)
 ACTION_NAMES = ("data", "credit", "write_eof", "eof", "deliver", "consume", "repost", "grow")
 RNDV_ACTIONS = ("pull",)  # only enabled when rendezvous is simulated (the other schedules stay as they were)
 
@@ -1417,13 +1419,16 @@ def run_simulation(
     apps: tuple[str, str] = ("random", "random"),
     initial: tuple[int, int] = (0, 0),
     rndv_min: tuple[int, int] = (0, 0),
+    engine: str = "python",
 ) -> tuple[Side, Side]:
     """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet.
 
     A side with ``batch_max > 0`` announces FEATURE_BATCH and, if the other side does too, sends runs of up
     to that many small whole messages as DATA_BATCH frames. A side with ``initial > 0`` announces
     FEATURE_GROW: it posts ``initial`` receives at first and grows to ``depths[i]`` at random moments.
+    ``engine="c"`` runs both sessions on a C state with the C rules wherever they exist (NativeSession).
     """
+    session_class = NativeSession if engine == "c" else Session
     weights = {name: 1.0 for name in (*ACTION_NAMES, *RNDV_ACTIONS)} | (weights or {})
     max_message = max([1, *sizes[0], *sizes[1]])
     hs = [
@@ -1440,7 +1445,7 @@ def run_simulation(
     ]
     sides = tuple(
         Side(
-            session=Session(hs[i], hs[1 - i], credit_threshold=thresholds[i]),
+            session=session_class(hs[i], hs[1 - i], credit_threshold=thresholds[i]),
             policy=policies[i],
             outbox=[rnd.randbytes(n) for n in sizes[i]],
             batch_max=batch_max[i],
@@ -1508,6 +1513,7 @@ SIZES = st.lists(
 WEIGHTS = st.fixed_dictionaries({name: st.sampled_from([0.05, 1.0, 20.0]) for name in ACTION_NAMES})
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rnd=st.randoms(use_true_random=False),
@@ -1528,35 +1534,50 @@ def test_simulation(
     weights: dict[str, float],
     batch_max: tuple[int, int],
     data: st.DataObject,
+    engine: str,
 ) -> None:
     thresholds = (
         data.draw(st.one_of(st.none(), st.integers(2, depths[0] - 1)), label="threshold_a"),
         data.draw(st.one_of(st.none(), st.integers(2, depths[1] - 1)), label="threshold_b"),
     )
-    run_simulation(rnd, depths, slots, thresholds, policies, sizes, weights, batch_max=batch_max)
+    run_simulation(
+        rnd, depths, slots, thresholds, policies, sizes, weights, batch_max=batch_max, engine=engine
+    )
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(6))
-def test_simulation_larger(seed: int) -> None:
+def test_simulation_larger(seed: int, engine: str) -> None:
     rnd = random.Random(seed)
     sizes = ([rnd.randrange(3000) for _ in range(40)], [rnd.randrange(3000) for _ in range(25)])
     policies = (POLICIES[seed % 3], POLICIES[(seed + 1 + seed // 3) % 3])
     weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
     batch_max = ((0, 0), (8, 8), (8, 0))[seed % 3]
-    a, b = run_simulation(rnd, (32, 16), (256, 128), (None, 2), policies, sizes, weights, batch_max=batch_max)
+    a, b = run_simulation(
+        rnd, (32, 16), (256, 128), (None, 2), policies, sizes, weights, batch_max=batch_max, engine=engine
+    )
     assert a.session.statistics()["messages_received"] == 25
     assert b.session.statistics()["messages_received"] == 40
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(6))
-def test_simulation_batching(seed: int) -> None:
+def test_simulation_batching(seed: int, engine: str) -> None:
     # Mostly small messages with a few fragmented ones between them: batches and fragments interleave.
     rnd = random.Random(seed)
     sizes = tuple([rnd.choice([0, 1, 7, 20, 50, 124, 125, 300]) for _ in range(60)] for _ in range(2))
     policies = (POLICIES[seed % 3], POLICIES[(seed + 1) % 3])
     weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
     a, b = run_simulation(
-        rnd, (8, 6), (128, 256), (None, None), policies, (sizes[0], sizes[1]), weights, batch_max=(5, 12)
+        rnd,
+        (8, 6),
+        (128, 256),
+        (None, None),
+        policies,
+        (sizes[0], sizes[1]),
+        weights,
+        batch_max=(5, 12),
+        engine=engine,
     )
     for side in (a, b):
         stats = side.session.statistics()
@@ -1567,12 +1588,20 @@ def test_simulation_batching(seed: int) -> None:
         assert stats["frames_sent"] < 60
 
 
-def test_simulation_idle_credit_exchange_stops() -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_simulation_idle_credit_exchange_stops(engine: str) -> None:
     # Credit frames are taken late, so both sides end up owing nearly everything at once.
     for seed in range(20):
         rnd = random.Random(seed)
         a, b = run_simulation(
-            rnd, (4, 4), (64, 64), (2, 2), ("eager", "eager"), ([64] * 3, [64] * 3), {"credit": 0.05}
+            rnd,
+            (4, 4),
+            (64, 64),
+            (2, 2),
+            ("eager", "eager"),
+            ([64] * 3, [64] * 3),
+            {"credit": 0.05},
+            engine=engine,
         )
         assert a.session.statistics()["credit_frames_sent"] <= 8
         assert b.session.statistics()["credit_frames_sent"] <= 8
@@ -1621,6 +1650,7 @@ def test_idle_quiescence_leaves_both_sides_ready_to_send() -> None:
     assert not b.credit_frame_due()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rnd=st.randoms(use_true_random=False),
@@ -1645,6 +1675,7 @@ def test_simulation_two_way_backpressure(
     batch_max: tuple[int, int],
     writer: int,
     data: st.DataObject,
+    engine: str,
 ) -> None:
     """One side reads nothing until it has sent everything (holding slots as its buffer fills), while the
     other side sends too and reads: both directions must complete, as over TCP (the device-level program is
@@ -1665,11 +1696,13 @@ def test_simulation_two_way_backpressure(
         batch_max=batch_max,
         limits=limits,
         apps=apps,
+        engine=engine,
     )
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(8))
-def test_simulation_two_way_backpressure_large(seed: int) -> None:
+def test_simulation_two_way_backpressure_large(seed: int, engine: str) -> None:
     """Two-way backpressure at small scale: the reader has much to send, the writer-first side holds slots."""
     rnd = random.Random(seed)
     sizes = ([rnd.randrange(1, 300) for _ in range(30)], [rnd.randrange(1, 300) for _ in range(200)])
@@ -1685,6 +1718,7 @@ def test_simulation_two_way_backpressure_large(seed: int) -> None:
         limits=(200, 200),
         apps=("random", "write_first"),
         batch_max=((0, 0), (4, 4))[seed % 2],
+        engine=engine,
     )
 
 
@@ -1759,6 +1793,7 @@ def test_no_growth_without_the_feature() -> None:
         s.grow_receives(1)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rnd=st.randoms(use_true_random=False),
@@ -1779,6 +1814,7 @@ def test_simulation_growing_windows(
     sizes: tuple[list[int], list[int]],
     weights: dict[str, float],
     writer: int,
+    engine: str,
 ) -> None:
     """Windows that grow at random moments keep no-RNR, no-deadlock and no-ping-pong, with the hold rule
     and a side that reads nothing until it has written everything."""
@@ -1795,16 +1831,26 @@ def test_simulation_growing_windows(
         limits=limits,
         apps=apps,
         initial=initial,
+        engine=engine,
     )
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(6))
-def test_simulation_growing_windows_large(seed: int) -> None:
+def test_simulation_growing_windows_large(seed: int, engine: str) -> None:
     rnd = random.Random(seed)
     sizes = ([rnd.randrange(1, 600) for _ in range(60)], [rnd.randrange(1, 600) for _ in range(120)])
     weights = {name: rnd.choice([0.05, 1.0, 20.0]) for name in ACTION_NAMES}
     a, b = run_simulation(
-        rnd, (32, 16), (128, 128), (None, None), ("limit", "eager"), sizes, weights, initial=(4, 4)
+        rnd,
+        (32, 16),
+        (128, 128),
+        (None, None),
+        ("limit", "eager"),
+        sizes,
+        weights,
+        initial=(4, 4),
+        engine=engine,
     )
     assert a.session.statistics()["messages_received"] == 120
     assert b.session.statistics()["messages_received"] == 60
@@ -1813,6 +1859,7 @@ def test_simulation_growing_windows_large(seed: int) -> None:
 # -- rendezvous announcements under the receive limit --------------------------------------------------------
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rnd=st.randoms(use_true_random=False),
@@ -1833,6 +1880,7 @@ def test_simulation_rendezvous(
     weights: dict[str, float],
     rndv_min: tuple[int, int],
     writer: int | None,
+    engine: str,
 ) -> None:
     """Messages announced by RNDV frames mixed with data: the announced bytes count against the receiver's
     limit and hold the frames' slots past it ("limit" policy), pulls complete in any order; every message
@@ -1854,11 +1902,13 @@ def test_simulation_rendezvous(
         limits=limits,
         apps=(apps[0], apps[1]),
         rndv_min=rndv_min,
+        engine=engine,
     )
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(8))
-def test_simulation_rendezvous_flood_large(seed: int) -> None:
+def test_simulation_rendezvous_flood_large(seed: int, engine: str) -> None:
     """Many announcements (a third of all messages) both ways, small limits, one side writing first."""
     rnd = random.Random(seed)
     sizes = ([rnd.randrange(1, 300) for _ in range(60)], [rnd.randrange(1, 300) for _ in range(200)])
@@ -1874,4 +1924,5 @@ def test_simulation_rendezvous_flood_large(seed: int) -> None:
         limits=(150, 40),
         apps=("random", "write_first") if seed % 2 else ("write_first", "random"),
         rndv_min=(200, 100),
+        engine=engine,
     )

@@ -97,3 +97,67 @@ def test_the_one_sided_engines_repost_is_the_receivers() -> None:
     receiver.stop()
     receiver.repost(6)  # torn down: nothing goes back to a destroyed queue pair
     assert slots.posts == [[5]]
+
+
+# --- the read calls -----------------------------------------------------------------------------------
+
+
+def test_recv_pops_whole_messages_and_the_rest_of_one_a_stream_read_began() -> None:
+    # recv() pops a complete message itself (the buffer's pop, inline): the counts it keeps must be the
+    # ones pop_message() keeps, and the rest of a partly read message still comes from pop_message().
+    import asyncio
+
+    receiver, _slots, peer, ring, _staged = make()
+    ring[0:5] = b"hello"
+    ring[SLOT : SLOT + 5] = b"world"
+    ring[2 * SLOT : 2 * SLOT + 3] = b"end"
+    records = [wc(i, peer.take_data_frame(True, n), n) for i, n in ((0, 5), (1, 5), (2, 3))]
+    receiver.on_batch(records, 0, len(records))
+    rxbuf = receiver.rxbuf
+    assert rxbuf.unread == rxbuf.ready == 13
+
+    async def main() -> list[bytes | None]:
+        first = await receiver.recv()
+        assert (rxbuf.unread, rxbuf.ready, rxbuf.offset) == (8, 8, 0)
+        assert await receiver.read(2) == b"wo"  # a stream read begins the next message
+        assert rxbuf.offset == 2
+        rest = await receiver.recv()
+        assert (rxbuf.unread, rxbuf.ready, rxbuf.offset) == (3, 3, 0)
+        return [first, rest, await receiver.recv()]
+
+    assert asyncio.run(main()) == [b"hello", b"rld", b"end"]
+    assert rxbuf.unread == rxbuf.ready == 0 and not rxbuf.messages and not rxbuf.has_message()
+
+
+def test_recv_waits_once_and_a_second_reader_is_refused_until_the_first_is_done() -> None:
+    import asyncio
+
+    from rdmaio.core.backend import AsyncioBackend
+
+    async def main() -> None:
+        receiver, _slots, peer, ring, _staged = make()
+        receiver.io = AsyncioBackend(asyncio.get_running_loop())
+        first = asyncio.ensure_future(receiver.recv())
+        await asyncio.sleep(0)
+        assert receiver.rxbuf.reader_waiting
+        try:
+            await receiver.recv()
+            raise AssertionError("a second reader was let in")
+        except RuntimeError as exc:
+            assert "another task" in str(exc)
+        ring[0:2] = b"hi"
+        receiver.on_batch([wc(0, peer.take_data_frame(True, 2), 2)], 0, 1)  # wakes the first reader
+        assert await first == b"hi"
+        assert not receiver.rxbuf.reader_waiting and receiver._waiter is None
+        # A cancelled reader lets the next one in at once (its future is cancelled, so done).
+        cancelled = asyncio.ensure_future(receiver.recv())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        second = asyncio.ensure_future(receiver.recv())
+        await asyncio.sleep(0)
+        assert cancelled.cancelled() and not second.done()
+        ring[SLOT : SLOT + 3] = b"two"
+        receiver.on_batch([wc(1, peer.take_data_frame(True, 3), 3)], 0, 1)
+        assert await second == b"two"
+
+    asyncio.run(main())

@@ -88,3 +88,48 @@ def test_read_message_into_keeps_the_rest() -> None:
 def test_limit_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ReceiveBuffer(0)
+
+
+def test_plain_attributes_agree_with_the_calls_they_stand_for() -> None:
+    # held is len() of the held slots; a head of `messages` that is not a Placeholder is exactly what
+    # pop_message() returns (from `offset` on), through messages and placeholders settled in any order.
+    import random
+
+    from rdmaio.protocol.rxbuffer import Placeholder
+
+    rng = random.Random(3)
+    buf = ReceiveBuffer(300)
+    placeholders: list[Placeholder] = []
+    held: list[int] = []
+    for step in range(3000):
+        action = rng.random()
+        if action < 0.3:
+            buf.add_message(bytes([step % 256]) * rng.randrange(0, 50))
+            if not buf.admit(step):
+                held.append(step)
+        elif action < 0.4:
+            p = Placeholder(rng.randrange(1, 40))
+            buf.add_pending(p)
+            placeholders.append(p)
+        elif action < 0.5 and placeholders:
+            p = placeholders.pop(rng.randrange(len(placeholders)))
+            if rng.random() < 0.5:
+                buf.resolve(p, b"r" * p.length)
+            else:
+                buf.withdraw(p)
+        elif action < 0.6 and buf.ready:
+            buf.take(rng.randrange(1, 20))
+        elif action < 0.65:
+            buf.reader_waiting = not buf.reader_waiting
+        head = buf.messages[0] if buf.messages else None
+        if head is not None and not isinstance(head, Placeholder):
+            assert buf.has_message()
+            expected = head[buf.offset :]
+            before = (buf.unread, buf.ready)
+            if rng.random() < 0.5:
+                assert buf.pop_message() == expected
+                assert (buf.unread, buf.ready) == (before[0] - len(expected), before[1] - len(expected))
+        released = buf.releasable()
+        held = [slot for slot in held if slot not in released]
+        assert buf.held == len(held)
+    assert buf.held == len(held)

@@ -1,0 +1,105 @@
+/* rdmaio session rules in C: exact ports of the hot rules of rdmaio.protocol.session.Session (the reference
+ * model), applied to the same state the Python Session works on (the core injects this struct as the
+ * Session's state object; rdmaio.protocol.sessionstate.SessionState has the same fields, by name).
+ *
+ * Contract: a function that cannot apply its rule (a check fails, the kind is not one it handles, or the
+ * state is not `fast`) returns its "defer" value and changes NOTHING; the caller then calls the Python
+ * method, which applies the rule or raises the precise error. So C only ever takes the accept paths. */
+#ifndef RDMAIO_SESSION_H
+#define RDMAIO_SESSION_H
+
+#include <stdint.h>
+#include "helper.h"
+
+/* Fields sorted by name, as SessionState.__slots__ (a unit test compares them). Flags are 0/1. */
+struct rdmaio_session {
+    int64_t batch_frames_received;
+    int64_t batch_frames_sent;
+    int64_t batch_pending;        /* payload size of the DATA_BATCH frame awaiting on_batch(), -1 if none */
+    int64_t batched_messages_received;
+    int64_t batched_messages_sent;
+    int64_t batching;
+    int64_t bytes_received;
+    int64_t bytes_sent;
+    int64_t credit_frames_received;
+    int64_t credit_frames_sent;
+    int64_t default_threshold;
+    int64_t eof_due;
+    int64_t eof_sent;
+    int64_t fast;                 /* 0: every rule goes through the Python Session (C defers everything) */
+    int64_t frames_received;
+    int64_t frames_sent;
+    int64_t grown;
+    int64_t local_max;
+    int64_t max_fragment;
+    int64_t messages_received;
+    int64_t messages_sent;
+    int64_t min_send_credits;
+    int64_t onesided_received;
+    int64_t onesided_sent;
+    int64_t peer_depth;
+    int64_t peer_eof;
+    int64_t peer_max;
+    int64_t posted;
+    int64_t recv_depth;
+    int64_t recv_in_message;
+    int64_t recv_max;
+    int64_t recv_message_bytes;
+    int64_t rndv;
+    int64_t send_credits;
+    int64_t send_in_message;
+    int64_t send_message_bytes;
+    int64_t slot_size;
+    int64_t threshold;
+    int64_t ungranted;
+    int64_t ungranted_ctl;
+    int64_t wire_down;
+};
+
+/* Frame kinds (bits 31..28 of the immediate value), as rdmaio.protocol.frames.FrameKind. */
+#define RDMAIO_FRAME_MORE 1
+#define RDMAIO_FRAME_END 2
+#define RDMAIO_FRAME_CREDIT 3
+#define RDMAIO_FRAME_EOF 4
+#define RDMAIO_FRAME_BATCH 5
+
+/* What rdmaio_rx_frames() tells the caller about one accepted frame. */
+struct rdmaio_rx_frame {
+    uint32_t kind;    /* RDMAIO_FRAME_MORE, _END, _CREDIT or _BATCH */
+    uint32_t slot;    /* the receive slot (wr_id & 0xffffffff) */
+    uint32_t length;  /* byte_len */
+};
+
+/* rdmaio_rx_frames()'s *stop: why it returned. */
+#define RDMAIO_RX_DONE 0   /* every record was consumed */
+#define RDMAIO_RX_DEFER 1  /* records[start + *consumed] is a receive C did not apply: the caller handles it */
+#define RDMAIO_RX_MORE 2   /* stopped after a DATA_BATCH frame or with `out` full: call again after */
+
+/* Session.on_frame's accept path for DATA_END, DATA_MORE, DATA_BATCH (accounting) and CREDIT: the kind,
+ * or 0 (defer). */
+int rdmaio_session_on_frame(struct rdmaio_session *s, uint32_t imm, uint32_t byte_len);
+/* Session.take_data_frame(last, nbytes): the immediate value, or -1 (defer). */
+int64_t rdmaio_session_take_data(struct rdmaio_session *s, int last, int64_t nbytes);
+/* Session.take_batch_frame(nbytes, messages): the immediate value, or -1 (defer). */
+int64_t rdmaio_session_take_batch(struct rdmaio_session *s, int64_t nbytes, int64_t messages);
+/* Session.take_credit_frame(): the immediate value, or -1 (defer). */
+int64_t rdmaio_session_take_credit(struct rdmaio_session *s);
+/* Session.credit_frame_due() / can_send_data() / eof_pending(): 1 or 0, or -1 (defer: not fast). */
+int rdmaio_session_credit_frame_due(const struct rdmaio_session *s);
+int rdmaio_session_can_send_data(const struct rdmaio_session *s);
+int rdmaio_session_eof_pending(const struct rdmaio_session *s);
+/* Session.on_recv_reposted(n), grow_receives(n), take_slot(): 0, or -1 (defer). */
+int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n);
+int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);
+int rdmaio_session_take_slot(struct rdmaio_session *s);
+/* The frame rules over one connection's completions records[start .. start+count-1], as
+ * rdmaio.core.receive.Receiver.on_batch applies them: failed and non-receive records are skipped, each
+ * receive's frame is applied (rdmaio_session_on_frame) and described in out[] (at most max_out). Stops at
+ * the first receive it does not apply (one-sided: RECV_RDMA_WITH_IMM or no immediate; a frame
+ * rdmaio_session_on_frame defers) and right after a DATA_BATCH frame (its payload must be unpacked
+ * before the next frame). Returns the frames written to out; *consumed is the records consumed (skipped
+ * or applied) from start, *stop says why it returned (RDMAIO_RX_*). Negative counts consume nothing. */
+int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
+                     struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop);
+
+#endif
