@@ -307,7 +307,7 @@ def test_random_operations_keep_every_invariant_under_the_sanitizers(tmp_path: P
         pytest.fail("gcc is needed to build the C harness (tools/dev setup installs it)")
     binary = tmp_path / "harness"
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"]
-    sources = [str(HARNESS), str(FFI_DIR / "txring.c")]
+    sources = [str(HARNESS), str(FFI_DIR / "txring.c"), str(FFI_DIR / "session.c")]
     subprocess.run(
         [
             gcc,
