@@ -260,7 +260,7 @@ class Receiver:
             data_frames
             and state.recv_max > state.recv_depth
             and not rxbuf.held
-            and (data_frames > state.threshold or self._big_frames >= 2 * state.recv_depth)
+            and (data_frames > state.threshold or self._big_frames > state.threshold)
         ):
             self._grow_receives()
         if got_data:
@@ -269,11 +269,13 @@ class Receiver:
     def _grow_receives(self) -> None:
         """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer is
         sending as fast as our credits let it: one wake-up brought more than half a window of data frames, or
-        two windows of big frames (at least half a slot) arrived since the window last grew. The second rule
-        is for a loop that wakes for every frame (a VM, a busy host): it never sees half a 4-slot window at
-        once, and a bulk sender stayed at 3 frames per round trip. Small messages never add up to it, so a
-        request/reply connection keeps its small window. Not while slots are held: then the application, not
-        the window, is the limit."""
+        more than half a window of big frames (at least half a slot) arrived since the window last grew. The
+        second rule is for a loop that wakes for every frame (a VM, a busy host): it never sees half a 4-slot
+        window at once, and a bulk sender stayed at 3 frames per round trip. It asked for two whole windows
+        of big frames at first, so a stream reached the full window only after 56 frames (3.5 MiB of 64 KiB
+        writes, about ten credit round trips at 3-15 frames each), most of a short transfer; now the window
+        is full after 17. Small messages never add up to it, so a request/reply connection keeps its small
+        window. Not while slots are held: then the application, not the window, is the limit."""
         self._big_frames = 0
         added = self._transport.grow_receives(max(self._state.recv_depth, 1))
         if added:
