@@ -277,6 +277,7 @@ int64_t rdmaio_session_take_credit(struct rdmaio_session *s);
 int rdmaio_session_credit_frame_due(const struct rdmaio_session *s);
 int rdmaio_session_can_send_data(const struct rdmaio_session *s);
 int rdmaio_session_eof_pending(const struct rdmaio_session *s);
+int rdmaio_session_control_frame_due(const struct rdmaio_session *s);
 int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_take_slot(struct rdmaio_session *s);
@@ -291,6 +292,7 @@ int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, 
 #define RDMAIO_TX_TOO_LONG ...
 #define RDMAIO_TX_NO_SCRATCH ...
 #define RDMAIO_TX_BAD_ARG ...
+#define RDMAIO_TX_SESSION ...
 #define RDMAIO_TX_EOF ...
 struct rdmaio_txring { struct rdmaio_send *sends; uint32_t send_len; uint32_t slot_size; uint8_t *base;
                        const uint32_t *lkeys; uint32_t slots; uint32_t max_slots; uint32_t *free_stack;
@@ -306,6 +308,8 @@ int rdmaio_txring_add_slots(struct rdmaio_txring *r, uintptr_t base, const uint3
                             uint32_t count);
 int rdmaio_txring_room(const struct rdmaio_txring *r, uint64_t length);
 int rdmaio_txring_stage(struct rdmaio_txring *r, uint32_t i, const uint8_t *data, uint64_t length, uint32_t imm);
+int rdmaio_txring_stage_frame(struct rdmaio_txring *r, struct rdmaio_session *s, int index, const void *data,
+                              uint32_t length, int kind);
 int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags);
 int rdmaio_txring_finish(struct rdmaio_txring *r, uint32_t count);
 int rdmaio_txring_complete(struct rdmaio_txring *r, uint32_t index);

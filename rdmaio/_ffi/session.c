@@ -167,6 +167,19 @@ int rdmaio_session_eof_pending(const struct rdmaio_session *s)
     return s->eof_due && !s->wire_down;
 }
 
+int rdmaio_session_control_frame_due(const struct rdmaio_session *s)
+{
+    int64_t owed = s->ungranted;
+
+    if (!s->fast)
+        return -1;
+    if (s->wire_down)
+        return 0;
+    if (s->eof_due)
+        return 1;
+    return (owed - s->ungranted_ctl >= s->threshold || owed >= s->recv_depth - 1) && s->send_credits >= 1;
+}
+
 int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n)
 {
     if (!s->fast || n < 0 || s->posted + n > s->recv_depth)

@@ -88,6 +88,8 @@ int64_t rdmaio_session_take_credit(struct rdmaio_session *s);
 int rdmaio_session_credit_frame_due(const struct rdmaio_session *s);
 int rdmaio_session_can_send_data(const struct rdmaio_session *s);
 int rdmaio_session_eof_pending(const struct rdmaio_session *s);
+/* Session.control_frame_due() (eof_pending() or credit_frame_due()): 1 or 0, or -1 (defer: not fast). */
+int rdmaio_session_control_frame_due(const struct rdmaio_session *s);
 /* Session.on_recv_reposted(n), grow_receives(n), take_slot(): 0, or -1 (defer). */
 int rdmaio_session_reposted(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);

@@ -183,6 +183,29 @@ int rdmaio_txring_stage(struct rdmaio_txring *r, uint32_t i, const uint8_t *data
     return txring_put(r, i, data, (uint32_t)length, imm);
 }
 
+int rdmaio_txring_stage_frame(struct rdmaio_txring *r, struct rdmaio_session *s, int index, const void *data,
+                              uint32_t length, int kind)
+{
+    int64_t imm;
+    int rc;
+
+    if (index < 0)
+        return RDMAIO_TX_BAD_INDEX;
+    if (kind > 1 || (length && !data))
+        return RDMAIO_TX_BAD_ARG; /* RNDV and other kinds are taken by the Python Session */
+    rc = txring_check(r, (uint32_t)index, length);
+    if (rc)
+        return rc;
+    /* The session's take changes nothing when it refuses (-1): neither has anything changed here. */
+    if (kind >= 0)
+        imm = rdmaio_session_take_data(s, kind, (int64_t)length);
+    else
+        imm = rdmaio_session_take_batch(s, (int64_t)length, -(int64_t)kind);
+    if (imm < 0)
+        return RDMAIO_TX_SESSION;
+    return txring_put(r, (uint32_t)index, (const uint8_t *)data, length, (uint32_t)imm);
+}
+
 /* Stage an empty frame (EOF, CREDIT, RETURN, RECLAIM) into entry i: no slot, no SGE. With RDMAIO_TX_EOF it
  * is signalled and its completion is reported by rdmaio_txring_complete(). Returns 0 or a refusal. */
 int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags)

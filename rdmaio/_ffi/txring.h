@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "helper.h"
+#include "session.h"
 
 #define RDMAIO_TX_SLOTLESS 0x80000000u /* wr index bit of a frame that holds no slot (inline or empty) */
 #define RDMAIO_TX_SEQ_MASK 0x7fffffffu /* the sequence part of a slotless frame's wr index */
@@ -27,6 +28,7 @@
 #define RDMAIO_TX_TOO_LONG (-4)   /* the frame is longer than a slot */
 #define RDMAIO_TX_NO_SCRATCH (-5) /* an inline frame and no scratch area for its entry */
 #define RDMAIO_TX_BAD_ARG (-6)    /* init/add_slots/set_scratch: an argument out of range */
+#define RDMAIO_TX_SESSION (-7)    /* stage_frame: the session does not take the frame (the Python take raises) */
 
 /* Flags of rdmaio_txring_stage_empty(). */
 #define RDMAIO_TX_EOF 1u /* the EOF frame: always signalled; its completion is reported */
@@ -66,6 +68,12 @@ int rdmaio_txring_add_slots(struct rdmaio_txring *r, uintptr_t base, const uint3
                             uint32_t count);
 int rdmaio_txring_room(const struct rdmaio_txring *r, uint64_t length);
 int rdmaio_txring_stage(struct rdmaio_txring *r, uint32_t i, const uint8_t *data, uint64_t length, uint32_t imm);
+/* Take and stage one data frame in one call: txring_check(), then the session's credit check and take
+ * (rdmaio_session_take_data for kind 1 DATA_END / 0 DATA_MORE, rdmaio_session_take_batch for kind -n, a
+ * DATA_BATCH frame of n messages), then txring_put(). Returns as rdmaio_txring_stage(), or a refusal with
+ * nothing changed: RDMAIO_TX_SESSION if the session does not take it (not fast, no credits, ...). */
+int rdmaio_txring_stage_frame(struct rdmaio_txring *r, struct rdmaio_session *s, int index, const void *data,
+                              uint32_t length, int kind);
 int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags);
 int rdmaio_txring_finish(struct rdmaio_txring *r, uint32_t count);
 int rdmaio_txring_complete(struct rdmaio_txring *r, uint32_t index);

@@ -71,6 +71,14 @@ _TX_EOF = int(lib.RDMAIO_TX_EOF)
 _txring_room = lib.rdmaio_txring_room
 _txring_stage = lib.rdmaio_txring_stage
 _txring_stage_empty = lib.rdmaio_txring_stage_empty
+_txring_stage_frame = lib.rdmaio_txring_stage_frame
+_TX_SESSION = int(lib.RDMAIO_TX_SESSION)  # stage_frame: the session did not take the frame
+_can_send_data = lib.rdmaio_session_can_send_data
+_eof_pending = lib.rdmaio_session_eof_pending
+_credit_frame_due = lib.rdmaio_session_credit_frame_due
+_take_credit = lib.rdmaio_session_take_credit
+_control_frame_due = lib.rdmaio_session_control_frame_due
+_CDATA = ffi.CData
 _txring_finish = lib.rdmaio_txring_finish
 _txring_complete = lib.rdmaio_txring_complete
 _from_buffer = ffi.from_buffer
@@ -82,6 +90,7 @@ _TX_REFUSALS = {
     int(lib.RDMAIO_TX_TOO_LONG): "a frame longer than a send slot",
     int(lib.RDMAIO_TX_NO_SCRATCH): "no inline scratch area",
     int(lib.RDMAIO_TX_BAD_ARG): "an argument out of range",
+    int(lib.RDMAIO_TX_SESSION): "the session did not take the frame",
 }
 
 
@@ -192,6 +201,10 @@ class Sender:
         self.rndv: RendezvousSends | None = None
         # Shared receive queues: a session that answers RECLAIM, or sends it, stages those frames.
         self._reclaim = session if isinstance(session, ReclaimSession) and session.reclaim else None
+        # The session's state as a C struct whose rules C may apply (fast), else None: then every rule goes
+        # through the session's Python methods (a SharedSession, or a Python SessionState).
+        state = session.rules_state
+        self._native: Any = state if isinstance(state, _CDATA) and state.fast else None
         self._qp = qp
         self._sends = qp.send_array
         self._slot_ring = ring
@@ -533,7 +546,13 @@ class Sender:
         self.coalesce_next = False
         # transmit()'s early-out, here: after most batches nothing is queued or staged and no control frame
         # is due, and that costs no transmit() call.
-        if self.queue.txq or self.staged or self._reclaim is not None or self.session.control_frame_due():
+        native = self._native
+        if (
+            self.queue.txq
+            or self.staged
+            or self._reclaim is not None
+            or (_control_frame_due(native) if native is not None else self.session.control_frame_due())
+        ):
             self.transmit()
         if self.waiters:
             self.wake_writers()
@@ -562,8 +581,11 @@ class Sender:
         entries and free slots allow; True if anything was staged (then :meth:`_post` it).
 
         Per frame: the session takes the frame (its immediate value), then one C call copies it into a
-        send slot or the inline scratch area, fills its work request and puts it in flight."""
+        send slot or the inline scratch area, fills its work request and puts it in flight. With a fast C
+        session state one C call does both for a data frame (and C answers the control questions); a frame
+        the session refuses there is handed to the Python take, which raises the precise error."""
         session = self.session
+        native = self._native
         queue = self.queue
         txq = queue.txq
         tx = self._tx
@@ -574,7 +596,11 @@ class Sender:
         first = count = self.staged
         nbytes = 0
         messages = 0
-        while txq and tx.inflight_count < sq_depth and session.can_send_data():
+        while (
+            txq
+            and tx.inflight_count < sq_depth
+            and (_can_send_data(native) if native is not None else session.can_send_data())
+        ):
             data, kind = txq[0]
             length = len(data)
             if length > max_inline:
@@ -582,6 +608,25 @@ class Sender:
                     break  # every slot is in flight and the ring is at its size
             elif length and self._scratch_cdata is None:
                 self._alloc_scratch()
+            if native is not None and kind != RNDV_FRAME:
+                # One C call: the ring's checks, the session's take, the copy and the work request. The
+                # checks above are the ring's, so only the session can refuse, and then nothing changed.
+                rc = _txring_stage_frame(tx, native, count, from_buffer(data), length, kind)
+                if rc < 0:
+                    if rc != _TX_SESSION:
+                        _check_tx(rc)  # raises
+                    # The Python take raises the precise error (C takes every frame it would accept).
+                    if kind >= 0:
+                        session.take_data_frame(bool(kind), length)
+                    else:
+                        session.take_batch_frame(length, -kind)
+                    raise RuntimeError("rdmaio: the C session refused a frame its Python rules accepted")
+                messages += kind if kind >= 0 else -kind
+                txq.popleft()
+                queue.txq_bytes -= length
+                count += 1
+                nbytes += length
+                continue
             # The frame is accounted for first: if that raises, no slot or queued data is lost. The checks
             # above are the C call's, so it cannot refuse the frame once it is taken.
             if kind == RNDV_FRAME:  # a rendezvous descriptor; its message is counted by the rendezvous engine
@@ -608,13 +653,15 @@ class Sender:
                 not txq
                 and not queue.wbuf
                 and not queue.mbuf
-                and session.eof_pending()
+                and (_eof_pending(native) if native is not None else session.eof_pending())
                 and session.can_send_eof()
             ):
                 imm = session.take_eof_frame()
                 flags = _TX_EOF
-            elif session.credit_frame_due():
-                imm = session.take_credit_frame()
+            elif _credit_frame_due(native) if native is not None else session.credit_frame_due():
+                imm = _take_credit(native) if native is not None else -1
+                if imm < 0:
+                    imm = session.take_credit_frame()  # not fast, or refused: the Python rule (or its error)
                 flags = 0
                 self._stats["credit_frames"] += 1
             elif self._reclaim is not None and (reclaim := self._reclaim_frame()) is not None:

@@ -81,6 +81,10 @@ class NativeSession(Session):
         pending = lib.rdmaio_session_eof_pending(self._s)
         return bool(pending) if pending >= 0 else super().eof_pending()
 
+    def control_frame_due(self) -> bool:
+        due = lib.rdmaio_session_control_frame_due(self._s)
+        return bool(due) if due >= 0 else super().control_frame_due()
+
     def on_recv_reposted(self, n: int) -> None:
         if lib.rdmaio_session_reposted(self._s, n):
             super().on_recv_reposted(n)
@@ -247,6 +251,7 @@ _OPS = st.lists(
         st.tuples(st.just("take_batch"), st.integers(-4, 90), st.integers(-1, 30)),
         st.tuples(st.just("take_credit")),
         st.tuples(st.just("credit_due")),
+        st.tuples(st.just("control_due")),
         st.tuples(st.just("can_send")),
         st.tuples(st.just("eof_pending")),
         st.tuples(st.just("reposted"), _N),
@@ -375,6 +380,8 @@ def _apply(session: Session, peer: Session, op: tuple[Any, ...], native: bool) -
         return _outcome(session.can_send_data)
     if name == "eof_pending":
         return _outcome(session.eof_pending)
+    if name == "control_due":
+        return _outcome(session.control_frame_due)
     if name == "reposted":
         return _outcome(lambda: session.on_recv_reposted(op[1]))
     if name == "grow":
@@ -519,7 +526,7 @@ def _random_op(rnd: random.Random, s: Session) -> tuple[Any, ...]:
     if r < 0.68:
         return ("take_credit",)
     if r < 0.74:
-        return (rnd.choice(["credit_due", "can_send", "eof_pending"]),)
+        return (rnd.choice(["credit_due", "can_send", "eof_pending", "control_due"]),)
     if r < 0.88:
         unposted = int(s.rules_state.recv_depth - s.rules_state.posted)
         return ("reposted", rnd.choice([unposted, min(1, unposted), min(2, unposted), 0, -1, unposted + 1]))

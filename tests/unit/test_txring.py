@@ -307,7 +307,7 @@ def test_random_operations_keep_every_invariant_under_the_sanitizers(tmp_path: P
         pytest.fail("gcc is needed to build the C harness (tools/dev setup installs it)")
     binary = tmp_path / "harness"
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"]
-    sources = [str(HARNESS), str(FFI_DIR / "txring.c")]
+    sources = [str(HARNESS), str(FFI_DIR / "txring.c"), str(FFI_DIR / "session.c")]
     subprocess.run(
         [
             gcc,
@@ -333,3 +333,151 @@ def test_random_operations_keep_every_invariant_under_the_sanitizers(tmp_path: P
         int(fields[k]) > 1000 for k in ("staged", "refused", "completed")
     )
     assert int(fields["stalls_checked"]) > 0
+
+
+# ---- rdmaio_txring_stage_frame: the session's take and the ring's stage in one call ---------------------
+
+SESSION = int(lib.RDMAIO_TX_SESSION)
+
+
+def _sessions(peer_max: int = 1 << 20, depth: int = 8) -> tuple[Any, Any]:
+    """Two sessions from the same handshakes: one on the Python SessionState (the reference), one on a C
+    state (what stage_frame takes from)."""
+    from rdmaio.core.shared_receive import new_session_state
+    from rdmaio.protocol import FEATURE_BATCH, Handshake, Session
+
+    local = Handshake(depth, 64, 1 << 20, features=FEATURE_BATCH)
+    peer = Handshake(depth, 64, peer_max, features=FEATURE_BATCH)
+    return Session(local, peer), Session(local, peer, state=new_session_state())
+
+
+def _fields(session: Any) -> dict[str, int]:
+    from rdmaio.protocol.sessionstate import STATE_FIELDS
+
+    return {name: int(getattr(session.rules_state, name)) for name in STATE_FIELDS}
+
+
+def _stage_frame(ring: Ring, session: Any, i: int, data: bytes, kind: int) -> int:
+    return int(
+        lib.rdmaio_txring_stage_frame(ring.r, session.rules_state, i, ffi.from_buffer(data), len(data), kind)
+    )
+
+
+def _python_take_and_stage(ring: Ring, session: Any, i: int, data: bytes, kind: int) -> tuple[str, Any]:
+    """What the sender did per frame before stage_frame: the Python take, then the ring's stage (the ring's
+    own checks first, as the sender makes them before taking)."""
+    state = ring.state()
+    probe = lib.rdmaio_txring_room(ring.r, len(data))
+    if probe <= 0 or i >= len(ring.sends):
+        return ("ring", state)
+    try:
+        imm = (
+            session.take_data_frame(bool(kind), len(data))
+            if kind >= 0
+            else session.take_batch_frame(len(data), -kind)
+        )
+    except Exception as exc:
+        return ("session", type(exc))
+    return ("staged", ring.stage(i, data, imm))
+
+
+def _comparable(ring: Ring) -> tuple[Any, ...]:
+    """A ring's state without its own addresses: the work requests' buffers as offsets into its memory or
+    scratch area, and the bytes there."""
+    fields, free, inflight, _, memory = ring.state()
+    base = ring.addr
+    scratch = int(ffi.cast("uintptr_t", ring.scratch)) if ring.scratch is not None else 0
+    sends = []
+    for wr in ring.sends:
+        addr = int(wr.addr)
+        where = ("slot", addr - base) if base <= addr < base + len(memory) else ("scratch", addr - scratch)
+        sends.append((int(wr.wr_id), where if addr else None, wr.length, wr.lkey, wr.imm_data, wr.send_flags))
+    return fields, free, inflight, tuple(sends), memory, bytes(ffi.buffer(ring.scratch)) if scratch else b""
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stage_frame_gives_the_imm_and_state_of_the_python_take_and_stage(seed: int) -> None:
+    """The same frames through the Python take + rdmaio_txring_stage and through stage_frame on a C state:
+    the same return, the same work requests, ring and session state; where the Python take raises, C
+    refuses with RDMAIO_TX_SESSION and nothing changed (the ring and every session field)."""
+    import random
+
+    rnd = random.Random(seed)
+    py_session, c_session = _sessions(peer_max=rnd.choice([64, 1 << 20]))
+    py_ring, c_ring = Ring(16, slots=rnd.choice([0, 2, 16])), Ring(16, slots=0)
+    c_ring.add(0, int(py_ring.r.slots)) if py_ring.r.slots else None
+    count = 0
+    refused_by_session = staged = 0
+    for _ in range(60):
+        length = rnd.choice([0, 1, 5, 16, 17, 32])
+        kind = rnd.choice([1, 1, 0, -1, -2, -(max(1, length // 4)), -(length // 4 + 1)])
+        data = bytes(rnd.randrange(256) for _ in range(length))
+        i = count if rnd.random() < 0.95 else 99
+        before = (c_ring.state(), _fields(c_session))
+        expected = _python_take_and_stage(py_ring, py_session, i, data, kind)
+        rc = _stage_frame(c_ring, c_session, i, data, kind)
+        if expected[0] == "staged":
+            assert rc == expected[1] >= 0
+            count += 1
+            staged += 1
+        else:
+            assert rc < 0 and (rc == SESSION) == (expected[0] == "session")
+            assert (c_ring.state(), _fields(c_session)) == before  # a refusal changes nothing
+            refused_by_session += rc == SESSION
+        assert _comparable(c_ring) == _comparable(py_ring)
+        assert _fields(c_session) == _fields(py_session)
+        if rnd.random() < 0.3 and py_ring.r.inflight_count:  # completions come back (in order)
+            last = rnd.randrange(int(py_ring.r.inflight_count))
+            for r in (py_ring, c_ring):
+                index = ffi.new("uint32_t *")
+                assert lib.rdmaio_txring_inflight_at(r.r, last, index) == 0
+                lib.rdmaio_txring_complete(r.r, index[0])
+        if rnd.random() < 0.3:  # the peer grants credits back (a CREDIT frame): same rules on both sides
+            for s in (py_session, c_session):
+                s.rules_state.send_credits = min(int(s.rules_state.send_credits) + 3, 8)
+        if count >= 16:
+            count = 0  # the chain was posted: the send array is reused
+            for r in (py_ring, c_ring):
+                lib.rdmaio_txring_finish(r.r, 16)
+    assert staged and refused_by_session  # both outcomes were compared
+
+
+def test_stage_frame_refusals_change_nothing() -> None:
+    """Each refusal: the ring's (no send-queue entry, no slot, bad index, bad kind) before the session is
+    asked, the session's (no credits, message too large, not fast) after the ring's checks; nothing moves."""
+    _, s = _sessions(peer_max=64)
+    ring = Ring(2, slots=0)
+
+    def refused(code: int, i: int, data: bytes, kind: int) -> None:
+        before = (ring.state(), _fields(s))
+        assert _stage_frame(ring, s, i, data, kind) == code
+        assert (ring.state(), _fields(s)) == before
+
+    refused(NO_SLOT, 0, b"x" * 20, 1)  # a slot frame, no slot: the session keeps its credit
+    refused(BAD_INDEX, 5, b"x", 1)
+    refused(BAD_INDEX, -1, b"x", 1)
+    refused(BAD_ARG, 0, b"x", 2)  # RNDV (and any other kind) is the Python take's
+    refused(SESSION, 0, b"x" * 4, -2)  # two messages need 8 bytes of records
+    assert _stage_frame(ring, s, 0, b"a" * 16, 0) >= 0  # MORE: 16 of the peer's 64 bytes
+    assert _stage_frame(ring, s, 1, b"b" * 16, 0) >= 0
+    refused(NO_SQ, 0, b"c", 1)  # both entries in flight
+    lib.rdmaio_txring_finish(ring.r, 2)
+    index = ffi.new("uint32_t *")
+    assert lib.rdmaio_txring_inflight_at(ring.r, 1, index) == 0
+    lib.rdmaio_txring_complete(ring.r, index[0])
+    s.rules_state.send_credits = 8
+    ring.add(0, 2)
+    assert _stage_frame(ring, s, 0, b"d" * 32, 0) == 1  # MORE in a slot: 64 of the peer's 64 bytes
+    refused(SESSION, 1, b"e", 1)  # one byte more: over the peer's maximum (MessageTooLargeError in Python)
+    assert _stage_frame(ring, s, 1, b"", 1) == 0  # the empty END completes the 64-byte message
+    lib.rdmaio_txring_finish(ring.r, 2)
+    assert lib.rdmaio_txring_inflight_at(ring.r, 1, index) == 0
+    lib.rdmaio_txring_complete(ring.r, index[0])
+    s.rules_state.send_credits = 1
+    refused(SESSION, 0, b"e", 1)  # one credit: a data frame needs two
+    s.rules_state.send_credits = 8
+    s.rules_state.fast = 0
+    refused(SESSION, 0, b"e", 1)  # not fast: every rule is the Python Session's
+    s.rules_state.fast = 1
+    assert _stage_frame(ring, s, 0, b"e", 1) == 0  # inline: a one-byte message
+    assert int(s.rules_state.messages_sent) == 2
