@@ -54,8 +54,6 @@ sleep 3
 kill -INT "$ping_server"; wait "$ping_server" || true
 echo "== the Python path of one small message: files and calls of one send (to its post) and one recv =="
 "$PY" tools/trace_path.py
-echo "== rdmaio's own CPU and Python calls per operation over a null device, beside TCP loopback on the same loop (bench --overhead; in the VM the times are 20-40x native, the calls and ratios are what to read) =="
-"$PY" -m bench --overhead --quick
 echo "== benchmark (quick) =="
 "$PY" -m bench --quick --sizes 64,64K,1M --json reports/bench-demo.json
 echo "== one-sided benchmark (quick): fetch_add per call and in fetch_add_many batches against ib_atomic_bw, the READ round trip against ib_read_lat =="
