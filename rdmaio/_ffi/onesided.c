@@ -94,6 +94,29 @@ static int is_atomic(uint32_t opcode)
     return opcode == IBV_WR_ATOMIC_FETCH_AND_ADD || opcode == IBV_WR_ATOMIC_CMP_AND_SWP;
 }
 
+/* After a post of request `wr_id`: one look at the CQ. RDMAIO_POSTED_DONE when the record taken is that
+ * request's own successful completion; RDMAIO_POSTED_OTHER when it is any other record (kept in
+ * port->record, with its dispatch key in port->group); RDMAIO_POSTED when the CQ was empty. */
+static int take_one_record(struct rdmaio_onesided_port *port, uint64_t wr_id)
+{
+    int n = rdmaio_poll_cq(port->cq, &port->record, 1);
+    if (n < 0) {
+        port->poll_errno = -n;
+        return RDMAIO_POSTED_POLL_FAILED;
+    }
+    if (n == 0)
+        return RDMAIO_POSTED;
+    port->polled++;
+    if (port->record.wr_id == wr_id && port->record.status == IBV_WC_SUCCESS &&
+        port->record.qp_num == port->qp->qp_num)
+        return RDMAIO_POSTED_DONE;
+    port->group.key = ((uint64_t)port->record.qp_num << RDMAIO_KEY_TAG_BITS) |
+                      ((port->record.wr_id >> RDMAIO_WR_TAG_SHIFT) & RDMAIO_WR_TAG_MASK);
+    port->group.start = 0;
+    port->group.count = 1;
+    return RDMAIO_POSTED_OTHER;
+}
+
 int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index, uint64_t local_addr,
                               uint32_t lkey, uint32_t length, uint32_t opcode, uint64_t remote_addr,
                               uint32_t rkey, uint64_t compare_add, uint64_t swap)
@@ -135,22 +158,7 @@ int rdmaio_onesided_post_poll(struct rdmaio_onesided_port *port, uint32_t index,
         port->posted--;
         return rdmaio_neg_errno(rc);
     }
-    int n = rdmaio_poll_cq(port->cq, &port->record, 1);
-    if (n < 0) {
-        port->poll_errno = -n;
-        return RDMAIO_POSTED_POLL_FAILED;
-    }
-    if (n == 0)
-        return RDMAIO_POSTED;
-    port->polled++;
-    if (port->record.wr_id == wr.wr_id && port->record.status == IBV_WC_SUCCESS &&
-        port->record.qp_num == port->qp->qp_num)
-        return RDMAIO_POSTED_DONE;
-    port->group.key = ((uint64_t)port->record.qp_num << RDMAIO_KEY_TAG_BITS) |
-                      ((port->record.wr_id >> RDMAIO_WR_TAG_SHIFT) & RDMAIO_WR_TAG_MASK);
-    port->group.start = 0;
-    port->group.count = 1;
-    return RDMAIO_POSTED_OTHER;
+    return take_one_record(port, wr.wr_id);
 }
 
 /* A wave of a batch (see struct rdmaio_batch; rdmaio_post_batch posts it, only its last request
@@ -169,20 +177,5 @@ int rdmaio_onesided_post_batch_poll(struct rdmaio_onesided_port *port, const str
     if (rc < 0)
         return rc;
     port->posted += (uint64_t)rc;
-    int n = rdmaio_poll_cq(port->cq, &port->record, 1);
-    if (n < 0) {
-        port->poll_errno = -n;
-        return RDMAIO_POSTED_POLL_FAILED;
-    }
-    if (n == 0)
-        return RDMAIO_POSTED;
-    port->polled++;
-    if (port->record.wr_id == b->wr_id && port->record.status == IBV_WC_SUCCESS &&
-        port->record.qp_num == port->qp->qp_num)
-        return RDMAIO_POSTED_DONE;
-    port->group.key = ((uint64_t)port->record.qp_num << RDMAIO_KEY_TAG_BITS) |
-                      ((port->record.wr_id >> RDMAIO_WR_TAG_SHIFT) & RDMAIO_WR_TAG_MASK);
-    port->group.start = 0;
-    port->group.count = 1;
-    return RDMAIO_POSTED_OTHER;
+    return take_one_record(port, b->wr_id);
 }
