@@ -174,12 +174,19 @@ def format_size(size: int) -> str:
     return f"{size} B"
 
 
+def _three_digits(value: float) -> str:
+    """``value`` with three significant digits and its decimals kept (``1.20``, ``10.0``, ``123``)."""
+    if value < 10:
+        return f"{value:.2f}"
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
 def format_rate(bytes_per_second: float) -> str:
     """A bandwidth in bits a second, in the unit that keeps 3-4 digits (``9.41 Gbit/s``)."""
     bits = bytes_per_second * 8
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= scale:
-            return f"{bits / scale:.3g} {unit}" if bits / scale < 100 else f"{bits / scale:.0f} {unit}"
+            return f"{_three_digits(bits / scale)} {unit}"
     return f"{bits:.0f} bit/s"
 
 
@@ -187,8 +194,8 @@ def format_count(value: float) -> str:
     """An operation rate with a k/M suffix (``1.23M``)."""
     for suffix, scale in (("M", 1e6), ("k", 1e3)):
         if value >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+            return f"{_three_digits(value / scale)}{suffix}"
+    return _three_digits(value)
 
 
 def percentile(ordered: Sequence[float], q: float) -> float:
@@ -898,7 +905,12 @@ async def measure(
         return RunResult(mode, request_size, config.seconds, results)
     except BaseException:
         for future in connecting:
-            future.cancel()
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled() and future.exception() is None:
+                # Made, but the wait for the others was interrupted: without this it would stay open
+                # (and hold the server's slot until its header deadline).
+                future.result().abort()
         for ep in endpoints:
             ep.abort()
         raise
