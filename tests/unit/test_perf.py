@@ -341,9 +341,21 @@ def test_human_output(arun: Run) -> None:
         lines = out.splitlines()
         assert lines[0] == "rdmaio perf to 198.18.0.2 port 7472"
         assert lines[1].startswith("path: fake0 port 1, ")
-        assert (
-            lines[2].split() == "mode size conns seconds ops ops/s bandwidth p50 us p90 p99 p99.9 max".split()
-        )
+        assert lines[2].split() == [
+            "mode",
+            "size",
+            "conns",
+            "seconds",
+            "ops",
+            "ops/s",
+            "bandwidth",
+            "p50",
+            "us",
+            "p90",
+            "p99",
+            "p99.9",
+            "max",
+        ]
         echo, message = lines[3].split(), lines[4].split()
         assert echo[:4] == ["echo", "64", "B", "1"] and len(echo) == 14  # bandwidth is 2 words, 5 latencies
         assert message[:4] == ["message", "64", "B", "1"] and message[-5:] == ["-"] * 5
@@ -365,7 +377,22 @@ def test_render_table_aligns_columns() -> None:
     }
     table = render_table([run, {**run, "mode": "message", "latency_us": None, "bytes_per_second": 1e6}])
     lines = table.splitlines()
-    assert lines[1].split() == "read 1 MiB 2 10.00 12345 1.23k 10.0 Gbit/s 10.0 20.0 30.0 40.0 50.0".split()
+    assert lines[1].split() == [
+        "read",
+        "1",
+        "MiB",
+        "2",
+        "10.00",
+        "12345",
+        "1.23k",
+        "10.0",
+        "Gbit/s",
+        "10.0",
+        "20.0",
+        "30.0",
+        "40.0",
+        "50.0",
+    ]
     assert lines[2].split()[-7:] == ["8.00", "Mbit/s", "-", "-", "-", "-", "-"]
     assert len({len(line) for line in lines[:2]}) == 1  # right-aligned columns end together
 
