@@ -10,4 +10,6 @@ Modules:
 * :mod:`rdmaio.cli.system`: what the checks read of this machine (sysfs, ``/proc``, limits), behind one
   object so tests can fake it.
 * :mod:`rdmaio.cli.ping`: the ``ping`` command (round trips over rdmaio, a ``min/avg/max/p99`` summary).
+* :mod:`rdmaio.cli.perf`: the ``perf`` command (throughput and latency between two hosts: a server and a
+  client, six modes, ``--json``).
 """
