@@ -942,7 +942,8 @@ def _extra(ep: Any, name: str) -> Any:
 
 
 def path_record(ep: Any) -> tuple[str, dict[str, Any]]:
-    """The path of a connection: one line for humans and a dict for ``--json``.
+    """The path of a connection: its lines for humans (the first starts with ``path:``) and a dict for
+    ``--json``.
 
     ``ep.get_extra_info("rdma")`` (a ``rdmaio.PathInfo`` with ``describe()``) where rdmaio has it; else
     the older extra-info keys (device, port, MTU, max inline, QP number).
@@ -950,20 +951,22 @@ def path_record(ep: Any) -> tuple[str, dict[str, Any]]:
     info = _extra(ep, "rdma")
     describe = getattr(info, "describe", None)
     if callable(describe):
-        text = str(describe())
+        described = str(describe())
+        text = described if described.startswith("path") else f"path: {described}"
         as_dict = getattr(info, "as_dict", None)
         if callable(as_dict):
             record = dict(as_dict())
         elif dataclasses.is_dataclass(info) and not isinstance(info, type):
             record = dataclasses.asdict(info)
         else:
-            record = {"describe": text}
+            record = {"describe": described}
         return text, json.loads(json.dumps(record, default=str))
     record = {name: _extra(ep, name) for name in ("device", "port", "mtu", "max_inline", "qp_num")}
     for name in ("sockname", "peername"):
         value = _extra(ep, name)
         record[name] = list(value) if isinstance(value, tuple) else value
-    text = f"{record['device']} port {record['port']}, MTU {record['mtu']}, max inline {record['max_inline']}"
+    text = f"path: {record['device']} port {record['port']}, MTU {record['mtu']}"
+    text += f", max inline {record['max_inline']}"
     return text, json.loads(json.dumps(record, default=str))
 
 
@@ -1050,7 +1053,7 @@ async def run_client(
             text, path = path_record(ep)
             if not config.json:
                 print(f"rdmaio perf to {target}", file=out)
-                print(f"path: {text}", file=out, flush=True)
+                print(text, file=out, flush=True)
 
     task = asyncio.current_task()
     assert task is not None

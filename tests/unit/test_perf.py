@@ -172,6 +172,48 @@ def test_wired_into_the_command() -> None:
     assert exc.value.code == 0
 
 
+class ExtraInfo:
+    """An endpoint's ``get_extra_info`` alone, from a dict (a name mapped to an exception raises it)."""
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        self.extra = extra
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        value = self.extra.get(name, default)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+
+def test_path_record_sources() -> None:
+    """The record comes from ``get_extra_info("rdma")`` when it has ``describe()``; without it (an rdmaio
+    before the path record) from the older keys, a key that cannot be read showing as None."""
+
+    class Described:
+        def describe(self) -> str:
+            return "rxe0 port 1, RoCE v2"
+
+    older = {
+        "device": "rxe0",
+        "port": 1,
+        "mtu": rdmaio.VerbsError("ibv_query_port", errno=5),
+        "max_inline": 256,
+    }
+    text, record = perf.path_record(ExtraInfo(older | {"qp_num": 17, "peername": ("198.18.0.2", 7472)}))
+    assert text == "path: rxe0 port 1, MTU None, max inline 256"
+    assert record == {
+        "device": "rxe0",
+        "port": 1,
+        "mtu": None,
+        "max_inline": 256,
+        "qp_num": 17,
+        "sockname": None,
+        "peername": ["198.18.0.2", 7472],
+    }
+    text, record = perf.path_record(ExtraInfo({"rdma": Described()}))
+    assert (text, record) == ("path: rxe0 port 1, RoCE v2", {"describe": "rxe0 port 1, RoCE v2"})
+
+
 # --- the control header ----------------------------------------------------------------------------------
 
 
@@ -340,26 +382,16 @@ def test_human_output(arun: Run) -> None:
         assert (status, err) == (0, "")
         lines = out.splitlines()
         assert lines[0] == "rdmaio perf to 198.18.0.2 port 7472"
-        assert lines[1].startswith("path: fake0 port 1, ")
-        assert lines[2].split() == [
-            "mode",
-            "size",
-            "conns",
-            "seconds",
-            "ops",
-            "ops/s",
-            "bandwidth",
-            "p50",
-            "us",
-            "p90",
-            "p99",
-            "p99.9",
-            "max",
-        ]
-        echo, message = lines[3].split(), lines[4].split()
+        # the path record's lines (rdmaio.PathInfo.describe() of the null device's connection)
+        table = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+        path = "\n".join(lines[1:table])
+        assert path.startswith("path: fake0 port 1, ") and "GID" in path and "features:" in path
+        header = "mode size conns seconds ops ops/s bandwidth p50 us p90 p99 p99.9 max"
+        assert lines[table].split() == header.split()
+        echo, message = lines[table + 1].split(), lines[table + 2].split()
         assert echo[:4] == ["echo", "64", "B", "1"] and len(echo) == 14  # bandwidth is 2 words, 5 latencies
         assert message[:4] == ["message", "64", "B", "1"] and message[-5:] == ["-"] * 5
-        assert len(lines) == 5
+        assert len(lines) == table + 3
 
     arun(main())
 
