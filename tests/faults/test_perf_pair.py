@@ -89,7 +89,9 @@ def check_document(
     assert doc["server"] == {"host": pair.b.addr, "port": doc["server"]["port"]}
     assert doc["options"]["modes"] == list(modes) and doc["options"]["sizes"] == list(sizes)
     assert doc["options"]["parallel"] == parallel and doc["options"]["bind"] == pair.a.addr
-    assert isinstance(doc["path"], dict) and pair.a.device in json.dumps(doc["path"])
+    path = doc["path"]  # the first connection's path record: from node A to node B
+    assert (path["device"], path["port"]) == (pair.a.device, 1)
+    assert (path["local_gid"], path["remote_gid"]) == (f"::ffff:{pair.a.addr}", f"::ffff:{pair.b.addr}")
     expected = [(m, 8 if m == "atomic" else s) for m in modes for s in ((8,) if m == "atomic" else sizes)]
     assert [(r["mode"], r["size"]) for r in doc["results"]] == expected
     for r in doc["results"]:
@@ -175,9 +177,12 @@ def test_human_output_has_the_path_and_a_table(pair: Pair, server: PerfServer, l
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"rdmaio perf to {pair.b.addr} port {server.port}"
-    assert lines[1].startswith("path: ") and pair.a.device in lines[1]
-    assert lines[2].split()[:3] == ["mode", "size", "conns"]
-    assert lines[3].split()[:4] == ["echo", "64", "B", "1"]
+    table = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+    path = "\n".join(lines[1:table])  # the path record's lines: node A's device and both nodes' GIDs
+    assert path.startswith(f"path: {pair.a.device} port 1, ")
+    assert f"::ffff:{pair.a.addr} -> ::ffff:{pair.b.addr}" in path
+    assert lines[table].split()[:3] == ["mode", "size", "conns"]
+    assert lines[table + 1].split()[:4] == ["echo", "64", "B", "1"]
     assert "\x1b" not in done.stdout + done.stderr  # no terminal: no progress line
 
 
