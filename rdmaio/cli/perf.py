@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import random
 import re
 import signal
 import sys
@@ -93,6 +94,9 @@ ATOMIC_SIZE = 8
 """The size of a fetch-and-add's operand (and of the region exported for ``atomic``)."""
 MAX_CONTROL = 4096
 """The largest control message either side accepts."""
+MAX_SAMPLES = 1_000_000
+"""Latencies kept per connection and run by default (8 MB); a longer run keeps a uniform random sample of
+this many (reservoir sampling), so memory stays bounded however long it runs."""
 PERCENTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999))
 """The latency percentiles reported, by name."""
 
@@ -589,6 +593,8 @@ class ClientConfig:
     """Seconds to wait for a connection, the server's answer to a header and its report."""
     json: bool = False
     loop: str = "auto"
+    max_samples: int = MAX_SAMPLES
+    """Latencies kept per connection and run; past it a uniform random sample of this many is kept."""
 
     def runs(self) -> list[tuple[str, int]]:
         """(mode, size) of every run, in order: each mode over every size (``atomic`` once, 8 bytes)."""
@@ -698,6 +704,14 @@ class _Stop:
         self.running = False
 
 
+def _reservoir(samples: array.array[float], seen: int, value: float) -> None:
+    """Keep ``value``, the ``seen + 1``-th sample, with the probability ``len(samples) / (seen + 1)`` in
+    place of a random one (Vitter's algorithm R): every sample stays equally likely to be kept."""
+    slot = random.randrange(seen + 1)
+    if slot < len(samples):
+        samples[slot] = value
+
+
 async def _recv_within(ep: rdmaio.Endpoint, wait: float, what: str) -> bytes | None:
     try:
         async with asyncio.timeout(wait):
@@ -737,6 +751,7 @@ async def _measure_connection(
     live: _Live,
     start: float,
     wait: float,
+    keep: int = MAX_SAMPLES,
 ) -> ConnectionResult:
     """Run ``request.mode`` on ``ep`` until ``stop``; return what was done and the server's report."""
     mode, size = request.mode, request.size
@@ -767,7 +782,10 @@ async def _measure_connection(
             if reply is None or len(reply) != size:
                 what = "closed the connection" if reply is None else f"echoed {len(reply)} bytes, not {size}"
                 raise PerfProtocolError(f"the server {what} during an echo run")
-            append(ended - began)
+            if operations < keep:
+                append(ended - began)
+            else:
+                _reservoir(latencies, operations, ended - began)
             operations += 1
             live.operations = operations
     else:
@@ -779,7 +797,10 @@ async def _measure_connection(
             while stop.running:
                 began = clock()
                 await read_into(key, 0, buffer)
-                append(clock() - began)
+                if operations < keep:
+                    append(clock() - began)
+                else:
+                    _reservoir(latencies, operations, clock() - began)
                 operations += 1
                 live.operations = operations
         elif mode == "write":
@@ -788,7 +809,10 @@ async def _measure_connection(
             while stop.running:
                 began = clock()
                 await write_remote(key, 0, data)
-                append(clock() - began)
+                if operations < keep:
+                    append(clock() - began)
+                else:
+                    _reservoir(latencies, operations, clock() - began)
                 operations += 1
                 live.operations = operations
         else:
@@ -796,7 +820,10 @@ async def _measure_connection(
             while stop.running:
                 began = clock()
                 await fetch_add(key, 0, 1)
-                append(clock() - began)
+                if operations < keep:
+                    append(clock() - began)
+                else:
+                    _reservoir(latencies, operations, clock() - began)
                 operations += 1
                 live.operations = operations
     ended = clock()
@@ -893,7 +920,9 @@ async def measure(
         try:
             results = await _gather_all(
                 [
-                    _measure_connection(ep, req, answer, stop, live, start, config.timeout)
+                    _measure_connection(
+                        ep, req, answer, stop, live, start, config.timeout, config.max_samples
+                    )
                     for ep, req, answer, live in zip(endpoints, requests, answers, lives, strict=True)
                 ]
             )

@@ -6,11 +6,14 @@ messages, the progress line, the server's header and run deadlines."""
 
 from __future__ import annotations
 
+import array
 import asyncio
+import dataclasses
 import io
 import json
 import math
 import os
+import random
 import signal
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -696,3 +699,32 @@ def test_exit_statuses_are_distinct() -> None:
     ]
     assert statuses == [0, 1, 2, 3, 130]
     assert not math.isnan(perf.ServerLimits().max_time)
+
+
+def test_latency_samples_are_bounded(arun: Run) -> None:
+    """Past ``max_samples`` per connection a uniform sample is kept: memory stays bounded on long runs."""
+
+    async def main() -> None:
+        config = ClientConfig("h", modes=("echo", "atomic"), sizes=(64,), seconds=0.05, parallel=2, json=True)
+        config = dataclasses.replace(config, max_samples=20)
+        status, out, _err = await Bench().run(config)
+        assert status == 0
+        for r in json.loads(out)["results"]:
+            assert r["operations"] > 40  # more operations than kept samples
+            assert r["latency_us"]["samples"] == 40  # 20 per connection
+
+    arun(main())
+
+
+def test_reservoir_keeps_a_uniform_sample() -> None:
+    rng_state = random.getstate()
+    random.seed(28)
+    try:
+        kept = array.array("d", range(100))
+        for seen in range(100, 100_000):
+            perf._reservoir(kept, seen, float(seen))
+    finally:
+        random.setstate(rng_state)
+    assert len(kept) == 100 and all(0 <= v < 100_000 for v in kept)
+    assert sum(v >= 50_000 for v in kept) > 30  # later samples get their share (about half)
+    assert sum(v < 100 for v in kept) < 10  # the first hundred do not stay (about 0.1 of them)
