@@ -789,7 +789,10 @@ async def _measure_connection(
             operations += 1
             live.operations = operations
     else:
-        key = rdmaio.RemoteKey.from_bytes(bytes.fromhex(str(answer.get("key", ""))))
+        try:
+            key = rdmaio.RemoteKey.from_bytes(bytes.fromhex(str(answer.get("key", ""))))
+        except ValueError as exc:  # InvalidRemoteKeyError is one too
+            raise PerfProtocolError(f"the server's key for the {mode} run is malformed: {exc}") from exc
         append = latencies.append
         if mode == "read":
             buffer = bytearray(size)

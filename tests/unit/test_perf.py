@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import dataclasses
 import io
 import json
@@ -728,3 +729,23 @@ def test_reservoir_keeps_a_uniform_sample() -> None:
     assert len(kept) == 100 and all(0 <= v < 100_000 for v in kept)
     assert sum(v >= 50_000 for v in kept) > 30  # later samples get their share (about half)
     assert sum(v < 100 for v in kept) < 10  # the first hundred do not stay (about 0.1 of them)
+
+
+def test_malformed_key_from_the_server_is_one_line(arun: Run) -> None:
+    async def main() -> None:
+        bench = Bench()
+
+        async def bad_key(ep: rdmaio.Endpoint) -> None:
+            await ep.recv()
+            await ep.send(b'{"perf":1,"ok":true,"key":"zz"}')
+            with contextlib.suppress(ConnectionError):
+                await ep.recv()  # the client aborts
+            ep.abort()
+
+        bench.server.handle = bad_key  # type: ignore[method-assign]
+        status, _out, err = await bench.run(ClientConfig("h", modes=("read",), sizes=(64,), seconds=0.05))
+        assert status == perf.EXIT_RUN_FAILED
+        assert err.startswith("rdmaio perf: h port 7472: the server's key for the read run is malformed")
+        assert len(err.splitlines()) == 1
+
+    arun(main())
