@@ -704,6 +704,13 @@ class _Stop:
         self.running = False
 
 
+_YIELD_MASK = 255
+"""The one-way loops let the event loop run every 256 operations: ``send()`` and ``drain()`` return without
+suspending below the write high-water mark, and without a turn of the loop neither is the run's timer
+called (the run would go on until the queue next filled) nor are the frames queued so far posted while
+the coroutine keeps writing."""
+
+
 def _reservoir(samples: array.array[float], seen: int, value: float) -> None:
     """Keep ``value``, the ``seen + 1``-th sample, with the probability ``len(samples) / (seen + 1)`` in
     place of a random one (Vitter's algorithm R): every sample stays equally likely to be kept."""
@@ -764,6 +771,8 @@ async def _measure_connection(
             await send(payload)
             operations += 1
             live.operations = operations
+            if not operations & _YIELD_MASK:
+                await asyncio.sleep(0)
     elif mode == "stream":
         write, drain, chunk = ep.write, ep.drain, bytes(size)
         while stop.running:
@@ -771,6 +780,8 @@ async def _measure_connection(
             await drain()
             operations += 1
             live.operations = operations
+            if not operations & _YIELD_MASK:
+                await asyncio.sleep(0)
     elif mode == "echo":
         send, recv, payload = ep.send, ep.recv, bytes(size)
         append = latencies.append

@@ -749,3 +749,45 @@ def test_malformed_key_from_the_server_is_one_line(arun: Run) -> None:
         assert len(err.splitlines()) == 1
 
     arun(main())
+
+
+class NeverSuspends:
+    """An endpoint whose sends and drains return without suspending (as rdmaio's do below the write
+    high-water mark) and whose peer reports at once."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send(self, data: bytes) -> None:
+        self.sent += len(data)
+
+    def write(self, data: bytes) -> None:
+        self.sent += len(data)
+
+    async def drain(self) -> None:
+        return None
+
+    def write_eof(self) -> None:
+        pass
+
+    async def recv(self) -> bytes:
+        report = {"perf": 1, "report": {"bytes": self.sent, "messages": 0, "seconds": 0.01}}
+        return json.dumps(report).encode()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["message", "stream"])
+def test_one_way_loops_let_the_timer_run(arun: Run, mode: str) -> None:
+    """A run ends when its time is up even if no send ever suspends: the loop gets a turn every 256
+    operations (without it the timer never ran and the run never ended: the test timed out)."""
+
+    async def main() -> None:
+        ep: Any = NeverSuspends()
+        stop, live = perf._Stop(), perf._Live()
+        asyncio.get_running_loop().call_later(0.05, stop.stop)
+        request = RunRequest(mode, 64, 0.05)
+        result = await perf._measure_connection(ep, request, {}, stop, live, 0.0, 1.0)
+        assert result.operations == live.operations > 0
+        assert result.server["bytes"] == result.client_bytes == 64 * result.operations
+
+    arun(main())
