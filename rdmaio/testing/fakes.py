@@ -818,10 +818,6 @@ class FakeTransport:
     def poll_completions(self) -> None:
         """Nothing to poll: :func:`wire` delivers completions itself."""
 
-    def post_rdma_polled(self, count: int, wr_id: int) -> bool:
-        """One-sided requests are not carried by this fake."""
-        raise AssertionError("this fake transport carries no one-sided requests")
-
     def onesided_port(self, wr_base: int) -> None:
         """No serial one-sided port: this fake carries no one-sided requests."""
         return None
