@@ -13,6 +13,9 @@ and engines); the public API: :mod:`rdmaio.endpoint`, :mod:`rdmaio.client` (``co
 ``rdma://``); tools: :mod:`rdmaio.cli` (``doctor``, ``ping``), :mod:`rdmaio.testing` (the test host, fakes).
 """
 
+# First, before anything loads the compiled extension: when this process is rdmaio's command line and the
+# extension cannot load, this runs `doctor` (which reports it, with the fix) and exits; else it does nothing.
+from rdmaio.cli import startup as _startup  # noqa: F401
 from rdmaio.client import connect
 from rdmaio.core.onesided import RemoteKey, WriteNotice
 from rdmaio.endpoint import Endpoint

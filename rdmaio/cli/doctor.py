@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 import platform
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from rdmaio.cli.checks import CHECKS, CheckResult, Verdict, check_loopback, testhost_command
+from rdmaio.cli.checks import (
+    CHECKS,
+    NEEDS_EXTENSION,
+    CheckResult,
+    Verdict,
+    check_loopback,
+    testhost_command,
+)
 from rdmaio.cli.system import System
 
-__all__ = ["build_parser", "main", "render_json", "render_text", "run_checks"]
+__all__ = ["build_parser", "main", "rdmaio_version", "render_json", "render_text", "run_checks"]
 
 _LABELS = {Verdict.OK: "ok", Verdict.WARN: "WARN", Verdict.FAIL: "FAIL", Verdict.SKIP: "skip"}
 
@@ -27,15 +35,33 @@ def run_checks(
     system: System, checks: Sequence[Callable[[System], CheckResult]] = CHECKS
 ) -> list[CheckResult]:
     """Run every check in order; a check that crashes is reported as failed, never raised."""
-    results = []
+    results: list[CheckResult] = []
     for check in checks:
+        target = getattr(check, "func", check)  # a functools.partial names its function
+        name = getattr(target, "__name__", "check").removeprefix("check_")
+        if name in NEEDS_EXTENSION and any(
+            r.name == "extension" and r.verdict is Verdict.FAIL for r in results
+        ):
+            results.append(
+                CheckResult(name, Verdict.SKIP, "rdmaio's extension does not load (see extension)")
+            )
+            continue
         try:
             results.append(check(system))
         except Exception as exc:  # a bug in one check must not hide the others' findings
-            target = getattr(check, "func", check)  # a functools.partial names its function
-            name = getattr(target, "__name__", "check").removeprefix("check_")
             results.append(CheckResult(name, Verdict.FAIL, f"the check itself crashed: {exc!r}"))
     return results
+
+
+def rdmaio_version() -> str:
+    """rdmaio's version, also while the package is half imported (doctor run for a broken extension)."""
+    version = getattr(sys.modules.get("rdmaio"), "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version("rdmaio")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _conclusion(results: Sequence[CheckResult]) -> str:
@@ -50,10 +76,8 @@ def _conclusion(results: Sequence[CheckResult]) -> str:
 
 def render_text(results: Sequence[CheckResult], out: TextIO) -> None:
     """One line per check: verdict, name, what was found, and the fix when there is one."""
-    from rdmaio import __version__
-
     python, kernel = platform.python_version(), platform.release()
-    print(f"rdmaio {__version__} doctor (Python {python}, kernel {kernel})", file=out)
+    print(f"rdmaio {rdmaio_version()} doctor (Python {python}, kernel {kernel})", file=out)
     width = max((len(r.name) for r in results), default=0)
     for r in results:
         fix = f"  -> fix: {r.fix}" if r.fix else ""
@@ -63,11 +87,9 @@ def render_text(results: Sequence[CheckResult], out: TextIO) -> None:
 
 def render_json(results: Sequence[CheckResult], out: TextIO) -> None:
     """The results as one JSON document: ``{"ok": bool, "checks": [...], ...}``."""
-    from rdmaio import __version__
-
     doc: dict[str, Any] = {
         "ok": not any(r.verdict is Verdict.FAIL for r in results),
-        "version": __version__,
+        "version": rdmaio_version(),
         "kernel": platform.release(),
         "checks": [r.to_json() for r in results],
     }
