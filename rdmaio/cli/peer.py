@@ -359,8 +359,10 @@ def check_gids(local: dict[str, Any], peer: PeerReport) -> CheckResult:
         )
     theirs = describe_side(peer.path)
     text = f"here {mine}; peer (rdmaio {peer.version}) {theirs}"
+    # sysfs names them "RoCE v2" and "IB/RoCE v1"; a v1 GID cannot reach a v2 one.
     kinds = {str(p.get("gid_type") or "").lower() for p in (local, peer.path)}
-    if len(kinds) > 1 and all(k.startswith("roce") for k in kinds):
+    versions = {"v2" if "v2" in k else "v1" for k in kinds if "roce" in k}
+    if len(versions) > 1:
         return CheckResult(
             "gids",
             Verdict.FAIL,
