@@ -108,7 +108,7 @@ def commands_of(page: Path) -> list[Command]:
         if tag not in SHELL_TAGS:
             starts = [line for line in body.splitlines() if COMMAND_START.match(line)]
             assert not (tag == "" and starts), (
-                f"{page.name}:{first_line}: an untagged code block with commands ({starts[0]!r}): tag it ```sh"
+                f"{page.name}:{first_line}: an untagged block with commands ({starts[0]!r}): tag it ```sh"
             )
             continue
         pending: list[str] = []
@@ -202,7 +202,8 @@ def test_documented_commands_work(tmp_path: Path) -> None:
         if done.returncode != command.expected_status:
             failures.append(
                 f"{command.page}:{command.line}: {command.key}: exit status {done.returncode}, expected "
-                f"{command.expected_status}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+                f"{command.expected_status}\n--- stdout\n{done.stdout[-3000:]}"
+                f"\n--- stderr\n{done.stderr[-3000:]}"
             )
         assert "Traceback" not in done.stderr or done.returncode != 0, (command.key, done.stderr)
     assert failures == [], "\n\n".join(failures)
