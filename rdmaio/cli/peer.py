@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import ipaddress
 import json
 import re
 import shlex
@@ -91,10 +92,12 @@ def gid_of_address(system: System, device: str, port: int, address: str) -> tupl
 
 
 def local_path(ep: rdmaio.Endpoint, system: System) -> dict[str, Any]:
-    """What carries ``ep`` on this side: device, port, address, GID (index, type) and active MTU.
+    """What carries ``ep`` on this side: device, port, address, transport, the local GID (index, type),
+    the GID its queue pair sends to, the port's active MTU and the queue pair's path MTU.
 
-    Uses the connection's path record (``get_extra_info("rdma")``) where rdmaio has one, else the
-    endpoint's ``device``/``port``/``sockname``/``mtu`` and the GID table in sysfs.
+    Read from the connection's path record (``get_extra_info("rdma")``, :class:`rdmaio.PathInfo`); what
+    it does not know (an unknown GID index or type) comes from the endpoint's ``sockname`` and the GID
+    table in sysfs. GIDs are written as IPv6 addresses (``::ffff:198.18.0.1``), as ``ibv_devinfo`` does.
     """
     record = ep.get_extra_info("rdma")
     sockname = ep.get_extra_info("sockname")
@@ -103,29 +106,54 @@ def local_path(ep: rdmaio.Endpoint, system: System) -> dict[str, Any]:
         "device": ep.get_extra_info("device"),
         "port": ep.get_extra_info("port"),
         "address": address,
-        "active_mtu": ep.get_extra_info("mtu"),
+        "transport": None,
         "gid": None,
         "gid_index": None,
         "gid_type": None,
+        "remote_gid": None,
+        "active_mtu": None,
+        "path_mtu": None,
     }
     if record is not None:
         for field_name, attr in (
             ("device", "device"),
             ("port", "port"),
+            ("transport", "transport"),
             ("gid", "local_gid"),
             ("gid_index", "gid_index"),
             ("gid_type", "gid_type"),
+            ("remote_gid", "remote_gid"),
             ("active_mtu", "active_mtu"),
-            ("transport", "transport"),
+            ("path_mtu", "path_mtu"),
         ):
             value = getattr(record, attr, None)
-            if value is not None:
-                path[field_name] = value if isinstance(value, int | float | bool) else str(value)
-    if path["gid"] is None and path["device"] and path["port"] and address:
+            if value in (None, "", -1, 0):  # the record's "unknown"
+                continue
+            path[field_name] = value if isinstance(value, int | bool) else str(value)
+    else:
+        path["active_mtu"] = ep.get_extra_info("mtu")
+    if (path["gid_index"] is None or not path["gid_type"]) and path["device"] and path["port"] and address:
         entry = gid_of_address(system, str(path["device"]), int(path["port"]), address)
-        if entry is not None:
-            path["gid_index"], path["gid"], path["gid_type"] = entry
+        if entry is not None and (path["gid"] is None or same_gid(path["gid"], entry[1])):
+            path["gid_index"], gid, path["gid_type"] = entry
+            path["gid"] = path["gid"] or compress_gid(gid)
     return path
+
+
+def compress_gid(gid: str) -> str:
+    """A GID in sysfs's form (8 groups of 4 hex digits) as an IPv6 address, as :class:`rdmaio.PathInfo`
+    writes it (``::ffff:198.18.0.1``); returned unchanged when it is not one."""
+    try:
+        address = ipaddress.IPv6Address(gid)
+    except ValueError:
+        return gid
+    mapped = address.ipv4_mapped
+    return f"::ffff:{mapped}" if mapped is not None else str(address)
+
+
+def same_gid(a: object, b: object) -> bool:
+    """Whether two GIDs (any IPv6 spelling) are the same."""
+    return compress_gid(str(a)) == compress_gid(str(b))
 
 
 def describe_side(path: dict[str, Any]) -> str:
@@ -359,6 +387,16 @@ def check_gids(local: dict[str, Any], peer: PeerReport) -> CheckResult:
         )
     theirs = describe_side(peer.path)
     text = f"here {mine}; peer (rdmaio {peer.version}) {theirs}"
+    addressed, used = local.get("remote_gid"), peer.path.get("gid")
+    if addressed and used and not same_gid(addressed, used):
+        return CheckResult(
+            "gids",
+            Verdict.WARN,
+            f"{text}: this side's queue pair addresses GID {addressed}, not the one the peer says it uses",
+            "a NAT or proxy between the hosts, or several addresses on the peer's RDMA interface: connect to "
+            "the address whose GID the peer uses",
+            data,
+        )
     # sysfs names them "RoCE v2" and "IB/RoCE v1"; a v1 GID cannot reach a v2 one.
     kinds = {str(p.get("gid_type") or "").lower() for p in (local, peer.path)}
     versions = {"v2" if "v2" in k else "v1" for k in kinds if "roce" in k}
@@ -493,12 +531,14 @@ async def run_peer_checks(
         results.append(connect_failure(exc, host, port, wait_seconds))
         return results + [_skip(n, "no connection (see handshake)") for n in AFTER_HANDSHAKE]
     local = local_path(ep, system)
+    transport = f", {local['transport']}" if local["transport"] else ""
     results.append(
         CheckResult(
             "handshake",
             Verdict.OK,
-            f"connected to {host}:{port} over {local['device']} port {local['port']} "
+            f"connected to {host}:{port} over {local['device']} port {local['port']}{transport} "
             f"(QP {ep.get_extra_info('qp_num')})",
+            data={"path": local},
         )
     )
     peer = PeerReport(None, None, False)

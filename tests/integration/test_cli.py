@@ -192,12 +192,18 @@ def doctor_lines(*args: str) -> tuple[int, list[str], dict[str, tuple[str, str]]
 
 
 def sysfs_gid(device: str, address: str) -> str:
-    """The GID sysfs lists for an IPv4 address on port 1 of ``device``."""
+    """The GID sysfs lists for an IPv4 address on port 1 of ``device``, as doctor writes it: ``::ffff:A``
+    plus `` (index I, RoCE v2)``, I being its index in sysfs."""
     octets = [int(x) for x in address.split(".")]
     want = "0000:0000:0000:0000:0000:ffff:{:02x}{:02x}:{:02x}{:02x}".format(*octets)
-    gids = Path(f"/sys/class/infiniband/{device}/ports/1/gids")
-    assert any((gids / name).read_text().strip() == want for name in os.listdir(gids)), want
-    return want
+    port = Path(f"/sys/class/infiniband/{device}/ports/1")
+    index = next(
+        name
+        for name in sorted(os.listdir(port / "gids"), key=int)
+        if (port / "gids" / name).read_text().strip() == want
+        and (port / "gid_attrs/types" / name).read_text().strip() == "RoCE v2"
+    )
+    return f"::ffff:{address} (index {index}, RoCE v2)"
 
 
 def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str) -> None:
@@ -220,9 +226,14 @@ def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str) -> None:
     device = os.environ.get("RDMAIO_TEST_DEVICE", "rxe0")
     # Each side's GID is the one sysfs lists for the address that side used (RoCE v2), and the MTU matches.
     here, peer = sysfs_gid(device, rdma_addr), sysfs_gid(device, server_addr)
-    gids = checks["gids"][1]
-    assert f"here {device}/1 {rdma_addr} GID {here} (index " in gids and "RoCE v2" in gids, gids
-    assert f"peer (rdmaio 0.1.0) {device}/1 {server_addr} GID {peer} (index " in gids, gids
+    assert (
+        checks["gids"][1]
+        == f"here {device}/1 {rdma_addr} GID {here}; peer (rdmaio 0.1.0) {device}/1 {server_addr} GID {peer}"
+    )
+    assert re.fullmatch(
+        rf"connected to {re.escape(server_addr)}:{DOCTOR_PORT} over {device} port 1, RoCE v2 \(QP \d+\)",
+        checks["handshake"][1],
+    )
     assert re.fullmatch(r"active MTU \d+ on both sides", checks["mtu"][1]), checks["mtu"]
     assert re.fullmatch(r"RDMA READ of 4096 bytes in \d+\.\d ms, data intact", checks["read"][1])
     assert re.search(r"\(\d+ messages of 64 KiB echoed in \d+\.\d\d s\)$", checks["throughput"][1])

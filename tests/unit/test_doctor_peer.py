@@ -179,10 +179,13 @@ def test_local_path_from_extra_info_and_sysfs(tmp_path: Path) -> None:
         "device": "rxe0",
         "port": 1,
         "address": "198.18.0.1",
+        "transport": None,
         "active_mtu": 1024,
-        "gid": GID_1,
+        "path_mtu": None,
+        "gid": "::ffff:198.18.0.1",
         "gid_index": 1,
         "gid_type": "RoCE v2",
+        "remote_gid": None,
     }
 
 
@@ -228,6 +231,13 @@ def test_gids_and_mtu_comparisons() -> None:
     )
     mixed = check_gids(side(), PeerReport("0.1.0", side("IB/RoCE v1"), True))
     assert mixed.verdict is Verdict.FAIL and "different RoCE versions" in mixed.summary
+    addressed_elsewhere = check_gids(
+        {**side(), "remote_gid": "::ffff:10.0.0.9"}, PeerReport("0.1.0", side(), True)
+    )
+    assert addressed_elsewhere.verdict is Verdict.WARN
+    assert "queue pair addresses GID ::ffff:10.0.0.9" in addressed_elsewhere.summary
+    consistent = check_gids({**side(), "remote_gid": "::ffff:198.18.0.1"}, PeerReport("0.1.0", side(), True))
+    assert consistent.verdict is Verdict.OK
     unknown = check_gids(side(), PeerReport(None, None, False))
     assert unknown.verdict is Verdict.WARN and "echoes doctor's probe" in unknown.summary
 
@@ -293,7 +303,7 @@ def test_probe_responder_answers_info_and_read_and_echoes_the_rest(tmp_path: Pat
     asyncio.run(main())
     answers = [json.loads(m[len(PROBE_PREFIX) :]) for m in ep.sent]
     assert answers[0]["version"] == rdmaio.__version__
-    assert answers[0]["path"]["gid"] == GID_1 and answers[0]["path"]["active_mtu"] == 1024
+    assert answers[0]["path"]["gid"] == "::ffff:198.18.0.1" and answers[0]["path"]["active_mtu"] == 1024
     assert [a["length"] for a in answers[1:4]] == [4096] * 3
     # One export at a time: each new read probe revoked the previous key first.
     assert len(ep.exported) == 3 and len(ep.revoked) == 2 and responder.exported_bytes == 4096
