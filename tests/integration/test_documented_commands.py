@@ -11,7 +11,8 @@ This module runs inside the test host, where a nested ``python -m rdmaio.testing
 device and runs CMD directly, so the test-host commands of the pages are run too. The commands that cannot
 run here are in :data:`NOT_RUN` with the reason, each matching at least one command; a command shown twice
 runs once; the number of commands run is asserted (:data:`EXPECTED_RUN`), so a page's new command must be
-run or listed, and the test can never pass by running nothing.
+run or listed, and the test can never pass by running nothing. A synopsis (a command with an upper-case
+placeholder such as ``HOST`` or ``[PORT]``) is not run.
 
 Untagged code blocks are output or formats, never commands: one that starts like a command fails the test
 (tag it ``sh``). docs/performance-log.md is not read: it is the dated record of past runs, with the commands
@@ -54,21 +55,20 @@ NOT_RUN: list[tuple[str, str]] = [
         "python -m rdmaio.testing.host --topology pair",
         "boots a two-node test host of its own (the fault suite)",
     ),
-    ("python -m rdmaio.testing.host [options]", "a synopsis: options and CMD are placeholders"),
     (".venv/bin/python -m rdmaio.testing.host --cpus 2", "a benchmark in a larger test host (minutes)"),
     (
         ".venv/bin/python -m bench --from-json",
         "re-prints reports/bench.json, which the benchmark run above it writes",
     ),
-    ("rdmaio ping --server HOST [PORT]", "a synopsis: HOST and PORT are placeholders"),
-    ("rdmaio ping [-c COUNT]", "a synopsis: the options and HOST are placeholders"),
-    ("rdmaio doctor --peer HOST [PORT]", "a synopsis: HOST and PORT are placeholders"),
     ("apt-get install", "installs system packages (root, network)"),
     ("sudo apt-get install", "installs system packages (root, network)"),
     ("pip install rdmaio", "installs from PyPI (network)"),
     ("pip install 'rdmaio[dask]'", "installs from PyPI (network)"),
     ("pip install .", "would replace the editable install these tests run from"),
 ]
+SYNOPSIS = "a synopsis: its upper-case words (HOST, PORT, CMD, ...) are placeholders"
+"""Why a command with a placeholder is not run (``rdmaio ping --server HOST [PORT]``)."""
+PLACEHOLDER = re.compile(r"^\[?-*[A-Z]{2,}(\.\.\.)?\]?$")
 EXPECTED_RUN = 9
 """Commands run (not listed in NOT_RUN, duplicates once): update it with the pages."""
 
@@ -139,6 +139,8 @@ def all_commands() -> tuple[list[Command], list[tuple[Command, str]]]:
                 continue
             seen.add(command.key)
             reason = next((why for prefix, why in NOT_RUN if command.key.startswith(prefix)), None)
+            if reason is None and any(PLACEHOLDER.match(word) for word in command.key.split()):
+                reason = SYNOPSIS
             if reason is None:
                 to_run.append(command)
             else:
