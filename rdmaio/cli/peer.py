@@ -42,6 +42,7 @@ __all__ = [
     "parse_route",
     "probe_request",
     "run_peer_checks",
+    "serve_doctor_session",
 ]
 
 PROBE_PREFIX = b"\x00rdmaio-doctor/1 "
@@ -227,6 +228,25 @@ class ProbeResponder:
             "length": READ_PROBE_SIZE,
             "sha256": hashlib.sha256(pattern).hexdigest(),
         }
+
+
+async def serve_doctor_session(ep: rdmaio.Endpoint, first: bytes | None = None) -> int:
+    """Serve one connection for ``doctor --peer``: answer its probes, echo every other message, until the
+    peer closes; returns the number of messages handled.
+
+    For a server with its own protocol (``rdmaio perf --server``): when a connection's first message
+    starts with :data:`PROBE_PREFIX`, hand the connection and that message (``first``) over to this.
+    """
+    responder = ProbeResponder(ep)
+    count = 0
+    async with ep:
+        message = first if first is not None else await ep.recv()
+        while message is not None:
+            if not await responder.answer(message):
+                await ep.send(message)
+            count += 1
+            message = await ep.recv()
+    return count
 
 
 # --- the client's checks ----------------------------------------------------------------------------------
@@ -515,7 +535,7 @@ def _skip(name: str, why: str) -> CheckResult:
     return CheckResult(name, Verdict.SKIP, why)
 
 
-AFTER_HANDSHAKE = ("echo", "gids", "mtu", "read", "throughput")
+AFTER_HANDSHAKE = ("gids", "mtu", "echo", "read", "throughput")
 
 
 async def run_peer_checks(
@@ -556,9 +576,10 @@ async def run_peer_checks(
         return check_mtu_match(local, peer)
 
     steps: list[tuple[str, Callable[[], Awaitable[CheckResult]]]] = [
-        ("echo", lambda: check_echo(ep, wait_seconds)),
+        # The info probe first: a server that multiplexes (rdmaio perf --server) recognises doctor by it.
         ("gids", gids),
         ("mtu", mtu),
+        ("echo", lambda: check_echo(ep, wait_seconds)),
         ("read", lambda: check_read(ep, wait_seconds)),
         ("throughput", lambda: check_throughput(ep, sample_seconds, wait_seconds)),
     ]

@@ -20,7 +20,14 @@ from loops import Runner, arun  # arun is a fixture used by name
 
 import rdmaio
 from rdmaio.cli.checks import CHECKS, CheckResult, Verdict
-from rdmaio.cli.peer import PROBE_PREFIX, READ_PROBE_SIZE, ProbeResponder, probe_request, run_peer_checks
+from rdmaio.cli.peer import (
+    PROBE_PREFIX,
+    READ_PROBE_SIZE,
+    ProbeResponder,
+    probe_request,
+    run_peer_checks,
+    serve_doctor_session,
+)
 from rdmaio.cli.system import System
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,7 +178,7 @@ def test_ping_without_server_is_refused(rdma_addr: str) -> None:
 # --- doctor --peer ----------------------------------------------------------------------------------------
 
 DOCTOR_PORT = 7493
-PEER_CHECKS = ["extension", "route", "handshake", "echo", "gids", "mtu", "read", "throughput"]
+PEER_CHECKS = ["extension", "route", "handshake", "gids", "mtu", "echo", "read", "throughput"]
 MISSING_PEER = "198.18.0.77"  # in the test host's subnet, nobody there: ARP never answers
 CHECK_LINE = re.compile(r"^(ok|WARN|FAIL|skip)\s+(\S+)\s+(.*)$")
 
@@ -280,14 +287,22 @@ def test_peer_checks_and_probe_bound_on_each_loop(arun: Runner[Any], rdma_addr: 
                 if not await responder.answer(msg):
                     await ep.send(msg)
 
+    async def handed_over(ep: rdmaio.Endpoint) -> None:
+        # As a server with a protocol of its own does: it reads the first message, sees a probe, hands over.
+        first = await ep.recv()
+        assert first is not None and first.startswith(PROBE_PREFIX)
+        await serve_doctor_session(ep, first)
+
     async def main() -> None:
-        server = await rdmaio.serve(handler, rdma_addr, 0)
-        async with server:
-            port = server.addresses[0][1]
-            results = await run_peer_checks(rdma_addr, port, System(), 60.0, 0.2)
+        other = await rdmaio.serve(handed_over, rdma_addr, 0)
+        async with other:
+            results = await run_peer_checks(rdma_addr, other.addresses[0][1], System(), 60.0, 0.2)
             assert [(r.name, r.verdict) for r in results] == [(n, Verdict.OK) for n in PEER_CHECKS[1:]], (
                 results
             )
+        server = await rdmaio.serve(handler, rdma_addr, 0)
+        async with server:
+            port = server.addresses[0][1]
             async with await rdmaio.connect(rdma_addr, port, timeout=60) as ep:
                 keys = []
                 for _ in range(3):
