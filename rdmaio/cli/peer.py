@@ -1,10 +1,10 @@
 """``rdmaio doctor --peer HOST [PORT]``: check a pair of hosts through a live rdmaio server on the other one.
 
 The peer runs ``python -m rdmaio ping --server HOST [PORT]``. Doctor checks, in order, one line each: the
-route this side takes to HOST (and the RDMA device behind it), the rdma_cm connect and rdmaio handshake, an
-echo, the GID each side chose (this side's from the connection, the peer's from its answer to doctor's
-probe), that both sides' active MTUs match, a one-sided RDMA READ of memory the peer exports for it, and a
-short throughput sample (echoed 64 KiB messages). Every failure says what to fix.
+route this side takes to HOST (and the RDMA device behind it), the rdma_cm connect and rdmaio handshake, the
+GID each side chose (this side's from the connection's path record, the peer's from its answer to doctor's
+probe), that both sides' active MTUs match, an echo, a one-sided RDMA READ of memory the peer exports for
+it, and a short throughput sample (echoed 64 KiB messages). Every failure says what to fix.
 
 The probe is an ordinary message starting with :data:`PROBE_PREFIX` followed by a small JSON request; a
 ping server answers it (:class:`ProbeResponder`) instead of echoing it. An older server that predates the
