@@ -138,3 +138,15 @@ def test_doctor_unchanged_with_the_extension(package_copy: Path) -> None:
 )
 def test_invoked_as_cli(orig_argv: list[str], argv0: str, expected: bool) -> None:
     assert invoked_as_cli(orig_argv, argv0) is expected
+
+
+def test_doctor_peer_without_the_extension_skips_the_pair_checks(package_copy: Path) -> None:
+    done = run(package_copy, "-m", "rdmaio", "doctor", "--peer", "198.18.0.2")
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("FAIL  extension   rdmaio's compiled extension is missing"), lines
+    skipped = [line.split()[1] for line in lines[2:-1]]
+    assert skipped == ["route", "handshake", "gids", "mtu", "echo", "read", "throughput"], lines
+    assert all(line.startswith("skip") and line.endswith("(see extension)") for line in lines[2:-1]), lines
+    assert lines[-1] == "doctor: 1 check(s) failed: extension"
