@@ -311,3 +311,13 @@ int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm,
 int rdmaio_txring_finish(struct rdmaio_txring *r, uint32_t count);
 int rdmaio_txring_complete(struct rdmaio_txring *r, uint32_t index);
 int rdmaio_txring_inflight_at(const struct rdmaio_txring *r, uint32_t k, uint32_t *out);
+/* ---- the path of a connection (path.c; rdmaio.verbs.cm.CMId.query_path) -------------------------- */
+struct rdmaio_path { uint8_t sgid[16]; uint8_t dgid[16]; int32_t sgid_index; int32_t gid_type;
+                     int32_t active_mtu; int32_t path_mtu; int32_t link_layer; int32_t transport_type;
+                     int32_t port_num; int32_t is_global; };
+int rdmaio_query_path(struct rdma_cm_id *id, struct rdmaio_path *out);
+static const int IBV_GID_TYPE_IB;
+static const int IBV_GID_TYPE_ROCE_V1;
+static const int IBV_GID_TYPE_ROCE_V2;
+static const int IBV_TRANSPORT_IB;
+static const int IBV_TRANSPORT_IWARP;

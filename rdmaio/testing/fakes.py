@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import ipaddress
 from collections.abc import Callable, Coroutine
 from types import SimpleNamespace
 from typing import Any, ClassVar, Protocol
@@ -54,6 +55,7 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.errors import ConnectionResetError as RdmaConnectionResetError
 from rdmaio.errors import EndpointClosedError, MessageTooLargeError, VerbsError
 from rdmaio.options import Options
+from rdmaio.verbs.path import PathAttributes
 
 __all__ = [
     "SLOTLESS",
@@ -261,6 +263,37 @@ class FakeCMId:
     def close(self) -> None:
         """Destroy the id (recorded in :attr:`closed`)."""
         self.closed = True
+
+    #: What :meth:`query_path` answers besides the port and the GIDs (a RoCE v2 port of 4096 bytes).
+    path_link_layer = "Ethernet"
+    path_gid_type = "RoCE v2"
+    path_gid_index = 1
+    path_mtu = 4096
+    #: Calls of :meth:`query_path` (each one is system calls on a real id).
+    path_queries = 0
+
+    def query_path(self) -> PathAttributes:
+        """The path as a device would report it: the GIDs are the IPv4-mapped addresses of the local and
+        peer addresses (as RoCE v2 GIDs are), the rest the ``path_*`` class attributes; counted in
+        :attr:`path_queries`. Raises :class:`~rdmaio.VerbsError` once :meth:`close` ran, as a real id."""
+        if self.closed:
+            raise VerbsError("CMId is closed", call="rdma_destroy_id")
+        self.path_queries += 1
+
+        def gid(address: tuple[str, int]) -> bytes:
+            return ipaddress.IPv6Address(f"::ffff:{address[0]}").packed
+
+        return PathAttributes(
+            port=self.port_num,
+            link_layer=self.path_link_layer,
+            iwarp=False,
+            local_gid=gid(self.local_address),
+            remote_gid=gid(self.peer_address),
+            gid_index=self.path_gid_index,
+            gid_type=self.path_gid_type,
+            active_mtu=self.path_mtu,
+            path_mtu=self.path_mtu,
+        )
 
 
 class FakeEventChannel:
