@@ -401,6 +401,11 @@ class PerfServer:
         if header is None:
             await self._close(ep)
             return
+        from rdmaio.cli.peer import PROBE_PREFIX
+
+        if header.startswith(PROBE_PREFIX):
+            await self._serve_doctor(ep, peer, header)
+            return
         taken = 0
         try:
             request = decode_request(header, self.limits)
@@ -422,6 +427,29 @@ class PerfServer:
         finally:
             self.active -= 1
             self.exported -= taken
+
+    async def _serve_doctor(self, ep: rdmaio.Endpoint, peer: str, first: bytes) -> None:
+        """``rdmaio doctor --peer`` against this server: its probes are answered as ``ping --server``
+        answers them (:func:`rdmaio.cli.peer.serve_doctor_session`). The session takes a client slot and
+        lasts at most ``max_time``."""
+        from rdmaio.cli.peer import serve_doctor_session
+
+        if self.active >= self.limits.max_clients:
+            self.refused += 1
+            self._say(f"{peer}: doctor probe refused: server busy ({self.active} runs in progress)")
+            ep.abort()
+            return
+        self.active += 1
+        self._say(f"{peer}: doctor probe")
+        try:
+            async with asyncio.timeout(self.limits.max_time):
+                handled = await serve_doctor_session(ep, first)
+            self._say(f"{peer}: doctor probe done, {handled} messages")
+        except (OSError, RdmaError) as exc:
+            self._say(f"{peer}: doctor probe: {type(exc).__name__}: {exc}")
+            ep.abort()
+        finally:
+            self.active -= 1
 
     async def _refuse(self, ep: rdmaio.Endpoint, exc: PerfRefusedError) -> None:
         try:

@@ -12,6 +12,7 @@ Nothing here asserts a duration: figures are checked for being positive and for 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -242,3 +243,36 @@ def test_no_server_listening_is_exit_2_and_one_line(pair: Pair, loop: str) -> No
         f"(start one with: python -m rdmaio perf --server {pair.b.addr} {port})\n"
     )
     assert json.loads(done.stdout)["error"]["kind"] == "no-server"
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_doctor_peer_against_a_perf_server(pair: Pair, server: PerfServer) -> None:
+    """``rdmaio doctor --peer`` from node A against ``perf --server`` on node B: the perf server hands
+    doctor's connection to its probe responder, so the handshake, echo, READ and throughput checks pass."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rdmaio",
+            "doctor",
+            "--peer",
+            pair.b.addr,
+            str(server.port),
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    verdicts = {
+        m.group(2): m.group(1)
+        for line in done.stdout.splitlines()
+        if (m := re.match(r"^(ok|WARN|FAIL|skip)\s+(\S+)\s", line))
+    }
+    for check in ("handshake", "echo", "read", "throughput"):
+        assert verdicts.get(check) == "ok", done.stdout
+    status, out = server.stop()
+    assert status == 0 and ": doctor probe\n" in out and "doctor probe done" in out, out

@@ -791,3 +791,49 @@ def test_one_way_loops_let_the_timer_run(arun: Run, mode: str) -> None:
         assert result.server["bytes"] == result.client_bytes == 64 * result.operations
 
     arun(main())
+
+
+def test_doctor_probes_are_answered(arun: Run) -> None:
+    """``rdmaio doctor --peer`` against a perf server: a connection whose first message is a doctor probe
+    is handed to :func:`rdmaio.cli.peer.serve_doctor_session` (probes answered, other messages echoed)."""
+    from rdmaio.cli.peer import PROBE_PREFIX, probe_request
+
+    async def main() -> None:
+        bench = Bench()
+        client = await bench.connect("h", 1, None, 1.0)
+        await client.send(probe_request("info"))
+        reply = await client.recv()
+        assert reply is not None and reply.startswith(PROBE_PREFIX)
+        info = json.loads(reply[len(PROBE_PREFIX) :])
+        assert info["version"] == rdmaio.__version__
+        await client.send(b"an echo")
+        assert await client.recv() == b"an echo"
+        assert bench.server.active == 1  # the session holds a client slot while it lasts
+        await client.aclose()
+        await asyncio.gather(*bench.tasks)
+        assert bench.server.active == 0
+        log = bench.log.getvalue()
+        assert ": doctor probe\n" in log and "doctor probe done, 2 messages" in log
+
+    arun(main())
+
+
+def test_doctor_probe_on_a_busy_server(arun: Run) -> None:
+    from rdmaio.cli.peer import probe_request
+
+    async def main() -> None:
+        bench = Bench(ServerLimits(max_clients=1))
+        first = await bench.connect("h", 1, None, 1.0)
+        await first.send(RunRequest("message", 64, 5.0).encode())
+        assert json.loads(await first.recv() or b"")["ok"] is True  # one run holds the only slot
+        second = await bench.connect("h", 1, None, 1.0)
+        await second.send(probe_request("info"))
+        with pytest.raises(ConnectionError):
+            if await second.recv() is None:
+                raise ConnectionResetError  # the server aborted it: a reset, or the end of the stream
+        assert "doctor probe refused: server busy" in bench.log.getvalue()
+        first.abort()
+        second.abort()
+        await asyncio.gather(*bench.tasks)
+
+    arun(main())
