@@ -84,6 +84,7 @@ class Session:
         "_local",
         "_peer",
         "_s",
+        "close_state",
         "flush_error",
         "recv_outcome",
         "rules_state",
@@ -99,6 +100,8 @@ class Session:
     #: What a read that finds no buffered data gets: None, :data:`EOF` or an exception
     #: (:meth:`CloseState.recv_outcome`).
     recv_outcome: Callable[[], BaseException | EOFType | None]
+    #: The Session's :class:`CloseState` (a send or an empty read tests its ``clear`` before asking it).
+    close_state: CloseState
     #: The state object this Session's rules work on (a :class:`SessionState`, or the object the I/O layer
     #: injected with ``state=``): another implementation of the rules may work on it too. (An attribute,
     #: not a property: the core reads it once per connection, at no call.)
@@ -163,6 +166,9 @@ class Session:
         s.eof_due = 0  # write_eof()/close() asked for an EOF frame that was not taken yet
         # The close state's answers, bound once: a send or an empty read asks them, at no extra call.
         self.send_error = close.send_error
+        # The close state itself: a send or an empty read tests its ``clear`` (no close fact yet) and calls
+        # the answers only when it is not.
+        self.close_state = close
         self.flush_error = close.flush_error
         self.recv_outcome = close.recv_outcome
         # Counters. Those the statistics can derive (data frames, credits granted/received) are not kept.
