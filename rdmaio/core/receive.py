@@ -504,7 +504,7 @@ class Receiver:
         return data
 
     async def readexactly(self, n: int) -> bytes:
-        """:meth:`rdmaio.Endpoint.readexactly`."""
+        """:meth:`rdmaio.Endpoint.readexactly` (an endpoint's ``readexactly`` is this bound method)."""
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
         if n == 0:
@@ -516,7 +516,8 @@ class Receiver:
                 self._after_read()
                 raise asyncio.IncompleteReadError(partial, n)
         data = rxbuf.take(n)
-        self._after_read()
+        if rxbuf.held or rxbuf.pending:  # _after_read() has something to do
+            self._after_read()
         return data
 
     async def readuntil(self, separator: bytes = b"\n") -> bytes:

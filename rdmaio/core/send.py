@@ -349,14 +349,18 @@ class Sender:
         if size > queue.batch_limit or (rndv is not None and size >= rndv.threshold):
             await self.send_rest(view)
             return
+        if self.coalesce_next or self.flush_handle is not None or queue.wbuf or queue.mbuf_count or queue.txq:
+            # Not idle: batched with the iteration's other small messages (_queue_batched()'s second half,
+            # inline: keep the two the same), flushed at the end of the iteration.
+            buffered = queue.queue_small(view, size)
+            if self.flush_handle is None:
+                self.flush_handle = self.io.call_soon(self._flush)
+            if buffered > self.options.write_high_water:
+                await self.drain()
+            return
         native = self.plain_state
         if (
             native is not None
-            and not self.coalesce_next
-            and self.flush_handle is None
-            and not queue.wbuf
-            and not queue.mbuf_count
-            and not queue.txq
             and not self.staged
             and (size > self._max_inline or self._scratch_cdata is not None)
         ):
@@ -444,13 +448,14 @@ class Sender:
             # nothing to flush.
             self.coalesce_next = True
             return False
-        queue.queue_small(view, size)
+        buffered = queue.queue_small(view, size)
         self.schedule_flush()
-        return queue.buffered > self.options.write_high_water
+        return buffered > self.options.write_high_water
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """:meth:`rdmaio.Endpoint.write`."""
-        self.raise_send_error()  # also refuses a write after write_eof() (the session's send_error)
+        """:meth:`rdmaio.Endpoint.write` (an endpoint's ``write`` is this bound method)."""
+        if self._generation != _fork_state._generation or not self._close.clear or self.closing:
+            self.raise_send_error()  # also refuses a write after write_eof() (the session's send_error)
         if not data:
             return
         queue = self.queue
@@ -458,21 +463,26 @@ class Sender:
         if added or not coalescing:
             self.stage()
             queue.own_queued(added)
-        if coalescing:
-            self.schedule_flush()
+        if coalescing and self.flush_handle is None:  # schedule_flush(), inline
+            self.flush_handle = self.io.call_soon(self._flush)
 
     def must_drain(self) -> bool:
         """:meth:`rdmaio.Endpoint.drain`'s synchronous part: raise the connection's error, or say whether
         there is anything to wait for (above the high-water mark). Most drains end here, so the front calls
         it before it creates the coroutine of :meth:`drain`."""
-        self.raise_flush_error()
-        return self.queue.buffered > self.options.write_high_water
+        if self._generation != _fork_state._generation or not self._close.clear or self.closing:
+            self.raise_flush_error()
+        queue = self.queue
+        return queue.txq_bytes + len(queue.wbuf) + len(queue.mbuf) > self.options.write_high_water
 
     async def drain(self) -> None:
-        """:meth:`rdmaio.Endpoint.drain`."""
-        if not self.must_drain():
-            return
+        """:meth:`rdmaio.Endpoint.drain` (an endpoint's ``drain`` is this bound method): most drains end at
+        its first test, :meth:`must_drain`'s, inline (keep the two the same)."""
+        if self._generation != _fork_state._generation or not self._close.clear or self.closing:
+            self.raise_flush_error()
         queue = self.queue
+        if queue.txq_bytes + len(queue.wbuf) + len(queue.mbuf) <= self.options.write_high_water:
+            return
         queue.flush_buffers()
         self.stage()
         while queue.txq_bytes > self.options.write_low_water:

@@ -177,3 +177,27 @@ def test_control_frame_due_is_eof_pending_or_credit_frame_due() -> None:
             elif action < 0.905 and trial % 3 == 0:
                 me.on_transport_error(ConnectionResetError("gone"))
         assert me.control_frame_due() == (me.eof_pending() or me.credit_frame_due())
+
+
+def test_the_stream_fronts_are_the_cores_own_methods_unless_overridden(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # write(), drain() and readexactly() of an endpoint are the sender's and receiver's bound methods (one
+    # call per operation, no front); a subclass that overrides one keeps its own.
+    from rdmaio.endpoint import Endpoint
+
+    async def main() -> None:
+        a, _b = pair(monkeypatch)
+        assert a.write == a._writer.write and a.drain == a._writer.drain
+        assert a.readexactly == a._reader.readexactly
+        assert a.send == a._writer.send and a.recv == a._reader.recv
+
+        class Own(Endpoint):
+            def write(self, data: bytes | bytearray | memoryview) -> None:
+                super().write(data)
+
+        own = Own(a._conn)
+        assert own.write.__func__ is Own.write  # type: ignore[attr-defined]
+        assert own.drain == a._writer.drain
+
+    arun(main())

@@ -18,6 +18,8 @@ from rdmaio.core.rings import SlotRing
 from rdmaio.core.send import Sender
 from rdmaio.core.shared_receive import new_session_state
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
+from rdmaio.protocol.frames import BATCH_RECORD_HEADER, append_batch_record
+from rdmaio.protocol.sendqueue import SendQueue
 from rdmaio.testing.fakes import FakeBackend, FakeQP, FakeRegistrar
 
 SLOT = 64
@@ -553,3 +555,16 @@ def test_an_idle_send_stages_a_due_control_frame_in_the_same_chain() -> None:
     asyncio.run(engine.send(b"m"))
     assert len(qp.posts[-1]) == 2 and deliver(peer, qp.posts[-1]) == [b"m"]
     assert engine.staged == 0 and engine._stats["frames_posted"] == 3
+
+
+def test_a_batch_built_by_the_send_queue_is_the_protocols_record_encoding() -> None:
+    # queue_small() writes each record inline: it must be append_batch_record()'s bytes, record by record.
+    queue = SendQueue(4096, 4096, 1000)
+    expected = bytearray()
+    for size in (0, 1, 63, 64, 255, 256, 999):
+        message = bytes(range(256)) * 4
+        view = memoryview(message[:size])
+        assert queue.queue_small(view, size) == len(expected) + BATCH_RECORD_HEADER + size  # buffered
+        append_batch_record(expected, view)
+        assert queue.mbuf == expected
+    assert queue.mbuf_count == 7
