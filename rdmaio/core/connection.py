@@ -51,6 +51,7 @@ log = logging.getLogger("rdmaio")
 _RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
 _FLUSH = int(WcStatus.WR_FLUSH_ERR)
 _control_frame_due = lib.rdmaio_session_control_frame_due  # one C call: is an EOF or CREDIT frame due?
+_txring_complete = lib.rdmaio_txring_complete  # one C call: a signalled send's entries are released
 
 _STAT_KEYS = (
     "bytes_sent",
@@ -266,8 +267,9 @@ class Connection:
                     only_onesided = False
                     if op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
                         self._keepalive.on_completion()
-                    else:
-                        self.sender.on_send_completion(wc.wr_id & WR_INDEX_MASK)
+                    elif _txring_complete(self.sender.tx, wc.wr_id & WR_INDEX_MASK):
+                        # Sender.on_send_completion(), inline: the entries up to it are released in C.
+                        self.sender.eof_done = True  # it was the EOF frame
             if receives:
                 only_onesided = False
                 self.receiver.on_batch(records, run, start + count - run)

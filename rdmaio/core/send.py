@@ -225,6 +225,9 @@ class Sender:
         self._free_stack: Any = ffi.new("uint32_t[]", ring.max_slots)
         self._inflight_ring: Any = ffi.new("uint32_t[]", ring.max_slots)
         self._tx: Any = ffi.new("struct rdmaio_txring *")
+        # The same ring for the connection: it releases a signalled send's entries with one C call
+        # (on_send_completion()'s, inline).
+        self.tx = self._tx
         _check_tx(
             lib.rdmaio_txring_init(
                 self._tx,
