@@ -30,6 +30,7 @@ from rdmaio.core.connection import Connection
 from rdmaio.core.onesided import RemoteKey, WriteNotice
 from rdmaio.errors import VerbsError
 from rdmaio.options import Options
+from rdmaio.path import query_connection_path
 
 __all__ = ["Endpoint"]
 
@@ -80,8 +81,21 @@ class Endpoint:
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ``max_inline``,
-        ``options`` or ``peer_max_message_size`` (the largest message the peer accepts) by name."""
+        ``options``, ``peer_max_message_size`` (the largest message the peer accepts) or ``rdma`` by name.
+
+        ``"rdma"`` is the connection's path record, a :class:`rdmaio.PathInfo` (device, port, transport,
+        GIDs, MTU, credits, features, the peer's version: docs/monitoring.md): read from the device on the
+        first request and kept; ``default`` if the connection was closed before it was first asked for."""
         extra = self._conn.extra
+        if name == "rdma":
+            path = extra.get("rdma")
+            if path is None:
+                # Queried on first use only (system calls), then kept with the connection's information.
+                try:
+                    path = extra["rdma"] = query_connection_path(self._conn)
+                except VerbsError:
+                    return default
+            return path
         if name == "mtu" and "mtu" not in extra:
             # Queried on first use, not in every connection's setup (ibv_query_port is a system call; the
             # device context is rdma_cm's, open as long as the process).

@@ -100,12 +100,14 @@ class Session:
     #: What a read that finds no buffered data gets: None, :data:`EOF` or an exception
     #: (:meth:`CloseState.recv_outcome`).
     recv_outcome: Callable[[], BaseException | EOFType | None]
-    #: The Session's :class:`CloseState` (a send or an empty read tests its ``clear`` before asking it).
-    close_state: CloseState
     #: The state object this Session's rules work on (a :class:`SessionState`, or the object the I/O layer
     #: injected with ``state=``): another implementation of the rules may work on it too. (An attribute,
     #: not a property: the core reads it once per connection, at no call.)
     rules_state: SessionState
+    #: The :class:`~rdmaio.protocol.closestate.CloseState` this Session tells its close events, for a part of
+    #: the I/O layer that watches it (:meth:`CloseState.watch`), or whose send or empty read tests its
+    #: ``clear`` before asking it. (An attribute: read once per connection.)
+    close_state: CloseState
     _s: SessionState
 
     def __init__(
@@ -159,16 +161,13 @@ class Session:
         s.send_message_bytes = 0
         s.batch_pending = -1  # payload size of the DATA_BATCH frame awaiting on_batch(), -1 if none
         # The close state is an object of its own; the per-frame path reads its copies of two facts.
-        close = self._close = CloseState()
+        close = self._close = self.close_state = CloseState()
         s.wire_down = 0  # close.wire_down, copied by every close event: no frame may be sent
         s.peer_eof = 0  # the peer's EOF frame arrived (also told to the close state)
         s.eof_sent = 0  # our EOF frame was taken
         s.eof_due = 0  # write_eof()/close() asked for an EOF frame that was not taken yet
         # The close state's answers, bound once: a send or an empty read asks them, at no extra call.
         self.send_error = close.send_error
-        # The close state itself: a send or an empty read tests its ``clear`` (no close fact yet) and calls
-        # the answers only when it is not.
-        self.close_state = close
         self.flush_error = close.flush_error
         self.recv_outcome = close.recv_outcome
         # Counters. Those the statistics can derive (data frames, credits granted/received) are not kept.

@@ -13,6 +13,7 @@ from rdmaio.verbs.cq import CompletionQueue
 from rdmaio.verbs.device import DeviceContext
 from rdmaio.verbs.enums import CMEventType
 from rdmaio.verbs.memory import ProtectionDomain
+from rdmaio.verbs.path import PathAttributes, query_path
 from rdmaio.verbs.qp import QueuePair
 from rdmaio.verbs.srq import SharedReceiveQueue
 
@@ -296,6 +297,12 @@ class CMId(_Resource):
         """Disconnect (sends DREQ); both sides then see DISCONNECTED and the QP moves to error."""
         self._check_usable()
         _check(lib.rdma_disconnect(self._ptr), "rdma_disconnect")
+
+    def query_path(self) -> PathAttributes:
+        """The path of this connected id as the device holds it (port, GIDs and their type, MTUs): system
+        calls, so ask once (:mod:`rdmaio.verbs.path`)."""
+        self._check_usable()
+        return query_path(self._ptr)
 
     def _destroy(self) -> None:
         # rdma_destroy_id blocks until every event of this id was acked; the helper acks at once.
