@@ -795,25 +795,29 @@ async def _measure_connection(
     operations = 0
     if mode == "message":
         send, payload = ep.send, bytes(size)
-        while stop.running:
+        while True:  # at least one operation, even if the timer fired before the first
             await send(payload)
             operations += 1
             live.operations = operations
             if not operations & _YIELD_MASK:
                 await asyncio.sleep(0)
+            if not stop.running:
+                break
     elif mode == "stream":
         write, drain, chunk = ep.write, ep.drain, bytes(size)
-        while stop.running:
+        while True:  # at least one operation, even if the timer fired before the first
             write(chunk)
             await drain()
             operations += 1
             live.operations = operations
             if not operations & _YIELD_MASK:
                 await asyncio.sleep(0)
+            if not stop.running:
+                break
     elif mode == "echo":
         send, recv, payload = ep.send, ep.recv, bytes(size)
         append = latencies.append
-        while stop.running:
+        while True:  # at least one operation, even if the timer fired before the first
             began = clock()
             await send(payload)
             reply = await recv()
@@ -827,6 +831,8 @@ async def _measure_connection(
                 _reservoir(latencies, operations, ended - began)
             operations += 1
             live.operations = operations
+            if not stop.running:
+                break
     else:
         try:
             key = rdmaio.RemoteKey.from_bytes(bytes.fromhex(str(answer.get("key", ""))))
@@ -836,7 +842,7 @@ async def _measure_connection(
         if mode == "read":
             buffer = bytearray(size)
             read_into = ep.rdma_read_into
-            while stop.running:
+            while True:  # at least one operation, even if the timer fired before the first
                 began = clock()
                 await read_into(key, 0, buffer)
                 if operations < keep:
@@ -845,10 +851,12 @@ async def _measure_connection(
                     _reservoir(latencies, operations, clock() - began)
                 operations += 1
                 live.operations = operations
+                if not stop.running:
+                    break
         elif mode == "write":
             data = bytes(size)
             write_remote = ep.rdma_write
-            while stop.running:
+            while True:  # at least one operation, even if the timer fired before the first
                 began = clock()
                 await write_remote(key, 0, data)
                 if operations < keep:
@@ -857,9 +865,11 @@ async def _measure_connection(
                     _reservoir(latencies, operations, clock() - began)
                 operations += 1
                 live.operations = operations
+                if not stop.running:
+                    break
         else:
             fetch_add = ep.fetch_add
-            while stop.running:
+            while True:  # at least one operation, even if the timer fired before the first
                 began = clock()
                 await fetch_add(key, 0, 1)
                 if operations < keep:
@@ -868,6 +878,8 @@ async def _measure_connection(
                     _reservoir(latencies, operations, clock() - began)
                 operations += 1
                 live.operations = operations
+                if not stop.running:
+                    break
     ended = clock()
     report = await _report(ep, wait)
     if mode in ("message", "stream"):

@@ -837,3 +837,18 @@ def test_doctor_probe_on_a_busy_server(arun: Run) -> None:
         await asyncio.gather(*bench.tasks)
 
     arun(main())
+
+
+@pytest.mark.parametrize("mode", ["message", "stream"])
+def test_a_run_makes_at_least_one_operation(arun: Run, mode: str) -> None:
+    """A loaded machine may run the run's timer before its tasks start: each connection still makes one
+    operation, so no figure of a run is zero (a unit run under load saw ``operations == 0`` fail)."""
+
+    async def main() -> None:
+        ep: Any = NeverSuspends()
+        stop, live = perf._Stop(), perf._Live()
+        stop.stop()  # the time is already up
+        result = await perf._measure_connection(ep, RunRequest(mode, 64, 0.05), {}, stop, live, 0.0, 1.0)
+        assert result.operations == 1 and result.client_bytes == 64
+
+    arun(main())
