@@ -51,7 +51,9 @@ def make_ffi() -> FFI:
         # session rules (session.c)
         '#include "session.h"\n'
         # the send ring (txring.c)
-        '#include "txring.h"\n',
+        '#include "txring.h"\n'
+        # connection setup (setup.c)
+        '#include "setup.h"\n',
         # setuptools wants source paths relative to the project root (the cwd during the build).
         sources=[
             os.path.relpath(HERE / "helper.c"),
@@ -60,6 +62,8 @@ def make_ffi() -> FFI:
             os.path.relpath(HERE / "session.c"),
             # the send ring
             os.path.relpath(HERE / "txring.c"),
+            # connection setup
+            os.path.relpath(HERE / "setup.c"),
         ],
         include_dirs=[str(HERE), *INCLUDE_DIRS],
         libraries=["rdmacm", "ibverbs"],
