@@ -249,6 +249,30 @@ class CMId(_Resource):
         self.qp = QueuePair(self, pd, send_cq, recv_cq, cap, srq)
         return self.qp
 
+    def _conn_param(
+        self,
+        private_data: bytes,
+        *,
+        retry_count: int,
+        rnr_retry_count: int,
+        responder_resources: int,
+        initiator_depth: int,
+    ) -> tuple[Any, Any]:
+        """A ``struct rdma_conn_param`` and the buffer its private data points to (keep both alive until the
+        call that uses them returns). :meth:`connect` and :meth:`accept` build theirs in C; this is for a
+        caller that calls ``rdma_connect`` itself with a field of its own (the tests' hostile peers)."""
+        if len(private_data) > 255:
+            raise ValueError("private data longer than 255 bytes")
+        buf = ffi.new("uint8_t[]", private_data or b"\0")
+        param = ffi.new("struct rdma_conn_param *")
+        param.private_data = buf
+        param.private_data_len = len(private_data)
+        param.responder_resources = responder_resources
+        param.initiator_depth = initiator_depth
+        param.retry_count = retry_count
+        param.rnr_retry_count = rnr_retry_count
+        return param, buf
+
     def connect(
         self,
         private_data: bytes = b"",
