@@ -41,6 +41,7 @@ portable primitives.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from collections.abc import Callable, Mapping
@@ -73,6 +74,7 @@ import rdmaio
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import EndpointClosedError, MessageTooLargeError, RdmaError
 from rdmaio.options import Options
+from rdmaio.path import PathInfo
 
 __all__ = [
     "RdmaAttribute",
@@ -108,6 +110,9 @@ class RdmaAttribute(TypedAttributeSet):
     #: the :class:`rdmaio.Endpoint` under the stream (for ``statistics()``; do not read or write it
     #: while the stream is in use)
     endpoint: Endpoint = typed_attribute()
+    #: the connection's path record, a :class:`rdmaio.PathInfo` (device, transport, GIDs, MTU, features,
+    #: the peer's version), as ``Endpoint.get_extra_info("rdma")``: read from the device when first asked
+    path: PathInfo = typed_attribute()
 
 
 def _family(address: tuple[str, int] | None) -> socket.AddressFamily:
@@ -178,6 +183,8 @@ class _EndpointStream(TypedAttributeProvider):
             if value is not None:
                 attributes[attribute] = _constant(value)
         attributes[RdmaAttribute.endpoint] = _constant(self._endpoint)
+        # Not read here: the path record costs system calls, made only if someone asks for it.
+        attributes[RdmaAttribute.path] = functools.partial(self._endpoint.get_extra_info, "rdma")
         return attributes
 
     @property

@@ -143,7 +143,8 @@ class RdmaTransport(asyncio.Transport):
     # --- BaseTransport ----------------------------------------------------------------------------------
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        """The endpoint's information (``peername``, ``sockname``, ``device``, ``qp_num``, ...).
+        """The endpoint's information (``peername``, ``sockname``, ``device``, ``qp_num``, ...; ``"rdma"``:
+        the path record, a :class:`rdmaio.PathInfo`, see :meth:`rdmaio.Endpoint.get_extra_info`).
 
         ``"endpoint"`` returns the :class:`~rdmaio.Endpoint` itself. There is no ``"socket"``.
         """

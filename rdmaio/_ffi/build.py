@@ -52,6 +52,8 @@ def make_ffi() -> FFI:
         '#include "session.h"\n'
         # the send ring (txring.c)
         '#include "txring.h"\n'
+        # the path of a connection (path.c)
+        '#include "path.h"\n'
         # connection setup (setup.c)
         '#include "setup.h"\n',
         # setuptools wants source paths relative to the project root (the cwd during the build).
@@ -62,6 +64,8 @@ def make_ffi() -> FFI:
             os.path.relpath(HERE / "session.c"),
             # the send ring
             os.path.relpath(HERE / "txring.c"),
+            # the path of a connection
+            os.path.relpath(HERE / "path.c"),
             # connection setup
             os.path.relpath(HERE / "setup.c"),
         ],

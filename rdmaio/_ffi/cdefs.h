@@ -221,9 +221,6 @@ struct rdmaio_batch { uint64_t wr_id; uint64_t local_addr; uint32_t lkey; uint32
                       int count; const uint64_t *remote_addr; const uint32_t *length;
                       const uint64_t *local_offset; const uint64_t *compare_add; const uint64_t *swap; };
 int rdmaio_post_batch(struct ibv_qp *qp, const struct rdmaio_batch *b, int *bad_index);
-int rdmaio_post_rdma_poll(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index,
-                          struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdmaio_wc *out, int max_wc,
-                          struct rdmaio_wc_group *groups, int *ngroups_out, int *polled);
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);
@@ -310,10 +307,21 @@ int rdmaio_txring_room(const struct rdmaio_txring *r, uint64_t length);
 int rdmaio_txring_stage(struct rdmaio_txring *r, uint32_t i, const uint8_t *data, uint64_t length, uint32_t imm);
 int rdmaio_txring_stage_frame(struct rdmaio_txring *r, struct rdmaio_session *s, int index, const void *data,
                               uint32_t length, int kind);
+int rdmaio_txring_send_now(struct rdmaio_txring *r, struct rdmaio_session *s, const void *data, uint32_t length);
 int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags);
 int rdmaio_txring_finish(struct rdmaio_txring *r, uint32_t count);
 int rdmaio_txring_complete(struct rdmaio_txring *r, uint32_t index);
 int rdmaio_txring_inflight_at(const struct rdmaio_txring *r, uint32_t k, uint32_t *out);
+/* ---- the path of a connection (path.c; rdmaio.verbs.cm.CMId.query_path) -------------------------- */
+struct rdmaio_path { uint8_t sgid[16]; uint8_t dgid[16]; int32_t sgid_index; int32_t gid_type;
+                     int32_t active_mtu; int32_t path_mtu; int32_t link_layer; int32_t transport_type;
+                     int32_t port_num; int32_t is_global; };
+int rdmaio_query_path(struct rdma_cm_id *id, struct rdmaio_path *out);
+static const int IBV_GID_TYPE_IB;
+static const int IBV_GID_TYPE_ROCE_V1;
+static const int IBV_GID_TYPE_ROCE_V2;
+static const int IBV_TRANSPORT_IB;
+static const int IBV_TRANSPORT_IWARP;
 
 /* ---- connection setup (setup.c, setup.h): the verbs steps of setting up a connection, one call each ---- */
 #define RDMAIO_SETUP_STEP_ARGS ...

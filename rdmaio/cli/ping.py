@@ -2,7 +2,8 @@
 
 ``ping --server HOST [PORT]`` echoes every message it receives; ``ping HOST [PORT]`` sends ``-c COUNT``
 messages of ``-s SIZE`` bytes, one every ``-i INTERVAL`` seconds, prints a line per reply and ends with
-sent/received/loss and ``min/avg/max/p99``. Ctrl-C stops early and still prints the summary.
+sent/received/loss and ``min/avg/max/p99``. Ctrl-C stops early and still prints the summary. ``-v`` first
+prints the connection's path record (:meth:`rdmaio.PathInfo.describe`: device, transport, GIDs, MTU).
 
 Exit status of the client: 0 when every message came back, 1 when some did not (or the connection was
 lost), 2 when no connection could be made or the options are wrong. Like rping and ``ib_send_lat``,
@@ -64,6 +65,8 @@ class PingConfig:
     interval: float = 1.0
     timeout: float = 10.0
     """Seconds to wait for each reply before counting it lost."""
+    verbose: bool = False
+    """Print the connection's path record (:class:`rdmaio.PathInfo`) before pinging (``-v``)."""
 
 
 @dataclass(slots=True)
@@ -213,6 +216,10 @@ async def run_client(config: PingConfig, out: TextIO, err: TextIO) -> int:
         return 2
     device = ep.get_extra_info("device", "?")
     print(f"PING {target} over {device}: {config.size} bytes per message", file=out, flush=True)
+    if config.verbose:
+        path = ep.get_extra_info("rdma")
+        if path is not None:
+            print(path.describe(), file=out, flush=True)
     stats = PingStats()
     task = asyncio.current_task()
     assert task is not None
@@ -233,18 +240,25 @@ async def run_client(config: PingConfig, out: TextIO, err: TextIO) -> int:
 
 
 async def run_server(host: str, port: int, out: TextIO, err: TextIO) -> int:
-    """Echo every message on every connection until SIGINT/SIGTERM; returns the exit status."""
+    """Echo every message on every connection until SIGINT/SIGTERM; returns the exit status.
+
+    Doctor's probes (``rdmaio doctor --peer``) are answered by :class:`rdmaio.cli.peer.ProbeResponder`.
+    """
     import rdmaio
+    from rdmaio.cli.peer import ProbeResponder
 
     async def echo(ep: rdmaio.Endpoint) -> None:
         peername = ep.get_extra_info("peername")
         peer = f"{peername[0]} port {peername[1]}" if isinstance(peername, tuple) else str(peername)
         print(f"connection from {peer}", file=out, flush=True)
         count = 0
+        # `rdmaio doctor --peer` probes: answered (this side's path, a key to READ) instead of echoed.
+        probes = ProbeResponder(ep)
         try:
             async with ep:
                 while (msg := await ep.recv()) is not None:
-                    await ep.send(msg)
+                    if not await probes.answer(msg):
+                        await ep.send(msg)
                     count += 1
         except (OSError, rdmaio.RdmaError) as exc:
             print(f"{peer}: {type(exc).__name__}: {exc}", file=out, flush=True)
@@ -295,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-W", dest="timeout", type=_positive(float), default=10.0, metavar="TIMEOUT", help="reply wait (10)"
     )
+    parser.add_argument(
+        "-v",
+        dest="verbose",
+        action="store_true",
+        help="print the connection's path: device, transport, GIDs, MTU, credits, features",
+    )
     return parser
 
 
@@ -307,5 +327,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not MIN_SIZE <= args.size <= 64 * 1024 * 1024:
         parser.error(f"-s SIZE must be between {MIN_SIZE} and {64 * 1024 * 1024} bytes")
     count = int(args.count) if args.count else None
-    config = PingConfig(args.host, args.port, count, args.size, args.interval, args.timeout)
+    config = PingConfig(args.host, args.port, count, args.size, args.interval, args.timeout, args.verbose)
     return asyncio.run(run_client(config, sys.stdout, sys.stderr))

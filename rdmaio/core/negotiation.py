@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rdmaio import __version__
 from rdmaio.options import Options
 from rdmaio.protocol import (
     FEATURE_BATCH,
@@ -42,6 +43,7 @@ def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
         | (FEATURE_RNDV if options.rndv_threshold else 0)
         | (FEATURE_RECLAIM if options.shared_receive_queue else 0),
         initial_depth=initial if grow else 0,
+        software=__version__,  # shown to the peer's user (rdmaio.PathInfo.peer_version), never acted on
     )
 
 

@@ -41,6 +41,13 @@ FEATURE_RECLAIM: Final = 0x10
 it holds beyond a small reserve, and accepts both frames (a receiver drawing credits from a shared receive
 queue uses them to take back idle credits; :mod:`rdmaio.protocol.reclaim`). Used only if both sides
 announce it."""
+FLAG_SOFTWARE: Final = 0x80
+"""Handshake flag (not a feature: nothing is negotiated by it): the body ends with the sender's software
+version, a length byte and up to :data:`MAX_SOFTWARE` ASCII bytes (``Handshake.software``). A peer that does
+not know the flag ignores it and the field (bytes beyond what it reads are ignored)."""
+MAX_SOFTWARE: Final = 24
+"""The most bytes of ``Handshake.software`` sent (longer versions are cut): the largest handshake, 28 bytes
+with FEATURE_GROW, stays within :data:`MAX_PRIVATE_DATA` with it."""
 KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW | FEATURE_ONESIDED | FEATURE_RNDV | FEATURE_RECLAIM
 """Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""
 # Header: magic, version, flags (feature bits, see KNOWN_FEATURES; unknown bits are ignored on receipt so
@@ -51,6 +58,8 @@ _HEADER: Final = struct.Struct("!4sBBH")
 _BODY_V1: Final = struct.Struct("!IIQ")
 # FEATURE_GROW extension, appended to the version 1 body: the receives posted at first.
 _BODY_GROW: Final = struct.Struct("!I")
+# FLAG_SOFTWARE extension, after the others: the length of the version string (its bytes follow).
+_SOFTWARE_LEN: Final = struct.Struct("!B")
 
 
 def _check_fields(recv_depth: int, slot_size: int, max_message_size: int) -> None:
@@ -81,12 +90,17 @@ class Handshake:
     version: int = PROTOCOL_VERSION
     features: int = 0
     initial_depth: int = 0
+    software: str = ""
+    """The sender's rdmaio version (informational: :attr:`rdmaio.PathInfo.peer_version`); ``""`` when the
+    peer did not send one (older versions) or sent something that is not printable ASCII."""
 
     def __post_init__(self) -> None:
         for name in ("recv_depth", "slot_size", "max_message_size", "version", "features", "initial_depth"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Handshake.{name} must be an int, not {type(value).__name__}")
+        if not isinstance(self.software, str):
+            raise TypeError(f"Handshake.software must be a str, not {type(self.software).__name__}")
         if self.initial_depth == 0 or not self.features & FEATURE_GROW:
             object.__setattr__(self, "initial_depth", self.recv_depth)
         elif not MIN_RECV_DEPTH <= self.initial_depth <= self.recv_depth:
@@ -108,7 +122,12 @@ class Handshake:
         body = _BODY_V1.pack(self.recv_depth, self.slot_size, self.max_message_size)
         if self.features & FEATURE_GROW:
             body += _BODY_GROW.pack(self.initial_depth)
-        return _HEADER.pack(HANDSHAKE_MAGIC, self.version, self.features, len(body)) + body
+        flags = self.features
+        if self.software:
+            software = self.software.encode("ascii", "replace")[:MAX_SOFTWARE]
+            body += _SOFTWARE_LEN.pack(len(software)) + software
+            flags |= FLAG_SOFTWARE
+        return _HEADER.pack(HANDSHAKE_MAGIC, self.version, flags, len(body)) + body
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> Handshake:
@@ -146,13 +165,27 @@ class Handshake:
         recv_depth, slot_size, max_message_size = _BODY_V1.unpack_from(raw, _HEADER.size)
         features = flags & KNOWN_FEATURES
         initial_depth = 0
+        end = _BODY_V1.size  # of the fields read so far, in the body
         if features & FEATURE_GROW:
             if body_len >= _BODY_V1.size + _BODY_GROW.size:
                 (initial_depth,) = _BODY_GROW.unpack_from(raw, _HEADER.size + _BODY_V1.size)
+                end += _BODY_GROW.size
             else:
                 features &= ~FEATURE_GROW  # the bit without its field: a peer that posted recv_depth
+        software = ""
+        if flags & FLAG_SOFTWARE and body_len > end:
+            # From an untrusted peer, and only ever shown: kept if it fits the body, is at most
+            # MAX_SOFTWARE bytes and printable ASCII, else dropped rather than failing the connection.
+            # (No helper function: connection setup's Python calls are budgeted.)
+            first = _HEADER.size + end + 1
+            length = raw[first - 1]
+            text = raw[first : first + length]
+            if length <= MAX_SOFTWARE and first + length <= _HEADER.size + body_len and text.isascii():
+                software = text.decode("ascii")
+                if not software.isprintable():
+                    software = ""
         try:
             _check_fields(recv_depth, slot_size, max_message_size)
-            return cls(recv_depth, slot_size, max_message_size, version, features, initial_depth)
+            return cls(recv_depth, slot_size, max_message_size, version, features, initial_depth, software)
         except HandshakeError as exc:
             raise HandshakeError(f"invalid handshake from the peer: {exc.message}") from None

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import ipaddress
 from collections.abc import Callable, Coroutine
 from types import SimpleNamespace
 from typing import Any, ClassVar, Protocol
@@ -54,6 +55,7 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.errors import ConnectionResetError as RdmaConnectionResetError
 from rdmaio.errors import EndpointClosedError, MessageTooLargeError, VerbsError
 from rdmaio.options import Options
+from rdmaio.verbs.path import PathAttributes
 
 __all__ = [
     "SLOTLESS",
@@ -261,6 +263,37 @@ class FakeCMId:
     def close(self) -> None:
         """Destroy the id (recorded in :attr:`closed`)."""
         self.closed = True
+
+    #: What :meth:`query_path` answers besides the port and the GIDs (a RoCE v2 port of 4096 bytes).
+    path_link_layer = "Ethernet"
+    path_gid_type = "RoCE v2"
+    path_gid_index = 1
+    path_mtu = 4096
+    #: Calls of :meth:`query_path` (each one is system calls on a real id).
+    path_queries = 0
+
+    def query_path(self) -> PathAttributes:
+        """The path as a device would report it: the GIDs are the IPv4-mapped addresses of the local and
+        peer addresses (as RoCE v2 GIDs are), the rest the ``path_*`` class attributes; counted in
+        :attr:`path_queries`. Raises :class:`~rdmaio.VerbsError` once :meth:`close` ran, as a real id."""
+        if self.closed:
+            raise VerbsError("CMId is closed", call="rdma_destroy_id")
+        self.path_queries += 1
+
+        def gid(address: tuple[str, int]) -> bytes:
+            return ipaddress.IPv6Address(f"::ffff:{address[0]}").packed
+
+        return PathAttributes(
+            port=self.port_num,
+            link_layer=self.path_link_layer,
+            iwarp=False,
+            local_gid=gid(self.local_address),
+            remote_gid=gid(self.peer_address),
+            gid_index=self.path_gid_index,
+            gid_type=self.path_gid_type,
+            active_mtu=self.path_mtu,
+            path_mtu=self.path_mtu,
+        )
 
 
 class FakeEventChannel:
@@ -817,10 +850,6 @@ class FakeTransport:
 
     def poll_completions(self) -> None:
         """Nothing to poll: :func:`wire` delivers completions itself."""
-
-    def post_rdma_polled(self, count: int, wr_id: int) -> bool:
-        """One-sided requests are not carried by this fake."""
-        raise AssertionError("this fake transport carries no one-sided requests")
 
     def onesided_port(self, wr_base: int) -> None:
         """No serial one-sided port: this fake carries no one-sided requests."""
@@ -1395,12 +1424,14 @@ def onesided_rig(
     delivers it). Batch waves always complete one iteration later. Returns ``engine``, ``qp``, ``port`` and
     a ``key`` granting everything on 4 KiB (for tools/onesided_calls.py and the call-count tests). Without
     ``record``, a single request completed at its post is not recorded (the port's call returns at once,
-    as cheap as a fake of the C call can be: for CPU figures). With ``close_state`` (a
-    :class:`~rdmaio.protocol.closestate.CloseState`), the credits' ``flush_error`` is its own, as a
-    Session's is. ``io``: the loop backend (a TrioBackend under trio; the running asyncio loop's when None).
+    as cheap as a fake of the C call can be: for CPU figures). The engine is given ``close_state`` (a
+    :class:`~rdmaio.protocol.closestate.CloseState`; a new one when None, kept in ``rig.close_state``) as a
+    connection's is given its Session's, and the credits' ``flush_error`` is its own, as a Session's is.
+    ``io``: the loop backend (a TrioBackend under trio; the running asyncio loop's when None).
     """
     from rdmaio.core.backend import AsyncioBackend
     from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, OneSidedEngine, RemoteKey
+    from rdmaio.protocol.closestate import CloseState
 
     if io is None:
         call_soon: Callable[..., Any] = asyncio.get_running_loop().call_soon
@@ -1417,12 +1448,13 @@ def onesided_rig(
         done = verbs.POSTED_DONE
         port.post_poll = lambda *request: done  # type: ignore[method-assign]
         port.post_batch_poll = lambda *wave, **arrays: done  # type: ignore[method-assign]
-    rig = SimpleNamespace(qp=qp, port=port, failures=[])
+    state = close_state if close_state is not None else CloseState()
+    rig = SimpleNamespace(qp=qp, port=port, failures=[], close_state=state)
     credits = SimpleNamespace(
         can_take_slot=lambda: True,
         take_slot=lambda: None,
         on_slot_used=lambda: None,
-        flush_error=close_state.flush_error if close_state is not None else lambda: None,
+        flush_error=state.flush_error,
     )
 
     def fail(exc: BaseException) -> None:
@@ -1441,6 +1473,7 @@ def onesided_rig(
         max_inline=0,
         revoke_timeout=5.0,
         port=port,
+        close_state=state,
     )
     rig.engine = engine
     if complete_at_post:

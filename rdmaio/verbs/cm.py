@@ -14,6 +14,7 @@ from rdmaio.verbs.cq import CompletionQueue
 from rdmaio.verbs.device import DeviceContext
 from rdmaio.verbs.enums import CMEventType
 from rdmaio.verbs.memory import ProtectionDomain
+from rdmaio.verbs.path import PathAttributes, query_path
 from rdmaio.verbs.qp import QueuePair
 from rdmaio.verbs.srq import SharedReceiveQueue
 
@@ -333,6 +334,12 @@ class CMId(_Resource):
         if self.closed or self._generation != _base._generation:  # inline: no call when usable
             self._check_usable()
         _check(lib.rdma_disconnect(self._ptr), "rdma_disconnect")
+
+    def query_path(self) -> PathAttributes:
+        """The path of this connected id as the device holds it (port, GIDs and their type, MTUs): system
+        calls, so ask once (:mod:`rdmaio.verbs.path`)."""
+        self._check_usable()
+        return query_path(self._ptr)
 
     def _destroy(self) -> None:
         # rdma_destroy_id blocks until every event of this id was acked; the helper acks at once.
