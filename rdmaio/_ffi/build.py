@@ -53,7 +53,9 @@ def make_ffi() -> FFI:
         # the send ring (txring.c)
         '#include "txring.h"\n'
         # the path of a connection (path.c)
-        '#include "path.h"\n',
+        '#include "path.h"\n'
+        # connection setup (setup.c)
+        '#include "setup.h"\n',
         # setuptools wants source paths relative to the project root (the cwd during the build).
         sources=[
             os.path.relpath(HERE / "helper.c"),
@@ -64,6 +66,8 @@ def make_ffi() -> FFI:
             os.path.relpath(HERE / "txring.c"),
             # the path of a connection
             os.path.relpath(HERE / "path.c"),
+            # connection setup
+            os.path.relpath(HERE / "setup.c"),
         ],
         include_dirs=[str(HERE), *INCLUDE_DIRS],
         libraries=["rdmacm", "ibverbs"],

@@ -322,3 +322,20 @@ static const int IBV_GID_TYPE_ROCE_V1;
 static const int IBV_GID_TYPE_ROCE_V2;
 static const int IBV_TRANSPORT_IB;
 static const int IBV_TRANSPORT_IWARP;
+
+/* ---- connection setup (setup.c, setup.h): the verbs steps of setting up a connection, one call each ---- */
+#define RDMAIO_SETUP_STEP_ARGS ...
+#define RDMAIO_SETUP_STEP_ACK_TIMEOUT ...
+#define RDMAIO_SETUP_STEP_CREATE_QP ...
+#define RDMAIO_SETUP_NO_ACK_TIMEOUT ...
+#define RDMAIO_SETUP_MAX_ACK_TIMEOUT ...
+#define RDMAIO_SETUP_MAX_PRIVATE_DATA ...
+int rdmaio_setup_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *send_cq,
+                    struct ibv_cq *recv_cq, struct ibv_srq *srq,
+                    uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_inline, int fit_inline,
+                    int ack_timeout, struct ibv_qp_cap *cap_out, int *step_out);
+int rdmaio_setup_connect(struct rdma_cm_id *id, const uint8_t *private_data, uint32_t len,
+                         uint8_t retry_count, uint8_t rnr_retry_count, uint8_t responder_resources,
+                         uint8_t initiator_depth);
+int rdmaio_setup_accept(struct rdma_cm_id *id, const uint8_t *private_data, uint32_t len,
+                        uint8_t rnr_retry_count, uint8_t responder_resources, uint8_t initiator_depth);

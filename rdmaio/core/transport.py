@@ -83,9 +83,9 @@ class Transport:
             # bounds this QP's CQ occupancy.
             self.cq_reservation = self.completions.reserve(self.cq_entries)
             self.cq: CompletionQueue = self.cq_reservation.cq
-            if options.ack_timeout is not None:  # before connect/accept: rdma_cm applies it at RTS
-                cm_id.set_ack_timeout(options.ack_timeout)
             self.qp = self._create_qp(options)
+            #: Inline capacity the device granted (an attribute: read in every connection's setup).
+            self.max_inline: int = self.qp.max_inline_data
             # Registered before anything is posted: completions that come before the endpoint's handler
             # is set are kept for it, not dropped.
             self.tag = self.completions.register(self.qp.qp_num)
@@ -142,30 +142,22 @@ class Transport:
         return self.recv_ring.registered_bytes + self.send_ring.registered_bytes
 
     def _create_qp(self, options: Options) -> QueuePair:
-        inline = options.max_inline
-        while True:
-            try:
-                return self.cm_id.create_qp(
-                    self.pd,
-                    self.cq,
-                    self.cq,
-                    # + one-sided ops, +1 the keepalive probe (rdmaio.core.keepalive), + the
-                    # memory-window binds of exports, which take no one-sided op slot
-                    max_send_wr=self.send_depth + options.max_rdma_ops + 1 + MAX_BINDS_IN_FLIGHT,
-                    max_recv_wr=self.recv_depth,
-                    max_inline_data=inline,
-                    srq=self.shared.pool.srq if self.shared is not None else None,
-                )
-            except OSError:
-                # Devices cap inline data differently; fall back to smaller sizes, then none.
-                if inline == 0:
-                    raise
-                inline = inline // 2 if inline > 32 else 0
-
-    @property
-    def max_inline(self) -> int:
-        """Inline capacity the device granted."""
-        return self.qp.max_inline_data
+        """The QP, in one C call: the ack timeout on the cm id first (rdma_cm applies it at RTS, so before
+        connect/accept), and smaller inline sizes, then none, when the device refuses ``max_inline``
+        (devices cap inline data differently)."""
+        return self.cm_id.create_qp(
+            self.pd,
+            self.cq,
+            self.cq,
+            # + one-sided ops, +1 the keepalive probe (rdmaio.core.keepalive), + the memory-window binds
+            # of exports, which take no one-sided op slot
+            max_send_wr=self.send_depth + options.max_rdma_ops + 1 + MAX_BINDS_IN_FLIGHT,
+            max_recv_wr=self.recv_depth,
+            max_inline_data=options.max_inline,
+            srq=self.shared.pool.srq if self.shared is not None else None,
+            ack_timeout=options.ack_timeout,
+            fit_inline=True,
+        )
 
     # --- shared CQ (sharedcq): completions come through the domain's dispatcher -----------------------
 

@@ -79,34 +79,43 @@ class _Resource:
     # Dependents close in rank order: QPs before the MRs and CQs they use (the NIC may still touch them).
     _close_rank = 9
 
-    def __init__(self, *parents: _Resource | None) -> None:
-        self._generation = _generation
-        self._closed = False
-        self._dependents: dict[int, _Resource] = {}
-        self._parents = [p for p in parents if p is not None]
-        for parent in self._parents:
-            parent._check_usable()
-            parent._dependents[id(self)] = self
+    #: True once ``close()`` ran. A plain attribute, not a property: the core reads it on every poll and
+    #: every connection's setup, where a property would cost a Python call each time.
+    closed: bool
 
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` ran (or the object was inherited across ``fork()``)."""
-        return self._closed
+    def __init__(self, *parents: _Resource | None) -> None:
+        self._generation = generation = _generation
+        self.closed = False
+        self._dependents: dict[int, _Resource] = {}
+        self._parents: list[_Resource] = []
+        kept = self._parents
+        for parent in parents:
+            if parent is not None:
+                # Inline check (the usual case costs no Python call); _check_usable raises the error. A
+                # stand-in parent without the attributes (the unit tests' fakes) is asked through it.
+                if getattr(parent, "closed", True) or getattr(parent, "_generation", None) != generation:
+                    parent._check_usable()
+                parent._dependents[id(self)] = self
+                kept.append(parent)
 
     def _check_usable(self) -> None:
+        """Raise ForkError when the object was created before a fork, VerbsError when it is closed.
+
+        Hot callers test ``self.closed or self._generation != _base._generation`` inline first and call
+        this only when one is true (it raises then): the usual case costs no Python call."""
         if self._generation != _generation:
             raise ForkError(
                 f"{type(self).__name__} was created before fork(); RDMA resources cannot be used in the "
                 "child process: create new ones there"
             )
-        if self._closed:
+        if self.closed:
             raise VerbsError(f"{type(self).__name__} is closed", call=self._call_destroy)
 
     def close(self) -> None:
         """Destroy the object (after its dependents). Safe to call more than once."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         try:
             for dependent in sorted(self._dependents.values(), key=lambda d: d._close_rank):
                 dependent.close()
@@ -129,6 +138,6 @@ class _Resource:
 
     def __del__(self) -> None:
         # Leaked objects would otherwise hold kernel resources until exit.
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "closed", True):
             with suppress(Exception):
                 self.close()

@@ -8,6 +8,7 @@ from typing import Any
 
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
+from rdmaio.verbs import _base
 from rdmaio.verbs._base import _check, _check_ptr, _Resource, make_sockaddr, sockaddr_to_tuple
 from rdmaio.verbs.cq import CompletionQueue
 from rdmaio.verbs.device import DeviceContext
@@ -52,7 +53,8 @@ class EventChannel(_Resource):
 
     def get_event(self) -> CMEvent | None:
         """Return the next pending event (acked), or ``None`` if none is pending."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         ev = self._event
         rc = lib.rdmaio_get_cm_event(self._ptr, ev)
         if rc == -11:  # EAGAIN
@@ -145,7 +147,8 @@ class CMId(_Resource):
         self, host: str, port: int, *, src: tuple[str, int] | None = None, timeout_ms: int = 2000
     ) -> None:
         """Start address resolution; completion arrives as ADDR_RESOLVED or ADDR_ERROR."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         dst = make_sockaddr(host, port)
         src_ptr = ffi.cast("struct sockaddr *", make_sockaddr(*src)) if src else ffi.NULL
         _check(
@@ -156,7 +159,8 @@ class CMId(_Resource):
 
     def resolve_route(self, timeout_ms: int = 2000) -> None:
         """Start route resolution; completion arrives as ROUTE_RESOLVED or ROUTE_ERROR."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         _check(lib.rdma_resolve_route(self._ptr, timeout_ms), "rdma_resolve_route")
 
     def listen(self, backlog: int) -> None:
@@ -167,13 +171,15 @@ class CMId(_Resource):
     @property
     def local_address(self) -> tuple[str, int] | None:
         """``(host, port)`` of the local side, once bound or resolved."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         return sockaddr_to_tuple(lib.rdma_get_local_addr(self._ptr))
 
     @property
     def peer_address(self) -> tuple[str, int] | None:
         """``(host, port)`` of the remote side, once resolved or connected."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         return sockaddr_to_tuple(lib.rdma_get_peer_addr(self._ptr))
 
     @property
@@ -183,7 +189,8 @@ class CMId(_Resource):
 
     def device(self) -> DeviceContext | None:
         """The device context this id is bound to (owned by librdmacm), or None before resolution."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         verbs = self._ptr.verbs
         return None if verbs == ffi.NULL else DeviceContext(verbs)
 
@@ -198,33 +205,49 @@ class CMId(_Resource):
         max_recv_wr: int,
         max_inline_data: int = 0,
         srq: SharedReceiveQueue | None = None,
+        ack_timeout: int | None = None,
+        fit_inline: bool = False,
     ) -> QueuePair:
         """Create the RC queue pair of this id (rdma_cm moves it through INIT/RTR/RTS for us).
 
         With ``srq`` its receives come from that shared receive queue (``max_recv_wr`` is then ignored,
-        the QP has no receive queue of its own) and it is closed before the SRQ."""
-        self._check_usable()
+        the QP has no receive queue of its own) and it is closed before the SRQ. ``ack_timeout`` (an
+        exponent, see :meth:`set_ack_timeout`) is set on the id first; with ``fit_inline`` a device that
+        refuses ``max_inline_data`` is asked again with half of it (above 32 bytes) or none. One C call
+        (``rdmaio_setup_qp``) makes every step."""
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         if self.qp is not None and not self.qp.closed:
             raise VerbsError("this cm id already has a queue pair", call="rdma_create_qp")
-        attr = ffi.new("struct ibv_qp_init_attr *")
-        attr.send_cq = send_cq._ptr
-        attr.recv_cq = recv_cq._ptr
-        attr.qp_type = lib.IBV_QPT_RC
-        attr.sq_sig_all = 0
-        attr.cap.max_send_wr = max_send_wr
-        attr.cap.max_recv_wr = max_recv_wr
-        attr.cap.max_send_sge = 1
-        attr.cap.max_recv_sge = 1
-        attr.cap.max_inline_data = max_inline_data
-        if srq is not None:
-            attr.srq = srq._ptr
-            attr.cap.max_recv_wr = 0
-        _check(
-            lib.rdma_create_qp(self._ptr, pd._ptr, attr),
-            "rdma_create_qp",
-            f"send_wr={max_send_wr} recv_wr={max_recv_wr} inline={max_inline_data}",
+        if ack_timeout is None:
+            ack_timeout = lib.RDMAIO_SETUP_NO_ACK_TIMEOUT
+        elif not 0 <= ack_timeout <= 31:
+            raise ValueError("ack timeout exponent must be between 0 and 31")
+        cap = ffi.new("struct ibv_qp_cap *")
+        step = ffi.new("int *")
+        rc = lib.rdmaio_setup_qp(
+            self._ptr,
+            pd._ptr,
+            send_cq._ptr,
+            recv_cq._ptr,
+            ffi.NULL if srq is None else srq._ptr,
+            max_send_wr,
+            max_recv_wr,
+            max_inline_data,
+            fit_inline,
+            ack_timeout,
+            cap,
+            step,
         )
-        self.qp = QueuePair(self, pd, send_cq, recv_cq, attr.cap, srq)
+        if rc < 0:
+            if step[0] == lib.RDMAIO_SETUP_STEP_ACK_TIMEOUT:
+                raise VerbsError.from_errno("rdma_set_option", -rc, "ACK_TIMEOUT")
+            raise VerbsError.from_errno(
+                "rdma_create_qp",
+                -rc,
+                f"send_wr={max_send_wr} recv_wr={max_recv_wr} inline={cap.max_inline_data}",
+            )
+        self.qp = QueuePair(self, pd, send_cq, recv_cq, cap, srq)
         return self.qp
 
     def _conn_param(
@@ -236,6 +259,9 @@ class CMId(_Resource):
         responder_resources: int,
         initiator_depth: int,
     ) -> tuple[Any, Any]:
+        """A ``struct rdma_conn_param`` and the buffer its private data points to (keep both alive until the
+        call that uses them returns). :meth:`connect` and :meth:`accept` build theirs in C; this is for a
+        caller that calls ``rdma_connect`` itself with a field of its own (the tests' hostile peers)."""
         if len(private_data) > 255:
             raise ValueError("private data longer than 255 bytes")
         buf = ffi.new("uint8_t[]", private_data or b"\0")
@@ -257,16 +283,25 @@ class CMId(_Resource):
         responder_resources: int = 1,
         initiator_depth: int = 1,
     ) -> None:
-        """Send a connection request; the answer arrives as ESTABLISHED, REJECTED, UNREACHABLE, ..."""
-        self._check_usable()
-        param, _keep = self._conn_param(
+        """Send a connection request; the answer arrives as ESTABLISHED, REJECTED, UNREACHABLE, ...
+
+        ``private_data`` (at most 255 bytes) carries the handshake; one C call (``rdmaio_setup_connect``)
+        builds the connection parameters and connects."""
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
+        if len(private_data) > 255:
+            raise ValueError("private data longer than 255 bytes")
+        rc = lib.rdmaio_setup_connect(
+            self._ptr,
             private_data,
-            retry_count=retry_count,
-            rnr_retry_count=rnr_retry_count,
-            responder_resources=responder_resources,
-            initiator_depth=initiator_depth,
+            len(private_data),
+            retry_count,
+            rnr_retry_count,
+            responder_resources,
+            initiator_depth,
         )
-        _check(lib.rdma_connect(self._ptr, param), "rdma_connect")
+        if rc < 0:
+            raise VerbsError.from_errno("rdma_connect", -rc)
 
     def accept(
         self,
@@ -276,16 +311,17 @@ class CMId(_Resource):
         responder_resources: int = 1,
         initiator_depth: int = 1,
     ) -> None:
-        """Accept a connection request on this (new) id; ESTABLISHED follows."""
-        self._check_usable()
-        param, _keep = self._conn_param(
-            private_data,
-            retry_count=7,
-            rnr_retry_count=rnr_retry_count,
-            responder_resources=responder_resources,
-            initiator_depth=initiator_depth,
+        """Accept a connection request on this (new) id; ESTABLISHED follows. One C call
+        (``rdmaio_setup_accept``) builds the connection parameters and accepts."""
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
+        if len(private_data) > 255:
+            raise ValueError("private data longer than 255 bytes")
+        rc = lib.rdmaio_setup_accept(
+            self._ptr, private_data, len(private_data), rnr_retry_count, responder_resources, initiator_depth
         )
-        _check(lib.rdma_accept(self._ptr, param), "rdma_accept")
+        if rc < 0:
+            raise VerbsError.from_errno("rdma_accept", -rc)
 
     def reject(self, private_data: bytes = b"") -> None:
         """Reject a connection request on this (new) id."""
@@ -295,7 +331,8 @@ class CMId(_Resource):
 
     def disconnect(self) -> None:
         """Disconnect (sends DREQ); both sides then see DISCONNECTED and the QP moves to error."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         _check(lib.rdma_disconnect(self._ptr), "rdma_disconnect")
 
     def query_path(self) -> PathAttributes:

@@ -8,6 +8,7 @@ from typing import Any
 
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
+from rdmaio.verbs import _base
 from rdmaio.verbs._base import _check, _check_ptr, _Resource
 from rdmaio.verbs.device import DeviceContext
 from rdmaio.verbs.wr import MAX_POLL
@@ -37,11 +38,14 @@ class CompletionChannel(_Resource):
         that fired (in the order of their first event), whether more CQs fired than could be listed (then
         poll every CQ), and how many events were read. A failed read or re-arm raises
         :class:`~rdmaio.errors.VerbsError` after everything read was acked (so poll every CQ then too)."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         n = lib.rdmaio_drain_channel(self._ptr, self._fired, self._fired_max, self._events, self._err)
         listed = min(n, self._fired_max)
         fired = self._fired
-        handles = [int(ffi.cast("uintptr_t", fired[i])) for i in range(listed)]
+        handles = []
+        for i in range(listed):  # a loop, not a comprehension: that is one more Python call per wake-up
+            handles.append(int(ffi.cast("uintptr_t", fired[i])))
         if self._err[0]:
             raise VerbsError.from_errno("ibv_get_cq_event/ibv_req_notify_cq", self._err[0])
         return handles, n > self._fired_max, int(self._events[0])
@@ -110,7 +114,8 @@ class CompletionQueue(_Resource):
 
         A return equal to ``batch`` means more may be waiting: call again.
         """
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         n = lib.rdmaio_drain_cq(self.channel._ptr, self._ptr, self.records, self.batch, self._events)
         if n < 0:
             raise VerbsError.from_errno("ibv_get_cq_event/ibv_poll_cq", -n)
@@ -124,11 +129,17 @@ class CompletionQueue(_Resource):
         CQ order kept within a key), the runs in ``batch.groups[0:batch.ngroups]``. Return the number of
         records; ``batch.size`` means more may be waiting. Does not read channel events (see
         :meth:`CompletionChannel.drain_events`)."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         n = lib.rdmaio_poll_grouped(
             self._ptr, batch._scratch, batch.records, batch.size, batch.groups, batch._ngroups
         )
-        return self.took(batch, int(n))
+        # took() inline: one Python call less per poll
+        if n < 0:
+            raise VerbsError.from_errno("ibv_poll_cq", -n)
+        batch.ngroups = int(batch._ngroups[0])
+        self.completions_total += n
+        return int(n)
 
     def took(self, batch: CompletionBatch, n: int) -> int:
         """Account for ``n`` records (or ``-errno``) that a C call polled from this CQ into ``batch`` (what

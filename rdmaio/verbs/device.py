@@ -175,11 +175,9 @@ class DeviceContext:
     def __init__(self, raw: Any) -> None:
         self._ptr = raw
         self.handle = int(ffi.cast("uintptr_t", raw))
-
-    @property
-    def name(self) -> str:
+        # Read once (a context's device never changes): every connection's setup reads it several times.
+        self.name: str = ffi.string(lib.ibv_get_device_name(raw.device)).decode()
         """Device name, e.g. ``rxe0``."""
-        return str(ffi.string(lib.ibv_get_device_name(self._ptr.device)).decode())
 
     @property
     def async_fd(self) -> int:

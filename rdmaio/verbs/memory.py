@@ -133,7 +133,7 @@ class MemoryWindow(_Resource):
         self._rkey_out = ffi.new("uint32_t *")
 
     def _forget(self) -> None:
-        self._closed = True
+        self.closed = True
         for parent in self._parents:
             parent._dependents.pop(id(self), None)
         self._parents = []

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
+from rdmaio.verbs import _base
 from rdmaio.verbs._base import _check, _Resource
 from rdmaio.verbs.cq import CompletionQueue
 from rdmaio.verbs.memory import MemoryRegion, ProtectionDomain
@@ -56,7 +57,8 @@ class QueuePair(_Resource):
     ) -> None:
         """Post one receive per slot index (chained, one call) at ``mr.addr + slot * slot_size``; its
         ``wr_id`` is ``wr_id_base | slot`` (``wr_id_base``: ``make_wr_id(WR_KIND_RECV, tag, 0)``)."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         n = len(slots)
         if n > len(self._slots):
             raise ValueError(f"cannot post {n} receives on a queue of {len(self._slots)}")
@@ -71,7 +73,8 @@ class QueuePair(_Resource):
         """Post one receive per slot of a ring registered chunk by chunk: slot ``s`` covers
         ``addr + s * slot_size`` with local key ``lkeys[s]`` (a ``uint32_t[]``); ``wr_id`` is
         ``wr_id_base | s`` (``wr_id_base``: ``make_wr_id(WR_KIND_RECV, tag, 0)``)."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         n = len(slots)
         if n > len(self._slots):
             raise ValueError(f"cannot post {n} receives on a queue of {len(self._slots)}")
@@ -87,7 +90,8 @@ class QueuePair(_Resource):
 
     def post_sends(self, count: int) -> None:
         """Post the first ``count`` entries of :attr:`send_array` as one chain."""
-        self._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
         rc = lib.rdmaio_post_sends(self._ptr, self._sends, count, self._bad)
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"request {self._bad[0]} of {count}")
@@ -191,8 +195,10 @@ class QueuePair(_Resource):
     def onesided_port(self, cq: CompletionQueue, wr_base: int, max_inline: int) -> OneSidedPort:
         """The :class:`OneSidedPort` of this QP and its completion queue ``cq`` (made once): serial one-sided
         requests with ``wr_id = wr_base | index`` are posted and polled through it in one C call."""
-        self._check_usable()
-        cq._check_usable()
+        if self.closed or self._generation != _base._generation:  # inline: no call when usable
+            self._check_usable()
+        if cq.closed or cq._generation != _base._generation:  # inline: no call when usable
+            cq._check_usable()
         port: OneSidedPort | None = getattr(self, "_port", None)
         if port is None:
             port = self._port = OneSidedPort(self, cq, wr_base, max_inline)
