@@ -67,6 +67,13 @@ _STAT_KEYS = (
 )
 
 
+def _activity(ref: weakref.ReferenceType[Connection]) -> int:
+    """The keepalive's activity count of the connection behind ``ref``: completions plus frames posted
+    (0 once it is gone)."""
+    conn = ref()
+    return conn.completions + conn.sender.frames_posted if conn is not None else 0
+
+
 def _weak_call(method: Callable[[BaseException], None]) -> Callable[[BaseException], None]:
     """``method`` through a weak reference to its object (a no-op once the object is gone)."""
     ref = weakref.WeakMethod(method)
@@ -110,7 +117,13 @@ class Connection:
             # The largest message the peer accepts (its handshake): what send() checks against.
             "peer_max_message_size": session.peer.max_message_size,
         }
+        # The rarer counters (and the rendezvous and one-sided engines' own); the per-message ones are
+        # plain int attributes of their owner (this connection's wakeups and completions, the sender's and
+        # the receiver's), which statistics() adds in: a Counter's ``+=`` costs several times an int
+        # attribute's, and those run many times per message.
         self.stats = collections.Counter[str]()
+        self.wakeups = 0
+        self.completions = 0
         fail = _weak_call(self.fail)  # no part -> connection cycle: a closed connection is freed at once
         self.sender = Sender(
             session,
@@ -169,13 +182,13 @@ class Connection:
         post_probe = self.sender.post_probe
         # keepalive (rdmaio.core.keepalive): probes the peer when idle, so a vanished peer fails the
         # connection. Its probes' completions are routed to it by on_completions.
-        stats = self.stats
+        this = weakref.ref(self)  # no connection <-> keepalive cycle (the keepalive is ours)
         # The tag routes the probe's completion back here through the shared CQ.
         keepalive_wr_id = make_wr_id(KEEPALIVE_WR_KIND, transport.tag or 0, 0)
         self._keepalive = Keepalive(
             reactor.keepalive_timers,
             self.options.keepalive_interval,
-            lambda: stats["completions"] + stats["frames_posted"],
+            lambda: _activity(this),
             lambda: post_probe(keepalive_wr_id),  # through the sender, which owns posting on the send queue
             _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
@@ -201,6 +214,18 @@ class Connection:
         stats: dict[str, float] = dict(self.stats)
         for key in _STAT_KEYS:
             stats.setdefault(key, 0)
+        # The per-message counters kept as attributes; added, not set: the rendezvous engine counts its
+        # messages and bytes in the Counter.
+        sender = self.sender
+        receiver = self.receiver
+        stats["wakeups"] += self.wakeups
+        stats["completions"] += self.completions
+        stats["messages_sent"] += sender.messages_sent
+        stats["bytes_sent"] += sender.bytes_sent
+        stats["frames_posted"] += sender.frames_posted
+        stats["post_calls"] += sender.post_calls
+        stats["messages_received"] += receiver.messages_received
+        stats["bytes_received"] += receiver.bytes_received
         stats["registered_bytes"] = self.transport.registered_bytes if not self.torn_down else 0
         stats["mean_batch"] = stats["completions"] / stats["wakeups"] if stats["wakeups"] else 0.0
         stats["send_credits"] = self.session.send_credits
@@ -237,10 +262,9 @@ class Connection:
         if self.torn_down:
             return
         try:
-            stats = self.stats
-            stats["wakeups"] += 1
+            self.wakeups += 1
             # sharedcq: the dispatcher calls once per group and re-polls while batches come back full.
-            stats["completions"] += count
+            self.completions += count
             run = start  # the receives from here on are not processed yet
             receives = False
             only_onesided = True  # every completion was a successful one-sided request of ours

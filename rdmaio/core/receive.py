@@ -136,7 +136,11 @@ class Receiver:
         self._rxbuf = self.rxbuf
         self._transport = transport
         self._recv_view = recv_view
-        self._stats = stats
+        self._stats = stats  # rare events (recv_ring_grown)
+        # Per-message counters as plain attributes (cheaper than the Counter's ``+=``); the connection folds
+        # them into its statistics.
+        self.messages_received = 0
+        self.bytes_received = 0
         self._stage = stage
         self._generation = generation
         self.onesided: OneSidedReceives | None = None
@@ -177,7 +181,6 @@ class Receiver:
         data_frames = 0
         session = self.session
         rxbuf = self._rxbuf
-        stats = self._stats
         recv_view = self._recv_view
         slot_size = self._slot_size
         big_frame = self._big_frame
@@ -226,8 +229,8 @@ class Receiver:
                 if kind == _DATA_END:
                     # add_message() and admit() in one call; the message is this frame and the fragments
                     # before it (assembling: their bytes).
-                    stats["messages_received"] += 1
-                    stats["bytes_received"] += length + rxbuf.assembling
+                    self.messages_received += 1
+                    self.bytes_received += length + rxbuf.assembling
                     got_data = True
                     data_frames += 1
                     if rxbuf.add_admitted(bytes(recv_view[off : off + length]), slot):
@@ -236,8 +239,8 @@ class Receiver:
                 elif kind == _DATA_BATCH:
                     messages = session.on_batch(recv_view[off : off + length])
                     size = rxbuf.add_messages(messages)
-                    stats["messages_received"] += len(messages)
-                    stats["bytes_received"] += size
+                    self.messages_received += len(messages)
+                    self.bytes_received += size
                     got_data = True
                 elif kind == _DATA_MORE:
                     rxbuf.add_fragment(bytes(recv_view[off : off + length]))

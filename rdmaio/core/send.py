@@ -168,8 +168,9 @@ class Sender:
 
     ``ring`` holds the send slots of ``slot_size`` bytes; ``initial`` of them are registered by the first
     frame; every ``signal_interval``-th work request is signalled; messages up to ``batch_limit`` bytes are
-    batched. ``stats`` is the connection's counter (``messages_sent``, ``bytes_sent``, ``credit_frames``,
-    ``frames_posted``, ``post_calls``, ``send_ring_grown``). ``tag`` is the connection tag the domain
+    batched. ``stats`` is the connection's counter of rare events (``credit_frames``, ``send_ring_grown``);
+    the per-message counters are plain int attributes (``messages_sent``, ``bytes_sent``, ``frames_posted``,
+    ``post_calls``), which the connection folds into its statistics. ``tag`` is the connection tag the domain
     assigned (bits 32..55 of every wr_id). ``io`` is the loop backend (end-of-iteration callbacks, waiters);
     ``fail(exc)`` fails the connection when a deferred post or flush raises; ``options`` gives the write
     buffer's water marks (replaced by ``Endpoint.set_write_buffer_limits()``). ``rndv`` is the rendezvous
@@ -220,6 +221,12 @@ class Sender:
         # Send-queue entries the sender may have in flight (slots or not).
         self._sq_depth = ring.max_slots
         self._stats = stats
+        # Per-message counters as plain attributes: a Counter's ``+=`` costs a __getitem__/__missing__
+        # lookup path several times an attribute's, and these run for every message and post.
+        self.messages_sent = 0
+        self.bytes_sent = 0
+        self.frames_posted = 0
+        self.post_calls = 0
         # The send ring's bookkeeping and the per-frame fill live in C (txring.c): free slots, the entries
         # in flight, the signalling counters, the inline scratch area. These cffi arrays are its memory.
         self._free_stack: Any = ffi.new("uint32_t[]", ring.max_slots)
@@ -371,15 +378,14 @@ class Sender:
             # copy and the work request in one C call, then the post. 0: no room or credit now, batched.
             rc = _txring_send_now(self._tx, native, _from_buffer(view), size)
             if rc > 0:
-                stats = self._stats
-                stats["messages_sent"] += 1
-                stats["bytes_sent"] += size
+                self.messages_sent += 1
+                self.bytes_sent += size
                 queue.posted_frames += 1
                 self.coalesce_next = True
                 if rc == 1:
                     self._qp.post_sends(1)
-                    stats["frames_posted"] += 1
-                    stats["post_calls"] += 1
+                    self.frames_posted += 1
+                    self.post_calls += 1
                 else:  # a control frame is due after it: staged by the general path, one chain
                     self.staged = 1
                     self._stage_queued()
@@ -701,7 +707,7 @@ class Sender:
                 _check_tx(rc)  # raises: the checks above are the C call's, it cannot refuse
             count += 1
             nbytes += length
-        self._stats["messages_sent"] += messages
+        self.messages_sent += messages
         queue.posted_frames += count - first
         # The EOF frame once all data is out, or a CREDIT frame when one is due (or, with a shared receive
         # queue, a RETURN or RECLAIM frame): empty, no slot.
@@ -733,7 +739,7 @@ class Sender:
                 count += 1
         if count > first:
             self.staged = count
-            self._stats["bytes_sent"] += nbytes
+            self.bytes_sent += nbytes
             return True
         return False
 
@@ -758,8 +764,8 @@ class Sender:
         if rc < 0:
             _check_tx(rc)  # raises: count is what was staged
         self._qp.post_sends(count)
-        self._stats["frames_posted"] += count
-        self._stats["post_calls"] += 1
+        self.frames_posted += count
+        self.post_calls += 1
 
     def _alloc_scratch(self) -> None:
         # Plain memory, not registered: the post copies inline data into the work request. One area per

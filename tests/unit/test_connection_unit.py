@@ -25,7 +25,14 @@ from rdmaio.core.connection import Connection
 from rdmaio.core.shared_receive import new_session
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import VerbsError
-from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, Handshake, Session
+from rdmaio.protocol import (
+    BATCH_RECORD_HEADER,
+    FEATURE_BATCH,
+    FEATURE_GROW,
+    FEATURE_ONESIDED,
+    Handshake,
+    Session,
+)
 from rdmaio.testing.fakes import FakeCMId, FakeReactor, FakeTransport, fake_completion, wire
 from rdmaio.testing.nullpair import null_pair
 from rdmaio.verbs import CMEventType
@@ -77,6 +84,66 @@ def test_messages_and_stream_bytes_travel_in_order(arun: Run, monkeypatch: pytes
         assert stats["wakeups"] >= 1 and stats["completions"] >= 5  # small, big's three fragments, stream
 
     arun(main())
+
+
+def test_statistics_counts_a_scripted_exchange(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """statistics() after a scripted exchange (a sends N messages, b answers M, a writes to the stream):
+    messages and bytes as the script sent them, frames and post calls as the queue pair saw them posted,
+    wake-ups and completions as the transport handed them to the connection."""
+    sizes_a = [1, 64, 700, 3000, 64, 0, 64]  # N: an idle send, then batched ones (one empty)
+    sizes_b = [64, 5, 2000]  # M
+    stream = b"stream bytes\n"
+
+    async def main() -> None:
+        a, b = pair(monkeypatch)
+        fresh = set(a.statistics())  # the keys of a connection that has done nothing yet
+        handed: dict[Endpoint, list[int]] = {}  # [handler calls, completions] per side
+        for ep in (a, b):
+            transport = ep._conn.transport
+            handed[ep] = [0, 0]
+            transport.handler = functools.partial(_counted, handed[ep], transport.handler)
+        for size in sizes_a:
+            await a.send(bytes([size % 251]) * size)
+        assert [len(await b.recv()) for _ in sizes_a] == sizes_a
+        for size in sizes_b:
+            await b.send(b"r" * size)
+        assert [len(await a.recv()) for _ in sizes_b] == sizes_b
+        a.write(stream)
+        await a.drain()
+        assert await b.readexactly(len(stream)) == stream
+        await asyncio.sleep(0)  # the last signalled send's completion
+        expected = {
+            a: (len(sizes_a) + 1, sum(sizes_a) + len(stream), len(sizes_b), sum(sizes_b)),
+            b: (len(sizes_b), sum(sizes_b), len(sizes_a) + 1, sum(sizes_a) + len(stream)),
+        }
+        for ep, (sent, sent_bytes, received, received_bytes) in expected.items():
+            stats = ep.statistics()
+            assert fresh <= set(stats) and set(stats) - fresh <= {"credit_frames"}, set(stats) ^ fresh
+            # The send side counts a batch frame's bytes: each batched message's record header too.
+            batched = stats["protocol_batched_messages_sent"]
+            assert batched > 0  # the script took the batched path as well as the unbatched one
+            assert (stats["messages_sent"], stats["bytes_sent"]) == (
+                sent,
+                sent_bytes + BATCH_RECORD_HEADER * batched,
+            )
+            assert (stats["messages_received"], stats["bytes_received"]) == (received, received_bytes)
+            posts = ep._conn.transport.qp.posts  # every chain the queue pair was given, in order
+            assert stats["post_calls"] == len(posts) > 0
+            assert stats["frames_posted"] == sum(map(len, posts)) == stats["protocol_frames_sent"]
+            calls, completions = handed[ep]
+            assert (stats["wakeups"], stats["completions"]) == (calls, completions)
+            assert stats["mean_batch"] == completions / calls
+
+    arun(main())
+
+
+def _counted(
+    counts: list[int], handler: Callable[[Any, int, int], None], records: Any, start: int, n: int
+) -> None:
+    """A completion handler that counts its calls and completions (``counts``) and calls ``handler``."""
+    counts[0] += 1
+    counts[1] += n
+    handler(records, start, n)
 
 
 def test_many_messages_need_credits_back_and_all_arrive(arun: Run, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -497,8 +497,8 @@ def test_an_idle_senders_message_is_staged_and_posted_at_once_by_one_c_call() ->
     # Posted at once, alone in its chain, with the session's take and the sender's counters as before.
     assert [deliver(peer, chain) for chain in qp.posts] == [[b"warm"], [b"hello"]]
     assert engine.posted_frames == 2 and engine.staged == 0 and not engine.queue.txq
-    assert engine._stats["messages_sent"] == 2 and engine._stats["bytes_sent"] == 9
-    assert engine._stats["frames_posted"] == 2 and engine._stats["post_calls"] == 2
+    assert engine.messages_sent == 2 and engine.bytes_sent == 9
+    assert engine.frames_posted == 2 and engine.post_calls == 2
     assert engine.coalesce_next and not io.pending  # the next ones batch; no callback for this one
     for helper in ("_queue_batched", "transmit", "_stage_queued", "_post", "queue_message", "can_send_data"):
         assert counts[helper] == 0, helper
@@ -554,7 +554,7 @@ def test_an_idle_send_stages_a_due_control_frame_in_the_same_chain() -> None:
     state.eof_due = 1  # a control frame due after the message (the C call's code 2)
     asyncio.run(engine.send(b"m"))
     assert len(qp.posts[-1]) == 2 and deliver(peer, qp.posts[-1]) == [b"m"]
-    assert engine.staged == 0 and engine._stats["frames_posted"] == 3
+    assert engine.staged == 0 and engine.frames_posted == 3
 
 
 def test_a_batch_built_by_the_send_queue_is_the_protocols_record_encoding() -> None:
