@@ -85,6 +85,7 @@ def test_the_path_record_matches_the_device(arun: Runner[Any], rdma_addr: str) -
             await server.wait_closed()
 
     ours, theirs, again, mtu = arun(main())
+    print(ours.describe())  # shown with -rP: what the docs' examples are taken from
     assert again is ours  # read once, kept
     for path in (ours, theirs):
         check_against_the_system(path)
