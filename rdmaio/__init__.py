@@ -19,6 +19,9 @@ observability: :mod:`rdmaio.metrics` (process-wide metrics, the Prometheus expor
 # it while this package is still being imported. setuptools reads it from here (pyproject.toml).
 __version__ = "0.1.0"
 
+# First, before anything loads the compiled extension: when this process is rdmaio's command line and the
+# extension cannot load, this runs `doctor` (which reports it, with the fix) and exits; else it does nothing.
+from rdmaio.cli import startup as _startup  # noqa: F401
 from rdmaio.client import connect
 from rdmaio.core.onesided import RemoteKey, WriteNotice
 from rdmaio.endpoint import Endpoint

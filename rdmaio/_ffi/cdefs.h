@@ -221,9 +221,6 @@ struct rdmaio_batch { uint64_t wr_id; uint64_t local_addr; uint32_t lkey; uint32
                       int count; const uint64_t *remote_addr; const uint32_t *length;
                       const uint64_t *local_offset; const uint64_t *compare_add; const uint64_t *swap; };
 int rdmaio_post_batch(struct ibv_qp *qp, const struct rdmaio_batch *b, int *bad_index);
-int rdmaio_post_rdma_poll(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index,
-                          struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdmaio_wc *out, int max_wc,
-                          struct rdmaio_wc_group *groups, int *ngroups_out, int *polled);
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
 int rdmaio_qp_access(struct ibv_qp *qp, int *access_flags, int *max_rd_atomic, int *max_dest_rd_atomic);

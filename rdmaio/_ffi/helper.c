@@ -490,23 +490,6 @@ int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int co
     return post_chains(qp, ops, count, bad_index, fill_rdma);
 }
 
-/* Post `count` one-sided requests (as rdmaio_post_rdma) and, if that worked, poll `cq` once as
- * rdmaio_poll_grouped does: one call for a caller that expects the completion at once (rxe completes a
- * loopback READ or atomic inside ibv_post_send). Returns the post's result (count or -errno, with
- * *bad_index); *polled is the poll's (records or -errno; 0 when the post failed). */
-int rdmaio_post_rdma_poll(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index,
-                          struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdmaio_wc *out, int max_wc,
-                          struct rdmaio_wc_group *groups, int *ngroups_out, int *polled)
-{
-    *polled = 0;
-    *ngroups_out = 0;
-    int rc = post_chains(qp, ops, count, bad_index, fill_rdma);
-    if (rc < 0)
-        return rc;
-    *polled = rdmaio_poll_grouped(cq, scratch, out, max_wc, groups, ngroups_out);
-    return rc;
-}
-
 /* Request `index` of a batch: the same opcode, keys and wr_id for all; its own remote address, length,
  * local offset and atomic operands; only the last is signalled (RC completes a send queue in order, so
  * the last one's success means all succeeded; a failed one completes with an error of its own). */

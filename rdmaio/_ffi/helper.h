@@ -144,9 +144,6 @@ struct rdmaio_batch {
 
 int rdmaio_post_rdma(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index);
 int rdmaio_post_batch(struct ibv_qp *qp, const struct rdmaio_batch *b, int *bad_index);
-int rdmaio_post_rdma_poll(struct ibv_qp *qp, const struct rdmaio_rdma_op *ops, int count, int *bad_index,
-                          struct ibv_cq *cq, struct rdmaio_wc *scratch, struct rdmaio_wc *out, int max_wc,
-                          struct rdmaio_wc_group *groups, int *ngroups_out, int *polled);
 int rdmaio_query_onesided_caps(struct ibv_context *context, struct rdmaio_onesided_caps *out);
 int rdmaio_probe_mw(struct ibv_pd *pd, int type);
 int rdmaio_alloc_mw(struct ibv_pd *pd, struct ibv_mw **out);

@@ -10,4 +10,8 @@ Modules:
 * :mod:`rdmaio.cli.system`: what the checks read of this machine (sysfs, ``/proc``, limits), behind one
   object so tests can fake it.
 * :mod:`rdmaio.cli.ping`: the ``ping`` command (round trips over rdmaio, a ``min/avg/max/p99`` summary).
+* :mod:`rdmaio.cli.peer`: ``doctor --peer HOST [PORT]`` (a pair of hosts, through ``ping --server`` there,
+  which answers doctor's probes).
+* :mod:`rdmaio.cli.startup`: imported first by ``import rdmaio``; lets the command line run ``doctor`` when
+  rdmaio's compiled extension is missing or broken.
 """

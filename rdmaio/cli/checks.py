@@ -12,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdmaio.cli.startup import EXTENSION_FIX, describe_extension_error
 from rdmaio.cli.system import PortState, System
 from rdmaio.options import Options
 
 __all__ = [
     "CHECKS",
+    "NEEDS_EXTENSION",
     "CheckResult",
     "Verdict",
     "check_dev_nodes",
@@ -106,13 +108,7 @@ def check_extension(system: System) -> CheckResult:
     try:
         system.import_extension()
     except ImportError as exc:
-        return CheckResult(
-            "extension",
-            Verdict.FAIL,
-            f"rdmaio's cffi extension does not load: {exc}",
-            "reinstall rdmaio with the rdma-core headers present: "
-            "apt-get install libibverbs-dev librdmacm-dev && pip install --force-reinstall rdmaio",
-        )
+        return CheckResult("extension", Verdict.FAIL, describe_extension_error(exc), EXTENSION_FIX)
     return CheckResult("extension", Verdict.OK, "rdmaio's cffi extension loads")
 
 
@@ -455,6 +451,9 @@ def check_loopback(system: System, timeout: float = 20.0) -> CheckResult:
         )
     return CheckResult("loopback", Verdict.OK, "; ".join(parts), data=data)
 
+
+#: The checks that load rdmaio's compiled extension: skipped when the ``extension`` check failed.
+NEEDS_EXTENSION: frozenset[str] = frozenset({"verbs", "mtu", "loopback"})
 
 #: Every check, in the order doctor runs and prints them.
 CHECKS: tuple[Callable[[System], CheckResult], ...] = (

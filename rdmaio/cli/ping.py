@@ -240,18 +240,25 @@ async def run_client(config: PingConfig, out: TextIO, err: TextIO) -> int:
 
 
 async def run_server(host: str, port: int, out: TextIO, err: TextIO) -> int:
-    """Echo every message on every connection until SIGINT/SIGTERM; returns the exit status."""
+    """Echo every message on every connection until SIGINT/SIGTERM; returns the exit status.
+
+    Doctor's probes (``rdmaio doctor --peer``) are answered by :class:`rdmaio.cli.peer.ProbeResponder`.
+    """
     import rdmaio
+    from rdmaio.cli.peer import ProbeResponder
 
     async def echo(ep: rdmaio.Endpoint) -> None:
         peername = ep.get_extra_info("peername")
         peer = f"{peername[0]} port {peername[1]}" if isinstance(peername, tuple) else str(peername)
         print(f"connection from {peer}", file=out, flush=True)
         count = 0
+        # `rdmaio doctor --peer` probes: answered (this side's path, a key to READ) instead of echoed.
+        probes = ProbeResponder(ep)
         try:
             async with ep:
                 while (msg := await ep.recv()) is not None:
-                    await ep.send(msg)
+                    if not await probes.answer(msg):
+                        await ep.send(msg)
                     count += 1
         except (OSError, rdmaio.RdmaError) as exc:
             print(f"{peer}: {type(exc).__name__}: {exc}", file=out, flush=True)

@@ -430,40 +430,6 @@ class CompletionDispatcher:
                 self._deliver_kept(key)
         self._poll(list(self._pool))
 
-    def inline_batch(self) -> Batch | None:
-        """The poll buffer, for a caller that polls a CQ itself right now (a post-and-poll in one C call:
-        a task's serial one-sided call, which the device may have completed inside ``ibv_post_send``, as
-        rxe does) and hands the result to :meth:`polled`; None while records may not be polled in place
-        (during a dispatch, with kept completions to deliver first, or once closed): then the caller posts
-        and calls :meth:`poll_now`."""
-        if self._closed or self._dispatching or self._replay:
-            return None
-        return self._batch
-
-    def polled(self, cq: Queue, qp_num: int, wr_id: int, n: int) -> bool:
-        """``n`` records of ``cq`` were just polled into :meth:`inline_batch`'s buffer right after the
-        request ``wr_id`` of QP ``qp_num`` was posted. True when that request's own completion,
-        successful, is all there is: the caller completes the request itself and nothing is dispatched.
-        Otherwise the records are dispatched as :meth:`poll_now` would (the request's own with them, if it
-        was there) and the result is False."""
-        batch = self._batch
-        self.polls += 1
-        if not n:
-            return False
-        self.completions += n
-        if n == 1:
-            record = batch.records[0]
-            if record.wr_id == wr_id and not record.status and record.qp_num == qp_num:
-                return True
-        self._dispatching = True
-        try:
-            self._dispatch(batch.records, batch.groups, batch.ngroups)
-        finally:
-            self._dispatching = False
-        if n >= batch.size or self._again:
-            self._poll([p for p in self._pool if p.cq is cq])  # more may be there, or a handler asked
-        return False
-
     def deliver(self, cq: Queue, records: Any, key: int) -> bool:
         """``records`` (the caller's own array, every record of dispatch key ``key``) were taken from ``cq``
         by a caller (a serial one-sided request's post-and-poll in one C call keeps its own successful

@@ -12,8 +12,6 @@ destroyed. It knows nothing about framing or credits.
 
 from __future__ import annotations
 
-from typing import cast
-
 from rdmaio import verbs
 from rdmaio.core.dispatch import CompletionHandler, CQReservation
 from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT
@@ -24,7 +22,6 @@ from rdmaio.options import Options
 from rdmaio.verbs import (
     WR_KIND_RECV,
     CMId,
-    CompletionBatch,
     CompletionQueue,
     DeviceContext,
     MemoryRegion,
@@ -183,21 +180,6 @@ class Transport:
     def poll_completions(self) -> None:
         """Poll the domain's CQs now and dispatch what is there (deferred when called from a handler)."""
         self.completions.poll_now()
-
-    def post_rdma_polled(self, count: int, wr_id: int) -> bool:
-        """Post the first ``count`` one-sided requests of the QP's scratch array, then poll this connection's
-        CQ once for the completion of ``wr_id`` (one C call when the dispatcher can take the records now;
-        see :meth:`CompletionDispatcher.polled <rdmaio.core.dispatch.CompletionDispatcher.polled>`,
-        else a post and :meth:`poll_completions`). True when that completion was there, successful and
-        alone, and so was not dispatched. Raises :class:`~rdmaio.errors.VerbsError` when the post failed."""
-        completions, cq, qp = self.completions, self.cq, self.qp
-        batch = completions.inline_batch()
-        if batch is None or cq.closed:
-            qp.post_rdma(count)
-            completions.poll_now()
-            return False
-        n = qp.post_rdma_and_poll(count, cq, cast(CompletionBatch, batch))
-        return completions.polled(cq, qp.qp_num, wr_id, n)
 
     def onesided_port(self, wr_base: int) -> OneSidedPort:
         """The port of this connection's serial one-sided requests (one C call posts one and takes at most

@@ -18,11 +18,12 @@ fact its per-frame path reads (:attr:`CloseState.wire_down`) into a plain attrib
 from __future__ import annotations
 
 import enum
-from typing import Final
+import weakref
+from typing import Final, Protocol
 
 from rdmaio.errors import ConnectionAbortedError, ConnectionResetError, EndpointClosedError
 
-__all__ = ["EOF", "CloseState", "EOFType", "State"]
+__all__ = ["EOF", "CloseState", "ClosingWatcher", "EOFType", "State"]
 
 
 class EOFType(enum.Enum):
@@ -111,14 +112,25 @@ WIRE_ERROR: Final[tuple[Row, ...]] = (
 """What taking a frame raises once no frame may be sent (:meth:`CloseState.wire_error`)."""
 
 
+class ClosingWatcher(Protocol):
+    """A part of the I/O layer that keeps its own copy of "the connection is usable" (see
+    :meth:`CloseState.watch`)."""
+
+    def on_closing(self) -> None:
+        """The connection started closing (:attr:`CloseState.closing` became true)."""
+
+
 class CloseState:
     """The close state of one connection: events in (each sets one fact), answers out (from the tables).
 
     Every fact is a plain attribute, False until its event; :attr:`wire_down` (aborted, transport lost or
     torn down: no frame may be sent any more) is kept with them because every fast path asks it first.
+    A part that keeps its own copy of "the connection is usable" registers with :meth:`watch` to be told
+    when it stops being so.
     """
 
     __slots__ = (
+        "_watchers",
         "abort_exc",
         "aborted",
         "eof_requested",
@@ -140,6 +152,7 @@ class CloseState:
         self.transport_error: BaseException | None = None  #: the first transport error, if any
         self.torn_down = False  #: the I/O layer finished tearing the connection down
         self.wire_down = False  #: aborted or transport lost or torn down: no frame may be sent
+        self._watchers: list[weakref.ref[ClosingWatcher]] = []
 
     def __repr__(self) -> str:
         facts = [name for name in self.__slots__ if getattr(self, name) is True]
@@ -153,12 +166,38 @@ class CloseState:
                 return state
         return State.OPEN
 
+    @property
+    def closing(self) -> bool:
+        """The connection is closing or closed (closed locally, aborted, transport lost or torn down): from
+        the first of those events on, :meth:`flush_error` is not None."""
+        return self.wire_down or self.local_closed
+
+    def watch(self, watcher: ClosingWatcher) -> None:
+        """Call ``watcher.on_closing()`` once, when :attr:`closing` becomes true, right after the event
+        that set it (at once if it already is); watchers are told in the order they came. Held weakly: a
+        watcher usually holds the Session that holds this state, and a strong reference back would make
+        the two a reference cycle."""
+        if self.wire_down or self.local_closed:
+            watcher.on_closing()
+        else:
+            self._watchers.append(weakref.ref(watcher))
+
+    def _closing_now(self) -> None:
+        """Tell the watchers (once: an event after the first finds none left)."""
+        watchers, self._watchers = self._watchers, []
+        for ref in watchers:
+            watcher = ref()
+            if watcher is not None:
+                watcher.on_closing()
+
     # -- events ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Graceful local close: implies :meth:`write_eof`; the state becomes CLOSING. Idempotent."""
         self.local_closed = True
         self.eof_requested = True
+        if self._watchers:
+            self._closing_now()
 
     def write_eof(self) -> None:
         """Half-close: new data is refused from now on (the EOF frame follows the pending data)."""
@@ -178,11 +217,15 @@ class CloseState:
         self.aborted = True
         self.abort_exc = exc
         self.wire_down = True
+        if self._watchers:
+            self._closing_now()
 
     def on_disconnected(self) -> None:
         """The transport reported DISCONNECTED (the peer left or our disconnect completed)."""
         self.transport_lost = True
         self.wire_down = True
+        if self._watchers:
+            self._closing_now()
 
     def on_transport_error(self, exc: BaseException) -> None:
         """A completion or rdma_cm error made the transport unusable.
@@ -194,11 +237,15 @@ class CloseState:
             self.transport_lost = True
             self.transport_error = exc
             self.wire_down = True
+            if self._watchers:
+                self._closing_now()
 
     def mark_closed(self) -> None:
         """The I/O layer finished tearing the connection down; the state becomes CLOSED."""
         self.torn_down = True
         self.wire_down = True
+        if self._watchers:
+            self._closing_now()
 
     # -- answers --------------------------------------------------------------------------------------------
 

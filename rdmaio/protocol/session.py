@@ -84,6 +84,7 @@ class Session:
         "_local",
         "_peer",
         "_s",
+        "close_state",
         "flush_error",
         "recv_outcome",
         "rules_state",
@@ -103,6 +104,9 @@ class Session:
     #: injected with ``state=``): another implementation of the rules may work on it too. (An attribute,
     #: not a property: the core reads it once per connection, at no call.)
     rules_state: SessionState
+    #: The :class:`~rdmaio.protocol.closestate.CloseState` this Session tells its close events, for a part of
+    #: the I/O layer that watches it (:meth:`CloseState.watch`). (An attribute: read once per connection.)
+    close_state: CloseState
     _s: SessionState
 
     def __init__(
@@ -156,7 +160,7 @@ class Session:
         s.send_message_bytes = 0
         s.batch_pending = -1  # payload size of the DATA_BATCH frame awaiting on_batch(), -1 if none
         # The close state is an object of its own; the per-frame path reads its copies of two facts.
-        close = self._close = CloseState()
+        close = self._close = self.close_state = CloseState()
         s.wire_down = 0  # close.wire_down, copied by every close event: no frame may be sent
         s.peer_eof = 0  # the peer's EOF frame arrived (also told to the close state)
         s.eof_sent = 0  # our EOF frame was taken

@@ -851,10 +851,6 @@ class FakeTransport:
     def poll_completions(self) -> None:
         """Nothing to poll: :func:`wire` delivers completions itself."""
 
-    def post_rdma_polled(self, count: int, wr_id: int) -> bool:
-        """One-sided requests are not carried by this fake."""
-        raise AssertionError("this fake transport carries no one-sided requests")
-
     def onesided_port(self, wr_base: int) -> None:
         """No serial one-sided port: this fake carries no one-sided requests."""
         return None
@@ -1428,12 +1424,14 @@ def onesided_rig(
     delivers it). Batch waves always complete one iteration later. Returns ``engine``, ``qp``, ``port`` and
     a ``key`` granting everything on 4 KiB (for tools/onesided_calls.py and the call-count tests). Without
     ``record``, a single request completed at its post is not recorded (the port's call returns at once,
-    as cheap as a fake of the C call can be: for CPU figures). With ``close_state`` (a
-    :class:`~rdmaio.protocol.closestate.CloseState`), the credits' ``flush_error`` is its own, as a
-    Session's is. ``io``: the loop backend (a TrioBackend under trio; the running asyncio loop's when None).
+    as cheap as a fake of the C call can be: for CPU figures). The engine is given ``close_state`` (a
+    :class:`~rdmaio.protocol.closestate.CloseState`; a new one when None, kept in ``rig.close_state``) as a
+    connection's is given its Session's, and the credits' ``flush_error`` is its own, as a Session's is.
+    ``io``: the loop backend (a TrioBackend under trio; the running asyncio loop's when None).
     """
     from rdmaio.core.backend import AsyncioBackend
     from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, OneSidedEngine, RemoteKey
+    from rdmaio.protocol.closestate import CloseState
 
     if io is None:
         call_soon: Callable[..., Any] = asyncio.get_running_loop().call_soon
@@ -1450,12 +1448,13 @@ def onesided_rig(
         done = verbs.POSTED_DONE
         port.post_poll = lambda *request: done  # type: ignore[method-assign]
         port.post_batch_poll = lambda *wave, **arrays: done  # type: ignore[method-assign]
-    rig = SimpleNamespace(qp=qp, port=port, failures=[])
+    state = close_state if close_state is not None else CloseState()
+    rig = SimpleNamespace(qp=qp, port=port, failures=[], close_state=state)
     credits = SimpleNamespace(
         can_take_slot=lambda: True,
         take_slot=lambda: None,
         on_slot_used=lambda: None,
-        flush_error=close_state.flush_error if close_state is not None else lambda: None,
+        flush_error=state.flush_error,
     )
 
     def fail(exc: BaseException) -> None:
@@ -1474,6 +1473,7 @@ def onesided_rig(
         max_inline=0,
         revoke_timeout=5.0,
         port=port,
+        close_state=state,
     )
     rig.engine = engine
     if complete_at_post:

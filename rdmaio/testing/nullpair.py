@@ -9,10 +9,10 @@ nothing else:
   iteration later (:func:`~rdmaio.testing.fakes.wire`); signalled sends complete on the sender then too.
 * One-sided requests (RDMA READ and WRITE, fetch-and-add, compare-and-swap) are executed on real memory when
   they are posted (the remote address is a real address of the process: the peer exported it). A serial
-  call's request (the core posts it with ``post_rdma_polled``) completes *at its post*, as rxe completes a
-  loopback READ inside ``ibv_post_send``, when ``onesided_at_post`` is True (the default); otherwise, and
-  for every request posted without a poll (doorbells, ``fetch_add_many`` waves), its completion arrives one
-  loop iteration later through the connection's completion handler.
+  call's request (the core posts it through the connection's serial port) completes *at its post*, as rxe
+  completes a loopback READ inside ``ibv_post_send``, when ``onesided_at_post`` is True (the default);
+  otherwise, and for every request posted without a poll (doorbells, ``fetch_add_many`` waves), its
+  completion arrives one loop iteration later through the connection's completion handler.
 * A ``disconnect()`` reaches the peer as a DISCONNECTED event one loop iteration later.
 
 :func:`null_connect` (and :class:`NullListener`, for many connections in turn) makes the pair through
@@ -105,7 +105,7 @@ _MASK64 = (1 << 64) - 1
 
 #: The methods by which the core calls into a queue pair and a transport (wrapped when metered).
 _QP_CALLS = ("post_sends", "post_rdma", "post_batch", "post_empty_write")
-_TRANSPORT_CALLS = ("post_receives", "grow_receives", "poll_completions", "post_rdma_polled", "close")
+_TRANSPORT_CALLS = ("post_receives", "grow_receives", "poll_completions", "close")
 
 
 class DeviceMeter:
@@ -249,11 +249,9 @@ class NullDevice:
         self._sides[id(transport)] = side
         qp.post_rdma = functools.partial(self._post_rdma, side)  # type: ignore[method-assign]
         qp.post_batch = functools.partial(self._post_batch, side)  # type: ignore[method-assign]
-        transport.post_rdma_polled = functools.partial(self._post_polled, side)  # type: ignore[method-assign]
-        if hasattr(transport, "onesided_port"):
-            # A core whose serial one-sided requests go through a port (post and poll in one C call): the
-            # device answers the port's call as it answers post_rdma_polled.
-            setattr(transport, "onesided_port", functools.partial(self._serial_port, side))  # noqa: B010
+        # Serial one-sided requests go through the connection's port (post and poll in one C call): the
+        # device answers the port's call.
+        setattr(transport, "onesided_port", functools.partial(self._serial_port, side))  # noqa: B010
         if self.meter is not None:
             for name in _QP_CALLS:
                 if hasattr(qp, name):
@@ -355,14 +353,6 @@ class NullDevice:
             return int(getattr(verbs, "POSTED_DONE"))  # noqa: B009 (newer verbs only)
         self._complete_later(side, done)
         return int(getattr(verbs, "POSTED"))  # noqa: B009
-
-    def _post_polled(self, side: _Side, count: int, wr_id: int) -> bool:
-        side.raw_post_rdma(count)
-        done = self._execute(side)
-        if self.onesided_at_post and len(done) == 1 and done[0][0] == wr_id:
-            return True  # its own completion was all a poll would have found: not dispatched
-        self._complete_later(side, done)
-        return False
 
 
 class _RegistrationCache:

@@ -131,9 +131,9 @@ class CompletionQueue(_Resource):
         return self.took(batch, int(n))
 
     def took(self, batch: CompletionBatch, n: int) -> int:
-        """Account for ``n`` records (or ``-errno``) that a C call polled from this CQ into ``batch`` as
-        :meth:`poll_grouped` does (``QueuePair.post_rdma_and_poll`` polls in the same call as it posts).
-        Returns ``n``; raises :class:`VerbsError` for a failed poll."""
+        """Account for ``n`` records (or ``-errno``) that a C call polled from this CQ into ``batch`` (what
+        :meth:`poll_grouped` does after its call). Returns ``n``; raises :class:`VerbsError` for a failed
+        poll."""
         if n < 0:
             raise VerbsError.from_errno("ibv_poll_cq", -n)
         batch.ngroups = int(batch._ngroups[0])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
 from rdmaio.verbs._base import _check, _Resource
-from rdmaio.verbs.cq import CompletionBatch, CompletionQueue
+from rdmaio.verbs.cq import CompletionQueue
 from rdmaio.verbs.memory import MemoryRegion, ProtectionDomain
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ class QueuePair(_Resource):
         self._slots = ffi.new("uint32_t[]", max(self.max_recv_wr, 1))
         self._sends = ffi.new("struct rdmaio_send[]", max(self.max_send_wr, 1))
         self._bad = ffi.new("int *")
-        self._polled = ffi.new("int *")
         # Its own one-entry array: the send engine stages frames in _sends and posts them later in the
         # loop iteration, so a probe written there could overwrite a staged frame.
         self._probe = ffi.new("struct rdmaio_send[1]")
@@ -109,30 +108,6 @@ class QueuePair(_Resource):
         rc = lib.rdmaio_post_rdma(self._ptr, self.rdma_array, count, self._bad)
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, f"one-sided request {self._bad[0]} of {count}")
-
-    def post_rdma_and_poll(self, count: int, cq: CompletionQueue, batch: CompletionBatch) -> int:
-        """:meth:`post_rdma`, then one :meth:`CompletionQueue.poll_grouped` of ``cq`` into ``batch``, in one
-        C call (for a caller that expects the completion at once). Returns the records polled; raises
-        :class:`VerbsError` when the post failed (then nothing was polled)."""
-        self._check_usable()
-        cq._check_usable()
-        polled = self._polled
-        rc = lib.rdmaio_post_rdma_poll(
-            self._ptr,
-            self.rdma_array,
-            count,
-            self._bad,
-            cq._ptr,
-            batch._scratch,
-            batch.records,
-            batch.size,
-            batch.groups,
-            batch._ngroups,
-            polled,
-        )
-        if rc < 0:
-            raise VerbsError.from_errno("ibv_post_send", -rc, f"one-sided request {self._bad[0]} of {count}")
-        return cq.took(batch, int(polled[0]))
 
     def post_batch(
         self,

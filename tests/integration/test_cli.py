@@ -13,10 +13,22 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from loops import Runner, arun  # arun is a fixture used by name
 
-from rdmaio.cli.checks import CHECKS
+import rdmaio
+from rdmaio.cli.checks import CHECKS, CheckResult, Verdict
+from rdmaio.cli.peer import (
+    PROBE_PREFIX,
+    READ_PROBE_SIZE,
+    ProbeResponder,
+    probe_request,
+    run_peer_checks,
+    serve_doctor_session,
+)
+from rdmaio.cli.system import System
 
 REPO = Path(__file__).resolve().parents[2]
 # Everything in the VM is 20-40x slower; these only bound a hang, they are not expectations.
@@ -161,3 +173,182 @@ def test_ping_without_server_is_refused(rdma_addr: str) -> None:
         f"rdmaio ping: {rdma_addr} port {PING_PORT + 1}: connection refused: no rdmaio listener there "
         f"(start one with: python -m rdmaio ping --server {rdma_addr} {PING_PORT + 1})"
     ]
+
+
+# --- doctor --peer ----------------------------------------------------------------------------------------
+
+DOCTOR_PORT = 7493
+PEER_CHECKS = ["extension", "route", "handshake", "gids", "mtu", "echo", "read", "throughput"]
+MISSING_PEER = "198.18.0.77"  # in the test host's subnet, nobody there: ARP never answers
+CHECK_LINE = re.compile(r"^(ok|WARN|FAIL|skip)\s+(\S+)\s+(.*)$")
+
+
+def peer_address(rdma_addr: str) -> str:
+    """The test host's second address when the first is the default: the pair's other end on one node."""
+    return "198.18.0.2" if rdma_addr == "198.18.0.1" else rdma_addr
+
+
+def doctor_lines(*args: str) -> tuple[int, list[str], dict[str, tuple[str, str]]]:
+    done = subprocess.run(
+        rdmaio_cmd("doctor", *args), capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=REPO
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    checks = {m.group(2): (m.group(1), m.group(3)) for line in lines if (m := CHECK_LINE.match(line))}
+    return done.returncode, lines, checks
+
+
+def sysfs_gid(device: str, address: str) -> str:
+    """The GID sysfs lists for an IPv4 address on port 1 of ``device``, as doctor writes it: ``::ffff:A``
+    plus `` (index I, RoCE v2)``, I being its index in sysfs."""
+    octets = [int(x) for x in address.split(".")]
+    want = "0000:0000:0000:0000:0000:ffff:{:02x}{:02x}:{:02x}{:02x}".format(*octets)
+    port = Path(f"/sys/class/infiniband/{device}/ports/1")
+    index = next(
+        name
+        for name in sorted(os.listdir(port / "gids"), key=int)
+        if (port / "gids" / name).read_text().strip() == want
+        and (port / "gid_attrs/types" / name).read_text().strip() == "RoCE v2"
+    )
+    return f"::ffff:{address} (index {index}, RoCE v2)"
+
+
+def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str) -> None:
+    server_addr = peer_address(rdma_addr)
+    server = Proc("ping", "--server", server_addr, str(DOCTOR_PORT))
+    try:
+        server.wait_for(f"^rdmaio ping server listening on {re.escape(server_addr)} port {DOCTOR_PORT}$")
+        code, lines, checks = doctor_lines("--peer", server_addr, str(DOCTOR_PORT), "--timeout", "60")
+        server.wait_for(rf"^{re.escape(rdma_addr)} port \d+: closed after \d+ messages$")
+    finally:
+        server.kill()
+    assert code == 0, lines
+    assert list(checks) == PEER_CHECKS, lines
+    assert {name: verdict for name, (verdict, _) in checks.items()} == dict.fromkeys(PEER_CHECKS, "ok"), lines
+    assert lines[0].endswith(f", pair with {server_addr}:{DOCTOR_PORT})")
+    assert (
+        lines[-1]
+        == f"doctor: no check failed: this host and {server_addr}:{DOCTOR_PORT} talk over RDMA through rdmaio"
+    )
+    device = os.environ.get("RDMAIO_TEST_DEVICE", "rxe0")
+    # Each side's GID is the one sysfs lists for the address that side used (RoCE v2), and the MTU matches.
+    here, peer = sysfs_gid(device, rdma_addr), sysfs_gid(device, server_addr)
+    assert (
+        checks["gids"][1]
+        == f"here {device}/1 {rdma_addr} GID {here}; peer (rdmaio 0.1.0) {device}/1 {server_addr} GID {peer}"
+    )
+    assert re.fullmatch(
+        rf"connected to {re.escape(server_addr)}:{DOCTOR_PORT} over {device} port 1, RoCE v2 \(QP \d+\)",
+        checks["handshake"][1],
+    )
+    assert re.fullmatch(r"active MTU \d+ on both sides", checks["mtu"][1]), checks["mtu"]
+    assert re.fullmatch(r"RDMA READ of 4096 bytes in \d+\.\d ms, data intact", checks["read"][1])
+    assert re.search(r"\(\d+ messages of 64 KiB echoed in \d+\.\d\d s\)$", checks["throughput"][1])
+
+
+def test_doctor_peer_wrong_port_says_to_start_a_server(rdma_addr: str) -> None:
+    port = DOCTOR_PORT + 1  # nobody listens there
+    code, lines, checks = doctor_lines("--peer", rdma_addr, str(port), "--timeout", "60")
+    assert code == 1, lines
+    assert checks["route"][0] == "ok", lines
+    assert checks["handshake"] == (
+        "FAIL",
+        f"no rdmaio server is listening on {rdma_addr}:{port}  -> fix: start "
+        f"`python -m rdmaio ping --server {rdma_addr} {port}` there (or give the port it listens on)",
+    ), lines
+    assert [checks[n][0] for n in PEER_CHECKS[3:]] == ["skip"] * 5, lines
+    assert lines[-1] == "doctor: 1 check(s) failed: handshake"
+
+
+def test_doctor_peer_missing_peer_names_route_and_arp() -> None:
+    code, lines, checks = doctor_lines("--peer", MISSING_PEER, "--timeout", "5")
+    assert code == 1, lines
+    assert checks["route"][0] == "ok", lines  # the route exists (the subnet is on the device's netdev)
+    verdict, text = checks["handshake"]
+    assert verdict == "FAIL", lines
+    assert re.match(rf"^{re.escape(MISSING_PEER)}:7471: (unreachable: |no answer within 5 s)", text), text
+    assert (
+        f"-> fix: check the route and ARP to {MISSING_PEER} (ip route get {MISSING_PEER}; ip neigh show "
+        in text
+    )
+    assert [checks[n][0] for n in PEER_CHECKS[3:]] == ["skip"] * 5, lines
+
+
+def test_peer_checks_and_probe_bound_on_each_loop(arun: Runner[Any], rdma_addr: str) -> None:
+    """In one process on each loop: the pair checks pass against a server answering probes; that server
+    holds at most one READ export per connection (a second ``read`` probe revokes the first key)."""
+    responders: list[ProbeResponder] = []
+
+    async def handler(ep: rdmaio.Endpoint) -> None:
+        responder = ProbeResponder(ep)
+        responders.append(responder)
+        async with ep:
+            while (msg := await ep.recv()) is not None:
+                if not await responder.answer(msg):
+                    await ep.send(msg)
+
+    async def handed_over(ep: rdmaio.Endpoint) -> None:
+        # As a server with a protocol of its own does: it reads the first message, sees a probe, hands over.
+        first = await ep.recv()
+        assert first is not None and first.startswith(PROBE_PREFIX)
+        await serve_doctor_session(ep, first)
+
+    async def main() -> None:
+        other = await rdmaio.serve(handed_over, rdma_addr, 0)
+        async with other:
+            results = await run_peer_checks(rdma_addr, other.addresses[0][1], System(), 60.0, 0.2)
+            assert [(r.name, r.verdict) for r in results] == [(n, Verdict.OK) for n in PEER_CHECKS[1:]], (
+                results
+            )
+        server = await rdmaio.serve(handler, rdma_addr, 0)
+        async with server:
+            port = server.addresses[0][1]
+            async with await rdmaio.connect(rdma_addr, port, timeout=60) as ep:
+                keys = []
+                for _ in range(3):
+                    await ep.send(probe_request("read"))
+                    answer = json.loads((await ep.recv() or b"")[len(PROBE_PREFIX) :])
+                    keys.append(rdmaio.RemoteKey.from_bytes(bytes.fromhex(answer["key"])))
+                    assert responders[-1].exported_bytes == READ_PROBE_SIZE  # never more than one export
+                assert responders[-1].exports == 3
+                assert len(await ep.rdma_read(keys[-1], 0, READ_PROBE_SIZE)) == READ_PROBE_SIZE
+                with pytest.raises(rdmaio.RemoteKeyRevokedError):
+                    await ep.rdma_read(keys[0], 0, 8)
+                # Not a probe request: an unknown one is answered with an error; an oversized one is echoed.
+                await ep.send(PROBE_PREFIX + b'{"ask": "more"}')
+                assert json.loads((await ep.recv() or b"")[len(PROBE_PREFIX) :]) == {
+                    "error": "unknown probe request 'more'"
+                }
+                big = PROBE_PREFIX + b" " * 600
+                await ep.send(big)
+                assert await ep.recv() == big
+
+    arun(main())
+
+
+def test_peer_checks_warn_against_a_server_without_probes(arun: Runner[Any], rdma_addr: str) -> None:
+    """A plain echo server (an rdmaio older than the probe): echo and throughput pass, the rest warn."""
+
+    async def echo(ep: rdmaio.Endpoint) -> None:
+        async with ep:
+            while (msg := await ep.recv()) is not None:
+                await ep.send(msg)
+
+    async def main() -> list[CheckResult]:
+        server = await rdmaio.serve(echo, rdma_addr, 0)
+        async with server:
+            return await run_peer_checks(rdma_addr, server.addresses[0][1], System(), 60.0, 0.2)
+
+    results = {r.name: r for r in arun(main())}
+    verdicts = {name: r.verdict for name, r in results.items()}
+    assert verdicts == {
+        "route": Verdict.OK,
+        "handshake": Verdict.OK,
+        "echo": Verdict.OK,
+        "gids": Verdict.WARN,
+        "mtu": Verdict.WARN,
+        "read": Verdict.WARN,
+        "throughput": Verdict.OK,
+    }
+    assert "the server echoes doctor's probe instead of answering it" in results["read"].summary
+    assert results["read"].fix == "run the same rdmaio version on both hosts"

@@ -259,53 +259,12 @@ def test_poll_now_from_a_handler_is_deferred_until_the_dispatch_is_done() -> Non
     assert seen == [("a", [0]), ("b", [10]), ("b", [20])]
 
 
-# --- inline_batch/polled: the look at the CQ right after a serial one-sided post -------------------------
+# --- deliver: records a serial one-sided call took from the CQ that were not its own success -------------
 
 
-def look(h: Harness, cq: Any, qp_num: int, wr_id: int) -> bool:
-    """Poll ``cq`` into the dispatcher's buffer and hand the records to ``polled()``, as a post-and-poll
-    in one C call does (``Transport.post_rdma_polled``)."""
-    batch = h.d.inline_batch()
-    assert batch is not None
-    return h.d.polled(cq, qp_num, wr_id, cq.poll_grouped(batch))
-
-
-def test_a_lone_successful_own_completion_is_not_dispatched() -> None:
-    h = Harness(batch=16)
-    cq = h.d.reserve(10).cq
-    seen: list[tuple[str, list[int]]] = []
-    tag = h.d.register(7)
-    h.d.set_handler(7, tag, recorder(seen, "a"))
-    wr_id = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, tag, 5)
-    assert not look(h, cq, 7, wr_id)  # nothing there yet
-    cq.pending.append(Rec(wr_id, 7))
-    assert look(h, cq, 7, wr_id)
-    assert seen == [] and not cq.pending  # the caller completes it: no handler call
-    stats = h.d.statistics()
-    assert stats["completions"] == 1 and stats["dispatched"] == 0
-
-
-def test_anything_else_the_look_finds_is_dispatched() -> None:
-    h, cq, seen, ta, tb = two_connections()
-    mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, ta, 5)
-    # another connection's completion came first: both are dispatched as a wake-up would
-    cq.pending += [
-        Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tb, 1), 8),
-        Rec(mine, 7),
-    ]
-    assert not look(h, cq, 7, mine)
-    assert seen == [("b", [1]), ("a", [5])]
-    # a failed completion of the request itself goes to the connection's handler (which fails it)
-    cq.pending.append(Rec(mine, 7, status=int(verbs.WcStatus.REM_ACCESS_ERR)))
-    assert not look(h, cq, 7, mine)
-    assert seen[-1] == ("a", [5])
-    # the same wr_id on another QP number is not ours
-    cq.pending.append(Rec(mine, 9))
-    assert not look(h, cq, 7, mine)
-    assert h.d.statistics()["dropped"] == 1
-
-
-def test_the_look_drains_a_full_batch_and_kept_completions_go_first() -> None:
+def test_records_a_caller_took_go_after_kept_ones_and_the_cq_is_drained_after_them() -> None:
+    """deliver(): completions kept (they came before their handler was set) are delivered first, then the
+    records the caller took, then whatever the CQ holds, polled until a batch comes back short."""
     h = Harness(batch=2)
     cq = h.d.reserve(10).cq
     seen: list[tuple[str, list[int]]] = []
@@ -313,67 +272,13 @@ def test_the_look_drains_a_full_batch_and_kept_completions_go_first() -> None:
     h.complete(cq, 7, tag, 0)  # arrives before the handler is set: kept
     h.wake()
     h.d.set_handler(7, tag, recorder(seen, "a"))
+    key = verbs.dispatch_key(7, tag)
     mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, tag, 9)
-    cq.pending.append(Rec(mine, 7))
-    assert h.d.inline_batch() is None  # kept ones first: the caller polls with poll_now instead
-    h.d.poll_now()
+    assert h.d.deliver(cq, [Rec(mine, 7, status=int(verbs.WcStatus.REM_ACCESS_ERR))], key)
     assert seen == [("a", [0]), ("a", [9])]
     cq.pending += [Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tag, i), 7) for i in (1, 2, 3)]
-    assert not look(h, cq, 7, mine)  # a full batch: the rest is polled too
-    assert [i for _, idx in seen[2:] for i in idx] == [1, 2, 3] and not cq.pending
-
-
-def test_a_post_and_poll_in_one_call_uses_the_inline_batch_only_when_records_may_be_polled_in_place() -> None:
-    """inline_batch() + polled(): the caller polled the CQ into the dispatcher's buffer itself (rdmaio posts
-    and polls in one C call); not while a dispatch runs or kept completions wait to be delivered."""
-    h = Harness(batch=16)
-    cq = h.d.reserve(10).cq
-    seen: list[tuple[str, list[int]]] = []
-    tag = h.d.register(7)
-    mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, tag, 4)
-    h.complete(cq, 7, tag, 0)  # arrives before the handler is set: kept
-    h.wake()
-    h.d.set_handler(7, tag, recorder(seen, "a"))
-    assert h.d.inline_batch() is None  # the kept records go first
-    h.d.poll_now()
-    batch = h.d.inline_batch()
-    assert batch is not None
-    cq.pending.append(Rec(mine, 7))
-    assert h.d.polled(cq, 7, mine, cq.poll_grouped(batch))  # alone and successful: the caller's
-    cq.pending += [
-        Rec(mine, 7),
-        Rec(verbs.make_wr_id(verbs.WR_KIND_RECV, tag, 2), 7),
-    ]
-    assert not h.d.polled(cq, 7, mine, cq.poll_grouped(batch))  # not alone: dispatched
-    assert seen == [("a", [0]), ("a", [4, 2])]
-    inside: list[object] = []
-    h.d.set_handler(7, tag, lambda records, start, count: inside.append(h.d.inline_batch()))
-    h.complete(cq, 7, tag, 5)
-    h.wake()
-    assert inside == [None]  # during a dispatch
-    h.d.close()
-    assert h.d.inline_batch() is None
-
-
-def test_a_look_from_a_handler_is_deferred_like_poll_now() -> None:
-    h = Harness(batch=16)
-    cq = h.d.reserve(10).cq
-    seen: list[tuple[str, list[int]]] = []
-    tag = h.d.register(7)
-    mine = verbs.make_wr_id(verbs.WR_KIND_ONESIDED, tag, 3)
-
-    def a(records: Any, start: int, count: int) -> None:
-        seen.append(("a", [verbs.wr_index(records[i].wr_id) for i in range(start, start + count)]))
-        if len(seen) == 1:
-            cq.pending.append(Rec(mine, 7))
-            assert h.d.inline_batch() is None  # re-entrant: the caller falls back to poll_now
-            h.d.poll_now()
-            assert len(seen) == 1  # nothing polled inside the dispatch
-
-    h.d.set_handler(7, tag, a)
-    h.complete(cq, 7, tag, 0)
-    h.wake()
-    assert seen == [("a", [0]), ("a", [3])]
+    assert h.d.deliver(cq, [Rec(mine, 7)], key)  # then more than one batch of the CQ: all of it
+    assert [i for _, idx in seen[2:] for i in idx] == [9, 1, 2, 3] and not cq.pending
 
 
 def test_a_handler_that_unregisters_another_connection_mid_batch_drops_its_group() -> None:

@@ -579,9 +579,12 @@ def test_deliver_during_a_dispatch_keeps_the_record_for_the_next_poll_in_order()
     assert d.statistics()["dropped"] >= 1
 
 
-def test_with_a_sessions_close_state_the_serial_call_reads_its_flags_instead_of_calling(arun: Run) -> None:
-    """A Session's flush_error is its CloseState's: the serial path reads wire_down/local_closed (no
-    call), and a close() started refuses the call exactly as flush_error() does."""
+def test_the_close_state_given_to_the_engine_ends_the_serial_path_without_a_call_per_operation(
+    arun: Run,
+) -> None:
+    """The engine is given the connection's CloseState (a Session's): a serial call asks no flush_error()
+    (the state tells the engine when closing starts), and a close() started refuses the call exactly as
+    flush_error() does."""
     from rdmaio.protocol.closestate import CloseState
 
     async def main() -> None:

@@ -25,6 +25,7 @@ from rdmaio.core.onesided import (
 )
 from rdmaio.core.onesided import operations as onesided_operations
 from rdmaio.protocol import Handshake, Session
+from rdmaio.protocol.closestate import CloseState
 from rdmaio.testing.fakes import FakeQP, FakeRegion, FakeRegistration, FakeSerialPort, FakeWindow
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -42,6 +43,7 @@ class FakeCredits:
         self.credits = credits
         self.used = 0
         self.error: BaseException | None = None
+        self.close_state = CloseState()  # what a Session's flush_error answers from
 
     def can_take_slot(self) -> bool:
         return self.credits >= 2 and self.error is None
@@ -54,7 +56,7 @@ class FakeCredits:
         self.used += 1
 
     def flush_error(self) -> BaseException | None:
-        return self.error
+        return self.error or self.close_state.flush_error()
 
 
 class Rig:
@@ -106,6 +108,7 @@ class Rig:
             bind_window=self._bind if windows else None,
             poll=self._reap,
             max_revoked_ranges=max_revoked_ranges,
+            close_state=self.credits.close_state,
         )
 
     def _bindable(self, view: memoryview, readonly: bool) -> FakeRegion:

@@ -89,7 +89,8 @@ from rdmaio.core.onesided.operations import MAX_OP_BYTES, WR_KIND_ONESIDED, Op, 
 from rdmaio.core.onesided.registrars import bindable_registrar, local_and_grant_registrars, window_binder
 from rdmaio.core.onesided.revoked import RevokedKeys
 from rdmaio.errors import VerbsError
-from rdmaio.protocol import FEATURE_ONESIDED
+from rdmaio.protocol import FEATURE_ONESIDED, Session
+from rdmaio.protocol.closestate import CloseState
 
 __all__ = [
     "ACCESS_ATOMIC",
@@ -135,7 +136,9 @@ class OneSidedEngine:
     now (to free bind entries). ``max_revoked_ranges`` bounds the peer's revoked key ids kept.
     ``repost(slot)`` gives a receive held by write-notice back-pressure back to the NIC. ``port`` (a
     :class:`~rdmaio.core.onesided.interfaces.SerialPort`, or ``make_port(wr_base)`` makes it) posts and
-    polls a serial request in one C call.
+    polls a serial request in one C call; ``close_state`` (the Session's
+    :class:`~rdmaio.protocol.closestate.CloseState`) tells the engine when the connection starts closing.
+    Serial calls take that path only with both.
 
     A connection calls :attr:`pump` after a batch of completions only while
     ``operations.waiting_for_credit`` is not 0 (otherwise it has nothing to post).
@@ -166,6 +169,7 @@ class OneSidedEngine:
         repost: Callable[[int], None] | None = None,
         port: SerialPort | None = None,
         make_port: Callable[[int], SerialPort | None] | None = None,
+        close_state: CloseState | None = None,
     ) -> None:
         stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -189,6 +193,7 @@ class OneSidedEngine:
             revoked_ids=revoked_ids,
             peer_onesided=peer_onesided,
             port=port,
+            close_state=close_state,
         )
         exporter = Exporter(
             io,
@@ -232,7 +237,7 @@ class OneSidedEngine:
         self.on_recv = exporter.on_recv
 
     @classmethod
-    def for_connection(cls, conn: Any, transport: Any, session: Credits, options: Any) -> OneSidedEngine:
+    def for_connection(cls, conn: Any, transport: Any, session: Session, options: Any) -> OneSidedEngine:
         """The engine of a :class:`~rdmaio.core.connection.Connection` (an :class:`~rdmaio.Endpoint`'s core):
         its memory goes into the Domain's protection domain.
 
@@ -242,9 +247,12 @@ class OneSidedEngine:
         domain = transport.domain
         register_local, register_grant = local_and_grant_registrars(transport.pd)
         try:
-            windows = cached_caps(transport.device).max_mw > 0
+            caps = cached_caps(transport.device)
         except VerbsError:
-            windows = False
+            windows = atomics = False
+        else:
+            windows = caps.max_mw > 0
+            atomics = caps.atomic_cap != "NONE"
         # A weak reference: a strong one (engine -> connection -> engine) would make every connection a
         # reference cycle, keeping its loop and the loop's Domain (PD, event channel fd) alive until the
         # cyclic GC runs instead of freeing them when the last reference goes.
@@ -254,11 +262,6 @@ class OneSidedEngine:
             method = fail_ref()
             if method is not None:
                 method(exc)
-
-        try:
-            atomics = cached_caps(transport.device).atomic_cap != "NONE"
-        except VerbsError:
-            atomics = False
 
         # --- the repost of a held receive (write-notice back-pressure): built here only, given to the
         # exporter, which calls it when wait_write_notice() takes a notice ---------------------------------
@@ -273,7 +276,6 @@ class OneSidedEngine:
 
         # --- end of the repost -----------------------------------------------------------------------------
 
-        peer = getattr(session, "peer", None)
         return cls(
             conn.io,
             transport.qp,
@@ -292,10 +294,11 @@ class OneSidedEngine:
             atomics=atomics,
             tag=transport.tag or 0,
             stats=conn.stats,
-            peer_onesided=peer is None or bool(peer.features & FEATURE_ONESIDED),
+            peer_onesided=bool(session.peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
             make_port=transport.onesided_port,
+            close_state=session.close_state,
         )
 
     @property

@@ -22,6 +22,7 @@ import collections
 import errno
 import struct
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -98,12 +99,20 @@ _POSTED_DONE = verbs.POSTED_DONE
 _POSTED_OTHER = verbs.POSTED_OTHER
 _U64_AT = struct.Struct("=Q").unpack_from  # an atomic's old value: a u64 in this host's byte order
 _running_loop = asyncio.get_running_loop  # C
-# The running asyncio task without a Python call: _asyncio.current_task (C, Python 3.12+), else the dict
-# the C task machinery keeps per loop (Python 3.11, where asyncio.current_task is Python code).
-_c_current_task: Callable[[], object] | None = getattr(sys.modules.get("_asyncio"), "current_task", None)
-_TASKS_BY_LOOP: dict[Any, Any] | None = (
-    None if _c_current_task is not None else getattr(asyncio.tasks, "_current_tasks", None)
-)
+# The running task of an asyncio loop, in C (no Python frame: a serial call asks for it once). From Python
+# 3.12 on this is asyncio.current_task itself (C; it takes the loop). Python 3.11 has no public C function
+# that returns the task (asyncio.current_task is Python code there, and _asyncio has no current_task until
+# 3.12), so there it is the lookup asyncio.current_task makes: the dict the C task machinery keeps per loop
+# (_enter_task/_leave_task), asyncio.tasks._current_tasks, read and never written. Unavoidable there: the
+# public function is one more Python call per operation, and the ways to know the caller without its task
+# do not tell tasks apart (a task created by the caller inherits its context variables; the engine does
+# not see a caller yield to the loop outside its calls), which would let concurrent tasks take the serial
+# path, each request its own post and poll instead of sharing a doorbell and a wake-up.
+_task_of_loop: Callable[[Any], object]
+if isinstance(asyncio.current_task, types.BuiltinFunctionType):
+    _task_of_loop = asyncio.current_task
+else:
+    _task_of_loop = getattr(asyncio.tasks, "_current_tasks").get  # noqa: B009 (Python 3.11: see above)
 
 
 class Op:
@@ -180,8 +189,11 @@ class OperationEngine:
     (local-access registration of rdmaio-owned memory), ``cache_get`` (the Domain's registration cache,
     for ``read_into``), ``fail`` (fails the whole connection), ``wr_base`` (kind and tag of our wr_ids),
     ``indexes`` (the counter shared with the window binds), ``revoked_ids`` (the keys the peer revoked,
-    kept by the exporter), the connection's ``stats`` counter, and ``port`` (a
-    :class:`~rdmaio.core.onesided.interfaces.SerialPort`: fill, post and poll one request in one C call).
+    kept by the exporter), the connection's ``stats`` counter, ``port`` (a
+    :class:`~rdmaio.core.onesided.interfaces.SerialPort`: fill, post and poll one request in one C call)
+    and ``close_state`` (the connection's :class:`~rdmaio.protocol.closestate.CloseState`, the Session's:
+    the engine registers with it to learn when the connection starts closing). Without a port or a close
+    state, no call takes the serial path.
 
     A serial call (one task calling one request at a time, nothing else of this engine in flight) on a
     device that completes at the post (rxe does) runs as ONE Python call: its checks, the C call that posts
@@ -210,6 +222,7 @@ class OperationEngine:
         revoked_ids: RevokedKeys,
         peer_onesided: bool,
         port: SerialPort | None,
+        close_state: CloseState | None = None,
     ) -> None:
         self._io = io
         self._qp = qp
@@ -233,21 +246,16 @@ class OperationEngine:
         # Posts a lone request of a task calling serially and polls the completion queue once right after,
         # in one C call (see _post).
         self._port = port
-        self._post_poll: Callable[..., int] | None = port.post_poll if port is not None else None
-        # asyncio (and uvloop): an op's waiter is a bare asyncio.Future (made, resolved and awaited in C);
-        # the task is asyncio.current_task (C). Other backends: their Waiter and current_task().
+        self._post_poll: Callable[..., int] = port.post_poll if port is not None else _no_port
+        self._post_batch_poll: Callable[..., int] = port.post_batch_poll if port is not None else _no_port
+        # asyncio (and uvloop): an op's waiter is a bare asyncio.Future (made, resolved and awaited in C).
+        # Other backends: their Waiter.
         self._futures = isinstance(io, AsyncioBackend)
-        self._current_task: Callable[[], object] = io.current_task
-        self._tasks_by_loop: dict[Any, Any] | None = None
-        if self._futures and _c_current_task is not None:
-            self._current_task = _c_current_task
-        elif self._futures:
-            self._tasks_by_loop = _TASKS_BY_LOOP
-        # The serial path asks whether the connection is closing by reading the two flags of the Session's
-        # close state behind credits.flush_error (flush_error() is None exactly while neither is set)
-        # instead of calling it; any other credits object is asked by the call.
-        state = getattr(credits.flush_error, "__self__", None)
-        self._close_state: CloseState | None = state if isinstance(state, CloseState) else None
+        # The running task is self._task_of(self._running()): the running loop's task in C calls on
+        # asyncio (see _task_of_loop); the backend's current_task() elsewhere (trio).
+        self._running: Callable[[], Any] = _running_loop if self._futures else io.current_task
+        self._task_of: Callable[[Any], object] = _task_of_loop if self._futures else _itself
+        self._close_state = close_state
         # Serial calls and batch waves completed at their post, by kind (no op, no Counter update:
         # statistics() adds them).
         self._reads_at_post = 0
@@ -258,6 +266,12 @@ class OperationEngine:
         self._wave_ops_at_post = dict.fromkeys(_KIND_KEY, 0)  # requests of those waves, by opcode
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
         self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
+        # The serial path's flag: one attribute a call checks instead of the engine's state (see
+        # _update_serial). id() of the task whose next call may take the serial path, 0 while none may.
+        self._serial_task = 0
+        # The part of its facts that changes rarely: a port and a close state, the connection open (not
+        # closing, not closed), staging registered, nobody waiting for an op slot.
+        self._serial_open = False
         self.ops: dict[int, Op] = {}
         """Posted or waiting for a credit, by op index."""
         self.in_flight = 0
@@ -269,7 +283,7 @@ class OperationEngine:
         """Control messages and writes with immediate data waiting for a send credit: while 0,
         :meth:`pump` has nothing to do (a connection may skip calling it)."""
         self._staging: Any = None  # a Region: registered rdmaio-owned memory, max_ops slots of STAGING_SLOT
-        self._staging_view: memoryview | None = None
+        self._staging_view = memoryview(b"")  # all of it, once registered
         self._staging_buf: bytearray | None = None
         self._staging_addr = 0
         self._staging_lkey = 0
@@ -285,6 +299,39 @@ class OperationEngine:
         self.on_other_completion: Callable[[int, int, int], bool] = _not_ours
         """Called with ``(index, status, vendor_err)`` for a completion whose index is no op of ours (the
         exporter's window binds); returns whether it was one."""
+
+    # --- the serial path's flag -----------------------------------------------------------------------------
+
+    def on_closing(self) -> None:
+        """The connection started closing (its close state tells the engine once the staging memory is
+        registered): no call takes the serial path from now on; the general path raises the connection's
+        error."""
+        self._serial_open = False
+        self._serial_task = 0
+
+    def _update_serial(self) -> None:
+        """Recompute the serial path's flag from the engine's state, where a rarely changing fact changed.
+
+        A call takes the serial path (post and poll in one C call, no op while it completes at its post)
+        when ``_serial_task`` is its task's id: the task that posted the previous request, while the engine
+        has a port and the connection's close state, the connection is open (not closing, not closed), the
+        staging memory is registered, nobody waits for an op slot (``_serial_open``), nothing is in flight
+        (:attr:`ops` empty) and a staging slot is free. Each place that makes one of these facts false
+        clears the flag; each place that makes one true sets it again if all hold: this method where a fact
+        of ``_serial_open`` changed, an inline assignment where an op comes or goes and where a staging slot
+        comes back (on the paths that must not cost a Python call)."""
+        state = self._close_state
+        self._serial_open = (
+            self._port is not None
+            and state is not None
+            and not state.closing
+            and not self.closed
+            and self._staging is not None
+            and not self._slot_waiters
+        )
+        self._serial_task = (
+            self._last_poster if self._serial_open and not self.ops and self._free_staging else 0
+        )
 
     # --- the state every part checks ------------------------------------------------------------------------
 
@@ -319,10 +366,8 @@ class OperationEngine:
 
     async def read(self, key: RemoteKey, offset: int, length: int) -> bytes:
         """RDMA READ into rdmaio-owned memory; see ``Endpoint.rdma_read``."""
-        post_poll = self._post_poll
         if (
-            post_poll is not None
-            and not self.ops
+            self._serial_task == id(self._task_of(self._running()))
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
             and isinstance(length, int)
@@ -331,28 +376,13 @@ class OperationEngine:
             and 0 < length <= STAGING_SLOT
             and offset + length <= key.length
             and key.key_id >= self.revoked_ids.top
-            and self._free_staging
-            and self._staging_view is not None
-            and not self._slot_waiters
-            and self.error is None
-            and not self.closed
-            and self._last_poster
-            == id(
-                self._current_task()
-                if self._tasks_by_loop is None
-                else self._tasks_by_loop.get(_running_loop())
-            )
-            and (
-                self._credits.flush_error() is None
-                if self._close_state is None
-                else not (self._close_state.wire_down or self._close_state.local_closed)
-            )
         ):
-            # The serial path (see _post): every check above is check_key's, raise_if_failed's and
-            # _start_now's; a call that fails one takes the general path below, which raises.
+            # The serial path (see _post and _update_serial): the flag stands for raise_if_failed's and
+            # _start_now's checks, the rest are check_key's; a call that fails one takes the general path
+            # below, which raises.
             at = self._free_staging[-1] * STAGING_SLOT
             index = next(self._index) & _INDEX_MASK
-            result = post_poll(
+            result = self._post_poll(
                 index, self._staging_addr + at, self._staging_lkey, length, WR_READ, key.addr + offset,
                 key.rkey, 0, 0,
             )  # fmt: skip
@@ -364,14 +394,8 @@ class OperationEngine:
                     self._at_post_streak = 0
                     await self._io.sleep(0)
                 return data
-            op = await self._serial_rest(index, result, WR_READ, length, key.key_id)
-            assert op.buffer is not None and op.staging is not None
-            data = bytes(op.buffer[:length])
-            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
-            op.staging = op.buffer = None
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()  # they may wait for a staging slot
-            return data
+            read: bytes = await self._serial_rest(index, result, WR_READ, length, key.key_id)
+            return read
         else:
             self.check_key(key, offset, length, ACCESS_READ)
             if length > MAX_OP_BYTES:
@@ -445,11 +469,9 @@ class OperationEngine:
 
     async def write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
         """RDMA WRITE (with immediate data when ``imm`` is given); see ``Endpoint.rdma_write``."""
-        post_poll = self._post_poll
         if (
-            post_poll is not None
+            self._serial_task == id(self._task_of(self._running()))
             and imm is None
-            and not self.ops
             and type(data) is bytes
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
@@ -458,29 +480,13 @@ class OperationEngine:
             and 0 < len(data) <= STAGING_SLOT
             and offset + len(data) <= key.length
             and key.key_id >= self.revoked_ids.top
-            and self._free_staging
-            and self._staging_view is not None
-            and not self._slot_waiters
-            and self.error is None
-            and not self.closed
-            and self._last_poster
-            == id(
-                self._current_task()
-                if self._tasks_by_loop is None
-                else self._tasks_by_loop.get(_running_loop())
-            )
-            and (
-                self._credits.flush_error() is None
-                if self._close_state is None
-                else not (self._close_state.wire_down or self._close_state.local_closed)
-            )
         ):
             # The serial path (see read()): the data is copied into staging before the post, as below.
             length = len(data)
             at = self._free_staging[-1] * STAGING_SLOT
             self._staging_view[at : at + length] = data
             index = next(self._index) & _INDEX_MASK
-            result = post_poll(
+            result = self._post_poll(
                 index, self._staging_addr + at, self._staging_lkey, length, _WR_WRITE, key.addr + offset,
                 key.rkey, 0, 0,
             )  # fmt: skip
@@ -491,12 +497,7 @@ class OperationEngine:
                     self._at_post_streak = 0
                     await self._io.sleep(0)
                 return
-            op = await self._serial_rest(index, result, _WR_WRITE, length, key.key_id)
-            assert op.staging is not None
-            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
-            op.staging = op.buffer = None
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()  # they may wait for a staging slot
+            await self._serial_rest(index, result, _WR_WRITE, length, key.key_id)
             return
         else:
             view = memoryview(data)
@@ -527,10 +528,8 @@ class OperationEngine:
 
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomic fetch-and-add on a u64; see ``Endpoint.fetch_add``."""
-        post_poll = self._post_poll
         if (
-            post_poll is not None
-            and not self.ops
+            self._serial_task == id(self._task_of(self._running()))
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
             and isinstance(add, int)
@@ -540,27 +539,11 @@ class OperationEngine:
             and not (key.addr + offset) & 7
             and -(1 << 63) <= add <= U64
             and key.key_id >= self.revoked_ids.top
-            and self._free_staging
-            and self._staging_view is not None
-            and not self._slot_waiters
-            and self.error is None
-            and not self.closed
-            and self._last_poster
-            == id(
-                self._current_task()
-                if self._tasks_by_loop is None
-                else self._tasks_by_loop.get(_running_loop())
-            )
-            and (
-                self._credits.flush_error() is None
-                if self._close_state is None
-                else not (self._close_state.wire_down or self._close_state.local_closed)
-            )
         ):
             # The serial path (see read()).
             at = self._free_staging[-1] * STAGING_SLOT
             index = next(self._index) & _INDEX_MASK
-            result = post_poll(
+            result = self._post_poll(
                 index, self._staging_addr + at, self._staging_lkey, 8, WR_FADD, key.addr + offset, key.rkey,
                 add & U64, 0,
             )  # fmt: skip
@@ -572,13 +555,7 @@ class OperationEngine:
                     self._at_post_streak = 0
                     await self._io.sleep(0)
                 return old
-            op = await self._serial_rest(index, result, WR_FADD, 8, key.key_id)
-            assert op.staging is not None
-            old = _U64_AT(self._staging_view, op.staging * STAGING_SLOT)[0]
-            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
-            op.staging = op.buffer = None
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()  # they may wait for a staging slot
+            old = await self._serial_rest(index, result, WR_FADD, 8, key.key_id)
             return old
         self._check_atomic(key, offset)
         if not isinstance(add, int) or not -(1 << 63) <= add <= U64:
@@ -589,10 +566,8 @@ class OperationEngine:
 
     async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
         """Atomic compare-and-swap on a u64; see ``Endpoint.compare_swap``."""
-        post_poll = self._post_poll
         if (
-            post_poll is not None
-            and not self.ops
+            self._serial_task == id(self._task_of(self._running()))
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
             and isinstance(expected, int)
@@ -604,27 +579,11 @@ class OperationEngine:
             and 0 <= expected <= U64
             and 0 <= desired <= U64
             and key.key_id >= self.revoked_ids.top
-            and self._free_staging
-            and self._staging_view is not None
-            and not self._slot_waiters
-            and self.error is None
-            and not self.closed
-            and self._last_poster
-            == id(
-                self._current_task()
-                if self._tasks_by_loop is None
-                else self._tasks_by_loop.get(_running_loop())
-            )
-            and (
-                self._credits.flush_error() is None
-                if self._close_state is None
-                else not (self._close_state.wire_down or self._close_state.local_closed)
-            )
         ):
             # The serial path (see read()).
             at = self._free_staging[-1] * STAGING_SLOT
             index = next(self._index) & _INDEX_MASK
-            result = post_poll(
+            result = self._post_poll(
                 index, self._staging_addr + at, self._staging_lkey, 8, _WR_CSWAP, key.addr + offset,
                 key.rkey, expected, desired,
             )  # fmt: skip
@@ -636,13 +595,7 @@ class OperationEngine:
                     self._at_post_streak = 0
                     await self._io.sleep(0)
                 return old
-            op = await self._serial_rest(index, result, _WR_CSWAP, 8, key.key_id)
-            assert op.staging is not None
-            old = _U64_AT(self._staging_view, op.staging * STAGING_SLOT)[0]
-            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
-            op.staging = op.buffer = None
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()  # they may wait for a staging slot
+            old = await self._serial_rest(index, result, _WR_CSWAP, 8, key.key_id)
             return old
         self._check_atomic(key, offset)
         for name, value in (("expected", expected), ("desired", desired)):
@@ -661,15 +614,16 @@ class OperationEngine:
         key_id: int,
         count: int = 1,
         wave: bool = False,
-    ) -> Op:
+    ) -> Any:
         """The rest of a serial request that the C call posted without finding its own successful
         completion (or failed to post: raises its error, failing the connection): tracked as any posted
         op (its staging slot taken, in :attr:`ops`), the record the poll took dispatched first (it may be
-        its own failure), then its completion awaited (what :meth:`finish` does, in one coroutine).
-        Returns the op, successful; the caller reads its staging slot and gives it back. ``count``
-        requests (a ``wave`` of a batch: counted as one) or one."""
+        its own failure), then its completion awaited (what :meth:`finish` does, in one coroutine), its
+        result read from its staging slot and the slot given back. Returns what the call returns: the
+        bytes the NIC wrote (a READ, a ``wave`` of a batch), the old value (an atomic) or None (a WRITE).
+        ``count`` requests (a wave: counted as one) or one."""
         port = self._port
-        assert port is not None and self._staging_view is not None
+        assert port is not None
         if result < 0:
             exc = port.post_error(result)
             self._fail_connection(exc)
@@ -681,8 +635,10 @@ class OperationEngine:
         op.count = count
         op.posted = True
         slot = op.staging = self._free_staging.pop()
-        op.buffer = self._staging_view[slot * STAGING_SLOT : slot * STAGING_SLOT + length]
+        at = slot * STAGING_SLOT
+        op.buffer = self._staging_view[at : at + length]
         self.ops[index] = op
+        self._serial_task = 0  # something is in flight
         self.in_flight += count
         stats = self._stats
         stats["rdma_ops_posted"] += count
@@ -722,7 +678,19 @@ class OperationEngine:
         if op.error is not None:
             self.release(op)
             raise op.error
-        return op
+        if wave or opcode == WR_READ:
+            value: Any = bytes(self._staging_view[at : at + length])
+        elif opcode == _WR_WRITE:
+            value = None
+        else:  # the NIC stores an atomic's original value as a u64 in this host's byte order
+            value = _U64_AT(self._staging_view, at)[0]
+        # release(), inline: a staging slot is all it holds
+        self._free_staging.append(slot)
+        op.staging = op.buffer = None
+        self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
+        if self._slot_waiters or self._pending_sends:
+            self._wake_slot_waiter()  # they may wait for a staging slot
+        return value
 
     def _check_atomic(self, key: RemoteKey, offset: int) -> None:
         self.check_key(key, offset, 8, ACCESS_ATOMIC)
@@ -763,11 +731,14 @@ class OperationEngine:
                 self._slot_waiters.appendleft(waiter)  # woken first but no room yet: still first in line
             else:
                 self._slot_waiters.append(waiter)
+            self._serial_open = False  # somebody waits for a slot: no call may go ahead of it
+            self._serial_task = 0
             try:
                 await waiter.wait()
             except BaseException:
                 if waiter in self._slot_waiters:
                     self._slot_waiters.remove(waiter)
+                    self._update_serial()
                 else:
                     self._wake_slot_waiter()  # we were woken but give up: pass the wake-up on
                 raise
@@ -801,6 +772,7 @@ class OperationEngine:
         if staging and length:
             self._give_memory(op, length)
         self.ops[op.index] = op
+        self._serial_task = 0  # something is in flight
         self.in_flight += count
         return op
 
@@ -812,9 +784,14 @@ class OperationEngine:
                 self._staging_view = memoryview(buf)
                 self._staging_addr = self._staging.addr
                 self._staging_lkey = self._staging.lkey
+                if self._close_state is not None:
+                    # From now on the serial path may open: be told when the connection starts closing
+                    # (on_closing; a graceful close() included, which leaves the engine open until the
+                    # teardown). Not before: a connection that makes no such call costs no watcher.
+                    self._close_state.watch(self)
+                self._update_serial()  # (the op is not in ops yet: _new_op clears the flag right after)
             slot = self._free_staging.pop()
             op.staging = slot
-            assert self._staging_view is not None
             op.buffer = self._staging_view[slot * STAGING_SLOT : slot * STAGING_SLOT + length]
         else:
             size = 1 << (length - 1).bit_length()  # size class: the next power of two
@@ -860,10 +837,10 @@ class OperationEngine:
             self.pump()
         elif len(self.ops) == 1 and not self._doorbell:
             # Alone in flight: post at once (nothing to share a doorbell with).
-            poster = id(self._task())
+            poster = id(self._task_of(self._running()))
             serial = poster == self._last_poster
             self._last_poster = poster
-            if not serial or self._post_poll is None:
+            if not serial or self._port is None:
                 self._post_now(op)
             else:
                 # One task calling one request at a time: look once before sleeping, as asyncio's
@@ -883,17 +860,12 @@ class OperationEngine:
             # Others are in flight: more calls are likely in this same loop iteration (tasks woken by
             # one batch of completions). Post them together at its end: one ibv_post_send (on rxe one
             # system call that runs the requester) for up to _DOORBELL requests.
-            self._last_poster = id(self._task())
+            self._last_poster = id(self._task_of(self._running()))
             self._doorbell.append(op)
             if len(self._doorbell) >= _DOORBELL:
                 self._ring()
             elif self._ring_handle is None:
                 self._ring_handle = self._io.call_soon(self._ring)
-
-    def _task(self) -> object:
-        """The running task (compared by identity only)."""
-        tasks = self._tasks_by_loop
-        return self._current_task() if tasks is None else tasks.get(_running_loop())
 
     def _ring(self) -> None:
         """Post the requests collected for one doorbell, as one chain."""
@@ -1018,34 +990,16 @@ class OperationEngine:
         resolves the wait directly. A cancelled wait leaves the wave to its completion, which releases
         its memory."""
         count = len(remote)
-        port = self._port
         if (
-            port is not None
-            and not self.ops
+            self._serial_task == id(self._task_of(self._running()))
             and count <= self.max_ops
             and nbytes <= STAGING_SLOT
-            and self._free_staging
-            and self._staging_view is not None
-            and not self._slot_waiters
-            and self.error is None
-            and not self.closed
             and key.key_id >= self.revoked_ids.top
-            and self._last_poster
-            == id(
-                self._current_task()
-                if self._tasks_by_loop is None
-                else self._tasks_by_loop.get(_running_loop())
-            )
-            and (
-                self._credits.flush_error() is None
-                if self._close_state is None
-                else not (self._close_state.wire_down or self._close_state.local_closed)
-            )
         ):
-            # The serial path (see read()): start()'s and raise_if_failed's checks above.
+            # The serial path (see read()): the flag stands for start()'s and raise_if_failed's checks.
             at = self._free_staging[-1] * STAGING_SLOT
             index = next(self._index) & _INDEX_MASK
-            result = port.post_batch_poll(
+            result = self._post_batch_poll(
                 self._wr_base | index, opcode, self._staging_addr + at, self._staging_lkey, key.rkey, remote,
                 **arrays,
             )  # fmt: skip
@@ -1058,17 +1012,12 @@ class OperationEngine:
                     self._at_post_streak = 0
                     await self._io.sleep(0)
                 return data
-            op = await self._serial_rest(index, result, opcode, nbytes, key.key_id, count, wave=True)
-            assert op.staging is not None
-            at = op.staging * STAGING_SLOT
-            data = bytes(self._staging_view[at : at + nbytes])
-            self._free_staging.append(op.staging)  # release(), inline: a staging slot is all it holds
-            op.staging = op.buffer = None
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()  # they may wait for a staging slot
-            return data
+            written: bytes = await self._serial_rest(
+                index, result, opcode, nbytes, key.key_id, count, wave=True
+            )
+            return written
         op = await self.start(key, opcode, nbytes, count=count)
-        self._last_poster = id(self._task())
+        self._last_poster = id(self._task_of(self._running()))
         addr, lkey = self._local_of(op)
         try:
             self._qp.post_batch(self._wr_base | op.index, opcode, addr, lkey, key.rkey, remote, **arrays)
@@ -1181,6 +1130,8 @@ class OperationEngine:
             self.on_other_completion(wr_id & _INDEX_MASK, status, vendor_err)
             return
         self.in_flight -= op.count  # what _forget does (ops hold no done op: _complete takes it out)
+        if not self.ops:  # nothing in flight any more (see _update_serial)
+            self._serial_task = self._last_poster if self._serial_open and self._free_staging else 0
         if status == 0:
             # _complete, inline: the one Python call of a completion that wakes its caller.
             op.done = True
@@ -1232,6 +1183,7 @@ class OperationEngine:
         # back when a completed op's caller releases it, which wakes the next waiter then).
         if self._slot_waiters and self.in_flight < self.max_ops and self._free_staging:
             self._slot_waiters.popleft().set()
+            self._update_serial()
         if self._pending_sends:
             self.pump()
 
@@ -1240,6 +1192,7 @@ class OperationEngine:
         if op.staging is not None:
             self._free_staging.append(op.staging)
             op.staging = None
+            self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
             if self._slot_waiters or self._pending_sends:
                 self._wake_slot_waiter()  # a caller or a control message may wait for a staging slot
         if op.pooled is not None:
@@ -1261,6 +1214,8 @@ class OperationEngine:
         """Take ``op`` out of :attr:`ops` and give back its slots (once: a second call does nothing)."""
         if self.ops.pop(op.index, None) is not None:
             self.in_flight -= op.count
+            if not self.ops:  # nothing in flight any more (see _update_serial)
+                self._serial_task = self._last_poster if self._serial_open and self._free_staging else 0
 
     def _abandon(self, op: Op) -> None:
         self._forget(op)
@@ -1296,6 +1251,8 @@ class OperationEngine:
                 large.region.close()
         self._large_pool.clear()
         self._large_pooled = 0
+        self._serial_open = False  # closed: no serial path any more
+        self._serial_task = 0
 
     def statistics(self) -> dict[str, int]:
         """Requests posted, doorbells (post calls), batch waves, serial calls completed at their post, and
@@ -1318,6 +1275,16 @@ class OperationEngine:
             "rdma_fetch_adds": get("rdma_fetch_adds", 0) + fetch_adds + wave[WR_FADD],
             "rdma_compare_swaps": get("rdma_compare_swaps", 0) + compare_swaps + wave[_WR_CSWAP],
         }
+
+
+def _no_port(*args: Any, **kwargs: Any) -> int:
+    """The serial post of an engine without a port: never called (without a port no call is serial)."""
+    raise AssertionError("this engine has no serial port")
+
+
+def _itself(task: object) -> object:
+    """The task, as its own key (backends other than asyncio: see ``OperationEngine._task_of``)."""
+    return task
 
 
 def _not_ours(index: int, status: int, vendor_err: int) -> bool:
