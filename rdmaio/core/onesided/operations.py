@@ -1254,6 +1254,12 @@ class OperationEngine:
         self._serial_open = False  # closed: no serial path any more
         self._serial_task = 0
 
+    @property
+    def _done_at_post(self) -> int:
+        """Serial calls completed at their post, of every kind (the sum of the per-kind counters)."""
+        serial_reads_writes = self._reads_at_post + self._writes_at_post
+        return serial_reads_writes + self._fetch_adds_at_post + self._compare_swaps_at_post
+
     def statistics(self) -> dict[str, int]:
         """Requests posted, doorbells (post calls), batch waves, serial calls completed at their post, and
         ops pending; requests posted by kind: ``rdma_reads``, ``rdma_writes`` (with immediate data too),
