@@ -162,6 +162,8 @@ def test_metrics_add_up_and_a_scrape_carries_them(arun: Runner[Any], rdma_addr: 
             ]
             assert values == [sample.value], (family.name, dict(sample.labels), values)
             compared += 1
-    assert compared >= 30
+    # 20 connection samples, open, the refusals (client, server), 5 of the Domain's, the registered bytes
+    # (4 pools while the loop's Domain is open, 1 once it closed): at least 29
+    assert compared >= 29
     assert mine(again, "rdmaio_bytes", loop, direction="sent") == moved
     assert "rdmaio_device_port_counter" in scraped
