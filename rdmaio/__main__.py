@@ -1,4 +1,5 @@
-"""``python -m rdmaio COMMAND`` or ``rdmaio COMMAND``: ``bench``, ``devices``, ``doctor``, ``ping``."""
+"""``python -m rdmaio COMMAND`` or ``rdmaio COMMAND``: ``bench``, ``devices``, ``doctor``, ``ping``,
+``perf``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ commands:
   devices   list the RDMA devices and their ports
   doctor    check what RDMA needs on this machine, with the fix for each problem (--json)
   ping      round-trip times to an rdmaio ping server (python -m rdmaio ping --help)
+  perf      throughput and latency between two hosts (python -m rdmaio perf --help)
 """
 
 
@@ -65,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rdmaio.cli.ping import main as ping_main
 
         return ping_main(rest)
+    if command == "perf":
+        from rdmaio.cli.perf import main as perf_main
+
+        return perf_main(rest)
     if command == "devices":
         if rest:
             print("usage: python -m rdmaio devices", file=sys.stderr)

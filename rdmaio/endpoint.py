@@ -69,6 +69,13 @@ class Endpoint:
             self.send = self._writer.send  # type: ignore[method-assign]
         if cls.recv is _FRONT_RECV:
             self.recv = self._reader.recv  # type: ignore[method-assign]
+        # The same for the stream's hot calls: a write, a drain, a readexactly() is one call of the core.
+        if cls.write is _FRONT_WRITE:
+            self.write = self._writer.write  # type: ignore[method-assign]
+        if cls.drain is _FRONT_DRAIN:
+            self.drain = self._writer.drain  # type: ignore[method-assign]
+        if cls.readexactly is _FRONT_READEXACTLY:
+            self.readexactly = self._reader.readexactly  # type: ignore[method-assign]
 
     # --- information -------------------------------------------------------------------------------
 
@@ -154,6 +161,7 @@ class Endpoint:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Queue ``data`` on the byte stream; small writes are coalesced into large frames."""
+        # An endpoint's write is the sender's (see __init__): this runs only through the class or a subclass.
         self._writer.write(data)
 
     def writelines(self, data: Any) -> None:
@@ -168,6 +176,7 @@ class Endpoint:
         :meth:`write_eof` it still waits for the data written before (as asyncio's ``drain()``): only new
         writes are refused.
         """
+        # An endpoint's drain is the sender's (see __init__): this runs only through the class or a subclass.
         if self._writer.must_drain():
             await self._writer.drain()
 
@@ -212,6 +221,8 @@ class Endpoint:
         As asyncio's: nothing is consumed until ``n`` bytes are there (a cancelled call loses nothing);
         at EOF the partial data is consumed and carried by the error.
         """
+        # An endpoint's readexactly is the receiver's (see __init__): this runs only through the class or a
+        # subclass.
         return await self._reader.readexactly(n)
 
     async def readuntil(self, separator: bytes = b"\n") -> bytes:
@@ -399,3 +410,6 @@ class Endpoint:
 # class still has these (not a subclass's override, not a patch).
 _FRONT_SEND = Endpoint.send
 _FRONT_RECV = Endpoint.recv
+_FRONT_WRITE = Endpoint.write
+_FRONT_DRAIN = Endpoint.drain
+_FRONT_READEXACTLY = Endpoint.readexactly

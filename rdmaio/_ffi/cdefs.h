@@ -307,6 +307,7 @@ int rdmaio_txring_room(const struct rdmaio_txring *r, uint64_t length);
 int rdmaio_txring_stage(struct rdmaio_txring *r, uint32_t i, const uint8_t *data, uint64_t length, uint32_t imm);
 int rdmaio_txring_stage_frame(struct rdmaio_txring *r, struct rdmaio_session *s, int index, const void *data,
                               uint32_t length, int kind);
+int rdmaio_txring_send_now(struct rdmaio_txring *r, struct rdmaio_session *s, const void *data, uint32_t length);
 int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags);
 int rdmaio_txring_finish(struct rdmaio_txring *r, uint32_t count);
 int rdmaio_txring_complete(struct rdmaio_txring *r, uint32_t index);

@@ -206,6 +206,26 @@ int rdmaio_txring_stage_frame(struct rdmaio_txring *r, struct rdmaio_session *s,
     return txring_put(r, (uint32_t)index, (const uint8_t *)data, length, (uint32_t)imm);
 }
 
+/* A message sent at once by an idle sender (nothing queued, nothing staged): the ring's room and the
+ * session's credit, the take, the copy and the work request of entry 0, then the chain's signalling rule.
+ * 1: staged and finished (post one entry); 2: staged, and a control frame (EOF or CREDIT) is due after it
+ * (the caller stages it and finishes the chain); 0: no room or no credit now (nothing changed: the caller
+ * queues the message); or a negative RDMAIO_TX_* refusal (nothing changed). */
+int rdmaio_txring_send_now(struct rdmaio_txring *r, struct rdmaio_session *s, const void *data, uint32_t length)
+{
+    int rc;
+
+    if (!rdmaio_txring_room(r, length) || rdmaio_session_can_send_data(s) <= 0)
+        return 0;
+    rc = rdmaio_txring_stage_frame(r, s, 0, data, length, 1);
+    if (rc < 0)
+        return rc;
+    if (rdmaio_session_control_frame_due(s))
+        return 2;
+    rc = rdmaio_txring_finish(r, 1);
+    return rc < 0 ? rc : 1;
+}
+
 /* Stage an empty frame (EOF, CREDIT, RETURN, RECLAIM) into entry i: no slot, no SGE. With RDMAIO_TX_EOF it
  * is signalled and its completion is reported by rdmaio_txring_complete(). Returns 0 or a refusal. */
 int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags)

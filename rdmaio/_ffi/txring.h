@@ -74,6 +74,10 @@ int rdmaio_txring_stage(struct rdmaio_txring *r, uint32_t i, const uint8_t *data
  * nothing changed: RDMAIO_TX_SESSION if the session does not take it (not fast, no credits, ...). */
 int rdmaio_txring_stage_frame(struct rdmaio_txring *r, struct rdmaio_session *s, int index, const void *data,
                               uint32_t length, int kind);
+/* A message sent at once by an idle sender: room, credit, take, copy and work request of entry 0, and the
+ * chain's signalling. 1: finished (post one entry); 2: staged, a control frame is due after it (stage it,
+ * then finish); 0: no room or no credit (nothing changed); or a negative refusal (nothing changed). */
+int rdmaio_txring_send_now(struct rdmaio_txring *r, struct rdmaio_session *s, const void *data, uint32_t length);
 int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm, uint32_t flags);
 int rdmaio_txring_finish(struct rdmaio_txring *r, uint32_t count);
 int rdmaio_txring_complete(struct rdmaio_txring *r, uint32_t index);

@@ -14,4 +14,6 @@ Modules:
   which answers doctor's probes).
 * :mod:`rdmaio.cli.startup`: imported first by ``import rdmaio``; lets the command line run ``doctor`` when
   rdmaio's compiled extension is missing or broken.
+* :mod:`rdmaio.cli.perf`: the ``perf`` command (throughput and latency between two hosts: a server and a
+  client, six modes, ``--json``).
 """

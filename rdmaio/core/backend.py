@@ -96,6 +96,10 @@ class Backend(Protocol):
     def one_shot(self) -> OneShot:
         """A new :class:`OneShot` (a future-like one-shot wake-up)."""
 
+    def one_shot_factory(self) -> Callable[[], OneShot]:
+        """What makes a :meth:`one_shot` with the fewest Python calls, for a caller that makes one per wait
+        in the loop's own thread while the loop runs."""
+
     def event(self) -> Event:
         """A new cancellation-safe event."""
 
@@ -215,6 +219,18 @@ class AsyncioBackend:
         if loop is None:
             raise RuntimeError("the event loop of this rdmaio backend no longer exists")
         return loop.create_future()
+
+    def one_shot_factory(self) -> Callable[[], OneShot]:
+        """``asyncio.Future`` itself when the loop's ``create_future`` makes a plain future (the default
+        loop's and uvloop's do): called in the running loop with no argument it is that loop's future, and
+        it is no Python call. Otherwise :meth:`one_shot`. Holds no reference to the loop."""
+        create = type(self.loop).create_future
+        uvloop = sys.modules.get("uvloop")
+        if create is asyncio.BaseEventLoop.create_future or (
+            uvloop is not None and create is getattr(uvloop.Loop, "create_future", None)
+        ):
+            return asyncio.Future
+        return self.one_shot
 
     def event(self) -> Event:
         """An ``asyncio.Event``."""
@@ -336,6 +352,10 @@ class TrioBackend:
     def one_shot(self) -> OneShot:
         """A future-like one-shot over a ``trio.Event`` (a cancelled wait leaves it untouched)."""
         return _TrioOneShot(self._trio.Event())
+
+    def one_shot_factory(self) -> Callable[[], OneShot]:
+        """:meth:`one_shot`."""
+        return self.one_shot
 
     def event(self) -> Event:
         """A ``trio.Event``."""

@@ -43,6 +43,7 @@ from rdmaio.errors import (
 from rdmaio.options import Options
 from rdmaio.protocol import Session
 from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
+from rdmaio.verbs.native import lib
 
 __all__ = ["Connection"]
 
@@ -50,6 +51,8 @@ log = logging.getLogger("rdmaio")
 
 _RECV_FLAG = 0x80  # IBV_WC_RECV bit of a completion opcode
 _FLUSH = int(WcStatus.WR_FLUSH_ERR)
+_control_frame_due = lib.rdmaio_session_control_frame_due  # one C call: is an EOF or CREDIT frame due?
+_txring_complete = lib.rdmaio_txring_complete  # one C call: a signalled send's entries are released
 
 _STAT_KEYS = (
     "bytes_sent",
@@ -266,8 +269,9 @@ class Connection:
                     only_onesided = False
                     if op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
                         self._keepalive.on_completion()
-                    else:
-                        self.sender.on_send_completion(wc.wr_id & WR_INDEX_MASK)
+                    elif _txring_complete(self.sender.tx, wc.wr_id & WR_INDEX_MASK):
+                        # Sender.on_send_completion(), inline: the entries up to it are released in C.
+                        self.sender.eof_done = True  # it was the EOF frame
             if receives:
                 only_onesided = False
                 self.receiver.on_batch(records, run, start + count - run)
@@ -280,7 +284,20 @@ class Connection:
                 return
             if self.onesided.operations.waiting_for_credit:  # else pump() has nothing to post
                 self.onesided.pump()  # one-sided: credits may have arrived
-            self.sender.on_batch_end()
+            # on_batch_end() only when it has something to do (its own test, inline): else the batch just
+            # lets the next small message go at once.
+            sender = self.sender
+            state = sender.plain_state
+            if (
+                state is None
+                or sender.queue.txq
+                or sender.staged
+                or sender.waiters
+                or _control_frame_due(state)
+            ):
+                sender.on_batch_end()
+            else:
+                sender.coalesce_next = False
             if self.closing:
                 self.finish_close()  # a graceful close ends when its last send completes
         except ProtocolError as exc:

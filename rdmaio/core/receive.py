@@ -147,6 +147,10 @@ class Receiver:
         # The read call's wake-up while it waits (on asyncio a future: made, woken and tested without a
         # Python call but io.one_shot()); None when no read waits or it was woken.
         self._waiter: OneShot | None = None
+        # What makes that wake-up: the backend's one-shot factory (asyncio: the future class, no Python
+        # call), bound at the first wait (the loop is running then).
+        self._new_one_shot: Callable[[], OneShot] = self._bind_one_shot
+        self._close = session.close_state  # its ``clear``: no close fact yet, an empty read just waits
         self.stopped = False  # torn down: nothing is re-posted any more, reads raise
         # The session's state: a C struct the hot rules run on in C (native), unless the session is not
         # fast (its methods must see every frame) or its state is a Python object (C cannot read it).
@@ -220,10 +224,15 @@ class Receiver:
                 if length >= big_frame:
                     self._big_frames += 1
                 if kind == _DATA_END:
-                    data = rxbuf.add_message(bytes(recv_view[off : off + length]))
+                    # add_message() and admit() in one call; the message is this frame and the fragments
+                    # before it (assembling: their bytes).
                     stats["messages_received"] += 1
-                    stats["bytes_received"] += len(data)
+                    stats["bytes_received"] += length + rxbuf.assembling
                     got_data = True
+                    data_frames += 1
+                    if rxbuf.add_admitted(bytes(recv_view[off : off + length]), slot):
+                        repost.append(slot)  # else held: back-pressure, no credit for it yet
+                    continue
                 elif kind == _DATA_BATCH:
                     messages = session.on_batch(recv_view[off : off + length])
                     size = rxbuf.add_messages(messages)
@@ -264,7 +273,12 @@ class Receiver:
         ):
             self._grow_receives()
         if got_data:
-            self.wake_reader()
+            # wake_reader(), inline: keep the two the same.
+            waiter = self._waiter
+            if waiter is not None:
+                self._waiter = None
+                if not waiter.done():  # done: its task was cancelled (asyncio) and has not cleaned up yet
+                    waiter.set_result(None)
 
     def _grow_receives(self) -> None:
         """Double the receive window (the next frame or a CREDIT frame grants the new slots) when the peer is
@@ -283,6 +297,11 @@ class Receiver:
             if native is None or _grow(native, added):
                 self.session.grow_receives(added)
             self._stats["recv_ring_grown"] += 1
+
+    def _bind_one_shot(self) -> OneShot:
+        """The first wait's wake-up: bind the backend's factory for the next ones, and make one."""
+        self._new_one_shot = self.io.one_shot_factory()
+        return self._new_one_shot()
 
     # --- re-posting ---------------------------------------------------------------------------------
 
@@ -355,17 +374,18 @@ class Receiver:
             # Nothing to read: wait for more (as _wait_more(), inline; keep the two the same).
             if self._generation != _fork_state._generation:
                 check_fork(self._generation)
-            outcome = self.session.recv_outcome()
-            if outcome is EOF:
-                return None
-            if isinstance(outcome, BaseException):
-                raise outcome
+            if not self._close.clear:  # a close fact holds: the close state's answer
+                outcome = self.session.recv_outcome()
+                if outcome is EOF:
+                    return None
+                if isinstance(outcome, BaseException):
+                    raise outcome
             if self.stopped:
                 raise EndpointClosedError("endpoint is closed")
             waiter = self._waiter
             if waiter is not None and not waiter.done():
                 raise RuntimeError("another task is already waiting to read from this endpoint")
-            waiter = self._waiter = self.io.one_shot()
+            waiter = self._waiter = self._new_one_shot()
             rxbuf.reader_waiting = True
             if rxbuf.held:
                 self.repost_released()
@@ -415,17 +435,18 @@ class Receiver:
         buffered, so held slots are released while it waits (as asyncio's StreamReader resumes reading)."""
         if self._generation != _fork_state._generation:
             check_fork(self._generation)
-        outcome = self.session.recv_outcome()
-        if outcome is EOF:
-            return False
-        if isinstance(outcome, BaseException):
-            raise outcome
+        if not self._close.clear:  # a close fact holds: the close state's answer
+            outcome = self.session.recv_outcome()
+            if outcome is EOF:
+                return False
+            if isinstance(outcome, BaseException):
+                raise outcome
         if self.stopped:
             raise EndpointClosedError("endpoint is closed")
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             raise RuntimeError("another task is already waiting to read from this endpoint")
-        waiter = self._waiter = self.io.one_shot()
+        waiter = self._waiter = self._new_one_shot()
         rxbuf = self._rxbuf
         rxbuf.reader_waiting = True
         if rxbuf.held:
@@ -483,7 +504,7 @@ class Receiver:
         return data
 
     async def readexactly(self, n: int) -> bytes:
-        """:meth:`rdmaio.Endpoint.readexactly`."""
+        """:meth:`rdmaio.Endpoint.readexactly` (an endpoint's ``readexactly`` is this bound method)."""
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
         if n == 0:
@@ -495,7 +516,8 @@ class Receiver:
                 self._after_read()
                 raise asyncio.IncompleteReadError(partial, n)
         data = rxbuf.take(n)
-        self._after_read()
+        if rxbuf.held or rxbuf.pending:  # _after_read() has something to do
+            self._after_read()
         return data
 
     async def readuntil(self, separator: bytes = b"\n") -> bytes:

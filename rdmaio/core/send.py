@@ -72,6 +72,7 @@ _txring_room = lib.rdmaio_txring_room
 _txring_stage = lib.rdmaio_txring_stage
 _txring_stage_empty = lib.rdmaio_txring_stage_empty
 _txring_stage_frame = lib.rdmaio_txring_stage_frame
+_txring_send_now = lib.rdmaio_txring_send_now
 _TX_SESSION = int(lib.RDMAIO_TX_SESSION)  # stage_frame: the session did not take the frame
 _can_send_data = lib.rdmaio_session_can_send_data
 _eof_pending = lib.rdmaio_session_eof_pending
@@ -198,6 +199,7 @@ class Sender:
         self.options = options
         self._fail = fail
         self._generation = generation
+        self._close = session.close_state  # its ``clear``: no close fact yet, a send raises nothing
         self.rndv: RendezvousSends | None = None
         # Shared receive queues: a session that answers RECLAIM, or sends it, stages those frames.
         self._reclaim = session if isinstance(session, ReclaimSession) and session.reclaim else None
@@ -205,6 +207,10 @@ class Sender:
         # through the session's Python methods (a SharedSession, or a Python SessionState).
         state = session.rules_state
         self._native: Any = state if isinstance(state, _CDATA) and state.fast else None
+        # The C state when every rule of this sender's frames is C's (no RETURN/RECLAIM frames to stage),
+        # else None: an idle send goes in one C call on it, and the connection asks it whether a control
+        # frame is due after a completion batch instead of calling on_batch_end(). None: the general path.
+        self.plain_state: Any = self._native if self._reclaim is None else None
         self._qp = qp
         self._sends = qp.send_array
         self._slot_ring = ring
@@ -219,6 +225,9 @@ class Sender:
         self._free_stack: Any = ffi.new("uint32_t[]", ring.max_slots)
         self._inflight_ring: Any = ffi.new("uint32_t[]", ring.max_slots)
         self._tx: Any = ffi.new("struct rdmaio_txring *")
+        # The same ring for the connection: it releases a signalled send's entries with one C call
+        # (on_send_completion()'s, inline).
+        self.tx = self._tx
         _check_tx(
             lib.rdmaio_txring_init(
                 self._tx,
@@ -330,23 +339,65 @@ class Sender:
         :meth:`send_rest`'s."""
         if self._generation != _fork_state._generation:
             check_fork(self._generation)
-        session = self.session
-        error = session.send_error()
-        if error is not None:
-            raise error
-        if self.closing:
-            raise EndpointClosedError("endpoint is closing")
+        if not self._close.clear or self.closing:  # the close state's fact, no call while none holds
+            self.raise_send_error()
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
         size = view.nbytes
         if size > self._peer_max:
-            session.check_message_size(size)  # raises MessageTooLargeError
+            self.session.check_message_size(size)  # raises MessageTooLargeError
         rndv = self.rndv
-        if size > self.queue.batch_limit or (rndv is not None and size >= rndv.threshold):
+        queue = self.queue
+        if size > queue.batch_limit or (rndv is not None and size >= rndv.threshold):
             await self.send_rest(view)
-        elif self._queue_batched(view, size):
+            return
+        if self.coalesce_next or self.flush_handle is not None or queue.wbuf or queue.mbuf_count or queue.txq:
+            # Not idle: batched with the iteration's other small messages (_queue_batched()'s second half,
+            # inline: keep the two the same), flushed at the end of the iteration.
+            buffered = queue.queue_small(view, size)
+            if self.flush_handle is None:
+                self.flush_handle = self.io.call_soon(self._flush)
+            if buffered > self.options.write_high_water:
+                await self.drain()
+            return
+        native = self.plain_state
+        if (
+            native is not None
+            and not self.staged
+            and (size > self._max_inline or self._scratch_cdata is not None)
+        ):
+            # An idle connection's message goes at once (see _queue_batched): room, credit, the take, the
+            # copy and the work request in one C call, then the post. 0: no room or credit now, batched.
+            rc = _txring_send_now(self._tx, native, _from_buffer(view), size)
+            if rc > 0:
+                stats = self._stats
+                stats["messages_sent"] += 1
+                stats["bytes_sent"] += size
+                queue.posted_frames += 1
+                self.coalesce_next = True
+                if rc == 1:
+                    self._qp.post_sends(1)
+                    stats["frames_posted"] += 1
+                    stats["post_calls"] += 1
+                else:  # a control frame is due after it: staged by the general path, one chain
+                    self.staged = 1
+                    self._stage_queued()
+                    self._post()
+                return
+            if rc < 0:
+                self._refused(rc, True, size)
+        if self._queue_batched(view, size):
             await self.drain()  # above the high-water mark
+
+    def _refused(self, rc: int, last: bool, length: int) -> None:
+        """A C staging call refused a data frame (``rc``): raise the precise error. The session's refusal is
+        the Python take's error (C takes every frame the Python rules accept); any other is a broken
+        invariant of the sender."""
+        if rc != _TX_SESSION:
+            _check_tx(rc)  # raises
+        self.session.take_data_frame(last, length)
+        raise RuntimeError("rdmaio: the C session refused a frame its Python rules accepted")
 
     async def send_rest(self, view: memoryview) -> None:
         """What :meth:`send` does not do at once, for a message above the batch limit or at the rendezvous
@@ -400,13 +451,14 @@ class Sender:
             # nothing to flush.
             self.coalesce_next = True
             return False
-        queue.queue_small(view, size)
+        buffered = queue.queue_small(view, size)
         self.schedule_flush()
-        return queue.buffered > self.options.write_high_water
+        return buffered > self.options.write_high_water
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """:meth:`rdmaio.Endpoint.write`."""
-        self.raise_send_error()  # also refuses a write after write_eof() (the session's send_error)
+        """:meth:`rdmaio.Endpoint.write` (an endpoint's ``write`` is this bound method)."""
+        if self._generation != _fork_state._generation or not self._close.clear or self.closing:
+            self.raise_send_error()  # also refuses a write after write_eof() (the session's send_error)
         if not data:
             return
         queue = self.queue
@@ -414,21 +466,26 @@ class Sender:
         if added or not coalescing:
             self.stage()
             queue.own_queued(added)
-        if coalescing:
-            self.schedule_flush()
+        if coalescing and self.flush_handle is None:  # schedule_flush(), inline
+            self.flush_handle = self.io.call_soon(self._flush)
 
     def must_drain(self) -> bool:
         """:meth:`rdmaio.Endpoint.drain`'s synchronous part: raise the connection's error, or say whether
         there is anything to wait for (above the high-water mark). Most drains end here, so the front calls
         it before it creates the coroutine of :meth:`drain`."""
-        self.raise_flush_error()
-        return self.queue.buffered > self.options.write_high_water
+        if self._generation != _fork_state._generation or not self._close.clear or self.closing:
+            self.raise_flush_error()
+        queue = self.queue
+        return queue.txq_bytes + len(queue.wbuf) + len(queue.mbuf) > self.options.write_high_water
 
     async def drain(self) -> None:
-        """:meth:`rdmaio.Endpoint.drain`."""
-        if not self.must_drain():
-            return
+        """:meth:`rdmaio.Endpoint.drain` (an endpoint's ``drain`` is this bound method): most drains end at
+        its first test, :meth:`must_drain`'s, inline (keep the two the same)."""
+        if self._generation != _fork_state._generation or not self._close.clear or self.closing:
+            self.raise_flush_error()
         queue = self.queue
+        if queue.txq_bytes + len(queue.wbuf) + len(queue.mbuf) <= self.options.write_high_water:
+            return
         queue.flush_buffers()
         self.stage()
         while queue.txq_bytes > self.options.write_low_water:

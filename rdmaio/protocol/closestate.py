@@ -124,15 +124,17 @@ class CloseState:
     """The close state of one connection: events in (each sets one fact), answers out (from the tables).
 
     Every fact is a plain attribute, False until its event; :attr:`wire_down` (aborted, transport lost or
-    torn down: no frame may be sent any more) is kept with them because every fast path asks it first.
-    A part that keeps its own copy of "the connection is usable" registers with :meth:`watch` to be told
-    when it stops being so.
+    torn down: no frame may be sent any more) is kept with them because every fast path asks it first, and
+    :attr:`clear` (no fact holds yet: every answer is None) because a send and an empty read ask it instead
+    of calling :meth:`send_error` and :meth:`recv_outcome`. A part that keeps its own copy of "the
+    connection is usable" registers with :meth:`watch` to be told when it stops being so.
     """
 
     __slots__ = (
         "_watchers",
         "abort_exc",
         "aborted",
+        "clear",
         "eof_requested",
         "local_closed",
         "peer_eof",
@@ -152,10 +154,11 @@ class CloseState:
         self.transport_error: BaseException | None = None  #: the first transport error, if any
         self.torn_down = False  #: the I/O layer finished tearing the connection down
         self.wire_down = False  #: aborted or transport lost or torn down: no frame may be sent
+        self.clear = True  #: no fact holds yet (each event clears it): every answer is None
         self._watchers: list[weakref.ref[ClosingWatcher]] = []
 
     def __repr__(self) -> str:
-        facts = [name for name in self.__slots__ if getattr(self, name) is True]
+        facts = [name for name in self.__slots__ if name != "clear" and getattr(self, name) is True]
         return f"<CloseState {self.state.name} {' '.join(facts)}>"
 
     @property
@@ -194,6 +197,7 @@ class CloseState:
 
     def close(self) -> None:
         """Graceful local close: implies :meth:`write_eof`; the state becomes CLOSING. Idempotent."""
+        self.clear = False
         self.local_closed = True
         self.eof_requested = True
         if self._watchers:
@@ -201,10 +205,12 @@ class CloseState:
 
     def write_eof(self) -> None:
         """Half-close: new data is refused from now on (the EOF frame follows the pending data)."""
+        self.clear = False
         self.eof_requested = True
 
     def on_peer_eof(self) -> None:
         """The peer's EOF frame arrived: a read that finds no data gets :data:`EOF`."""
+        self.clear = False
         self.peer_eof = True
 
     def abort(self, exc: BaseException | None = None) -> None:
@@ -214,6 +220,7 @@ class CloseState:
         """
         if self.aborted or self.torn_down:
             return
+        self.clear = False
         self.aborted = True
         self.abort_exc = exc
         self.wire_down = True
@@ -222,6 +229,7 @@ class CloseState:
 
     def on_disconnected(self) -> None:
         """The transport reported DISCONNECTED (the peer left or our disconnect completed)."""
+        self.clear = False
         self.transport_lost = True
         self.wire_down = True
         if self._watchers:
@@ -234,6 +242,7 @@ class CloseState:
         consequences, not news.
         """
         if not self.transport_lost:
+            self.clear = False
             self.transport_lost = True
             self.transport_error = exc
             self.wire_down = True
@@ -242,6 +251,7 @@ class CloseState:
 
     def mark_closed(self) -> None:
         """The I/O layer finished tearing the connection down; the state becomes CLOSED."""
+        self.clear = False
         self.torn_down = True
         self.wire_down = True
         if self._watchers:

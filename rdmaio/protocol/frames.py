@@ -135,9 +135,9 @@ def batch_record_size(n: int) -> int:
 
 def append_batch_record(batch: bytearray, message: BytesLike) -> int:
     """Append ``message`` as one DATA_BATCH record (its length as u32 little-endian, then its bytes) to
-    ``batch``; return the bytes the record took. The one encoder of DATA_BATCH payloads: the send queue
-    (:mod:`rdmaio.protocol.sendqueue`) builds its batches with it, record by record, and
-    :func:`pack_batch_into` writes a whole batch with it."""
+    ``batch``; return the bytes the record took. The encoder of DATA_BATCH payloads: the send queue
+    (:mod:`rdmaio.protocol.sendqueue`) writes the same records inline, record by record (a unit test holds
+    it to this function's bytes), and :func:`pack_batch_into` writes a whole batch with it."""
     n = len(message)
     batch += _BATCH_LEN.pack(n)
     batch += message

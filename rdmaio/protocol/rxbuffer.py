@@ -162,6 +162,32 @@ class ReceiveBuffer:
             self.ready += size
         return data
 
+    def add_admitted(self, data: bytes, slot: int) -> bool:
+        """:meth:`add_message` of a DATA_END payload and then :meth:`admit` of its ``slot``, in one call (the
+        receiver's per-message path): True to post the slot again now, False if held."""
+        if self._parts:
+            self._parts.append(data)
+            data = b"".join(self._parts)
+            self._parts.clear()
+            self.assembling = 0
+        self._messages.append(data)
+        size = len(data)
+        unread = self.unread = self.unread + size
+        if self._unsettled:
+            self._unsettled[-1]._trailing += size
+        else:
+            self.ready += size
+        # admit(), inline: keep the two the same.
+        if (
+            unread + self.assembling + self.announced + self.pending * PLACEHOLDER_CHARGE > self.limit
+            and (unread or self.pending)
+            and not self.reader_waiting
+        ):
+            self._held.append(slot)
+            self.held += 1
+            return False
+        return True
+
     def add_messages(self, messages: list[bytes]) -> int:
         """The messages of a DATA_BATCH payload; return their total size."""
         self._messages.extend(messages)

@@ -105,7 +105,8 @@ class Session:
     #: not a property: the core reads it once per connection, at no call.)
     rules_state: SessionState
     #: The :class:`~rdmaio.protocol.closestate.CloseState` this Session tells its close events, for a part of
-    #: the I/O layer that watches it (:meth:`CloseState.watch`). (An attribute: read once per connection.)
+    #: the I/O layer that watches it (:meth:`CloseState.watch`), or whose send or empty read tests its
+    #: ``clear`` before asking it. (An attribute: read once per connection.)
     close_state: CloseState
     _s: SessionState
 

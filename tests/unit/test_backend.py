@@ -148,22 +148,53 @@ def test_waiter_wakes_one_task_and_survives_cancellation(run: Runner) -> None:
 def test_one_shot_wakes_one_task_and_says_when_it_is_done(run: Runner) -> None:
     # What a read call waits on: awaited directly, woken with set_result(None) only while not done().
     async def test(io: Backend) -> None:
-        one = io.one_shot()
-        assert not one.done()
-        io.call_soon(lambda: one.set_result(None))
-        await one
-        assert one.done()
-        # A wait that times out: on asyncio the future is cancelled (done, never to be set); on trio the
-        # event is left alone (not done, may still be set). Either way the guarded wake-up is harmless.
-        lonely = io.one_shot()
-        with pytest.raises(TimeoutError):
-            async with io.timeout(0.01):
-                await lonely
-        if not lonely.done():
-            lonely.set_result(None)
-        assert lonely.done()
+        # The same from io.one_shot() and from the factory a reader binds once (io.one_shot_factory()).
+        for make in (io.one_shot, io.one_shot_factory()):
+            one = make()
+            assert not one.done()
+            io.call_soon(lambda one=one: one.set_result(None))  # type: ignore[misc]
+            await one
+            assert one.done()
+            # A wait that times out: on asyncio the future is cancelled (done, never to be set); on trio the
+            # event is left alone (not done, may still be set). Either way the guarded wake-up is harmless.
+            lonely = make()
+            with pytest.raises(TimeoutError):
+                async with io.timeout(0.01):
+                    await lonely
+            if not lonely.done():
+                lonely.set_result(None)
+            assert lonely.done()
 
     run(test)
+
+
+def test_the_one_shot_factory_is_the_future_class_only_where_the_loop_makes_plain_futures() -> None:
+    # The default loop's and uvloop's create_future make a plain asyncio.Future of the loop: the factory
+    # is the class itself (no Python call), and what it makes in the running loop is that loop's future.
+    class OwnFutures(asyncio.SelectorEventLoop):
+        def create_future(self) -> asyncio.Future[Any]:
+            return super().create_future()
+
+    for make_loop, plain in (
+        (asyncio.new_event_loop, True),
+        (uvloop.new_event_loop, True),
+        (OwnFutures, False),
+    ):
+        loop = make_loop()
+        try:
+            io = AsyncioBackend(loop)
+            factory = io.one_shot_factory()
+            assert (factory is asyncio.Future) is plain
+            if not plain:
+                assert factory == io.one_shot  # the loop's own create_future, through one_shot()
+
+            async def made(factory: Callable[[], Any] = factory) -> Any:
+                return factory()
+
+            future = loop.run_until_complete(made())
+            assert future.get_loop() is loop and not future.done()
+        finally:
+            loop.close()
 
 
 def test_event_is_level_triggered_and_cancel_safe(run: Runner) -> None:

@@ -84,18 +84,32 @@ def test_an_echo_round_trip_makes_one_coroutine_per_send_and_recv_and_no_helper_
         "backend.py:set",
         "session.py:check_message_size",
         "operations.py:pump",  # nothing one-sided waits for a credit
+        # The close state is an attribute test while no close fact holds: no question asked.
+        "closestate.py:send_error",
+        "closestate.py:recv_outcome",
+        # A received message is added and admitted in one call, and the reader woken inline.
+        "rxbuffer.py:add_message",
+        "rxbuffer.py:admit",
+        "receive.py:wake_reader",
     ):
         assert counts[name] == 0, name
-    assert per_round_trip("backend.py:one_shot") == 2  # one future per wait, one wait per side
-    # After a completion batch, the sender asks the session one question and transmits nothing. The
-    # session's state is a fast C struct, so the question (and staging's EOF question) is asked in C:
-    # no Python call of the session at all.
-    batches = counts["connection.py:on_completions"]
-    assert counts["send.py:on_batch_end"] == batches
+    assert per_round_trip("rxbuffer.py:add_admitted") == 2  # one per message received, both sides
+    # One future per wait, one wait per side, made by the future class itself: no Python call.
+    assert counts["backend.py:one_shot"] == 0
+    # After a completion batch with nothing queued, staged or waiting, the connection asks C whether a
+    # control frame is due and calls no sender method; the session's state is a fast C struct, so no
+    # Python call of the session at all.
+    assert counts["connection.py:on_completions"] > 0
+    assert counts["send.py:on_batch_end"] == 0
     assert counts["session.py:control_frame_due"] == 0
     assert counts["session.py:eof_pending"] == 0
     assert counts["session.py:take_data_frame"] == 0
-    assert counts["send.py:transmit"] == counts["send.py:_queue_batched"]  # only the sends' own post
+    # An idle connection's message goes in one C call (room, credit, take, copy, work request) and a post:
+    # no queueing, staging or transmit helper.
+    for name in ("send.py:_queue_batched", "send.py:transmit", "send.py:_stage_queued", "send.py:_post"):
+        assert counts[name] == 0, name
+    assert counts["sendqueue.py:queue_message"] == 0
+    assert counts["session.py:can_send_data"] == 0
 
 
 def test_pump_runs_after_a_batch_only_while_something_waits_for_a_credit(
@@ -163,3 +177,27 @@ def test_control_frame_due_is_eof_pending_or_credit_frame_due() -> None:
             elif action < 0.905 and trial % 3 == 0:
                 me.on_transport_error(ConnectionResetError("gone"))
         assert me.control_frame_due() == (me.eof_pending() or me.credit_frame_due())
+
+
+def test_the_stream_fronts_are_the_cores_own_methods_unless_overridden(
+    arun: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # write(), drain() and readexactly() of an endpoint are the sender's and receiver's bound methods (one
+    # call per operation, no front); a subclass that overrides one keeps its own.
+    from rdmaio.endpoint import Endpoint
+
+    async def main() -> None:
+        a, _b = pair(monkeypatch)
+        assert a.write == a._writer.write and a.drain == a._writer.drain
+        assert a.readexactly == a._reader.readexactly
+        assert a.send == a._writer.send and a.recv == a._reader.recv
+
+        class Own(Endpoint):
+            def write(self, data: bytes | bytearray | memoryview) -> None:
+                super().write(data)
+
+        own = Own(a._conn)
+        assert own.write.__func__ is Own.write  # type: ignore[attr-defined]
+        assert own.drain == a._writer.drain
+
+    arun(main())

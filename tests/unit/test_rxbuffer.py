@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
 
 
 def test_messages_and_stream_reads_share_one_buffer() -> None:
@@ -133,3 +135,39 @@ def test_plain_attributes_agree_with_the_calls_they_stand_for() -> None:
         held = [slot for slot in held if slot not in released]
         assert buf.held == len(held)
     assert buf.held == len(held)
+
+
+def test_add_admitted_is_add_message_then_admit() -> None:
+    # The receiver's one call per message must leave the buffer as the two calls it replaces, across
+    # fragments, placeholders, the limit, held slots and a waiting reader.
+    rnd = random.Random(3)
+    for _trial in range(200):
+        limit = rnd.choice([1, 50, 200, 1000])
+        one, two = ReceiveBuffer(limit), ReceiveBuffer(limit)
+        for slot in range(60):
+            op = rnd.random()
+            if op < 0.15:
+                data = bytes(rnd.randint(0, 40))
+                one.add_fragment(data)
+                two.add_fragment(data)
+            elif op < 0.2:
+                length = rnd.randint(1, 100)
+                one.add_pending(Placeholder(length))
+                two.add_pending(Placeholder(length))
+            elif op < 0.3:
+                flag = rnd.random() < 0.5
+                one.reader_waiting = two.reader_waiting = flag
+            elif op < 0.4 and one.messages and not isinstance(one.messages[0], Placeholder):
+                assert one.pop_message() == two.pop_message()
+                assert one.releasable() == two.releasable()
+            else:
+                data = bytes([slot]) * rnd.randint(0, 80)
+                message = one.add_message(data)
+                admitted = one.admit(slot)
+                assert two.add_admitted(data, slot) is admitted
+                assert list(two.messages)[-1] == message
+            for name in ("unread", "ready", "assembling", "held", "pending", "announced", "offset"):
+                assert getattr(one, name) == getattr(two, name), name
+            assert [m if isinstance(m, bytes) else m.length for m in one.messages] == [
+                m if isinstance(m, bytes) else m.length for m in two.messages
+            ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import sys
 from types import SimpleNamespace
@@ -15,8 +16,11 @@ from rdmaio import verbs
 from rdmaio._ffi import ffi
 from rdmaio.core.rings import SlotRing
 from rdmaio.core.send import Sender
+from rdmaio.core.shared_receive import new_session_state
 from rdmaio.protocol import FEATURE_BATCH, FrameKind, Handshake, Session
-from rdmaio.testing.fakes import FakeQP, FakeRegistrar
+from rdmaio.protocol.frames import BATCH_RECORD_HEADER, append_batch_record
+from rdmaio.protocol.sendqueue import SendQueue
+from rdmaio.testing.fakes import FakeBackend, FakeQP, FakeRegistrar
 
 SLOT = 64
 SLOTLESS = 1 << 31  # wr index bit of a frame sent without a slot
@@ -444,3 +448,123 @@ def test_a_send_array_shorter_than_the_ring_is_refused_not_overrun() -> None:
     with pytest.raises(RuntimeError, match="index out of its bound"):
         bad._stage_queued()
     assert bad.staged == 0 and len(bad._inflight) == 2
+
+
+def make_native(max_inline: int = 32, peer_depth: int = 8) -> tuple[Sender, FakeQP, Session, FakeBackend]:
+    """A sender on a C session state (as a connection's), batching on, an io whose callbacks the test runs."""
+    local = Handshake(8, SLOT, 1 << 20, features=FEATURE_BATCH)
+    peer = Handshake(peer_depth, SLOT, 1 << 20, features=FEATURE_BATCH)
+    ring = SlotRing(SLOT, 8, FakeRegistrar(SLOT))
+    qp = FakeQP(8, ring=ring)
+    io = FakeBackend()
+    engine = Sender(
+        Session(local, peer, state=new_session_state()),
+        qp,
+        ring,
+        SLOT,
+        io=io,  # type: ignore[arg-type]
+        options=rdmaio.Options(),
+        initial=4,
+        max_inline=max_inline,
+        signal_interval=4,
+        batch_limit=48,
+        stats=collections.Counter(),
+    )
+    assert engine.plain_state is not None  # the idle-send path applies
+    return engine, qp, Session(peer, local), io
+
+
+def _profiled(coro: Any) -> collections.Counter[str]:
+    counts: collections.Counter[str] = collections.Counter()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            counts[frame.f_code.co_name] += 1
+
+    sys.setprofile(hook)
+    try:
+        asyncio.run(coro)
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+def test_an_idle_senders_message_is_staged_and_posted_at_once_by_one_c_call() -> None:
+    engine, qp, peer, io = make_native()
+    asyncio.run(engine.send(b"warm"))  # the first inline frame allocates the scratch area (general path)
+    engine.coalesce_next = False  # as a completion batch does
+    counts = _profiled(engine.send(b"hello"))
+    # Posted at once, alone in its chain, with the session's take and the sender's counters as before.
+    assert [deliver(peer, chain) for chain in qp.posts] == [[b"warm"], [b"hello"]]
+    assert engine.posted_frames == 2 and engine.staged == 0 and not engine.queue.txq
+    assert engine._stats["messages_sent"] == 2 and engine._stats["bytes_sent"] == 9
+    assert engine._stats["frames_posted"] == 2 and engine._stats["post_calls"] == 2
+    assert engine.coalesce_next and not io.pending  # the next ones batch; no callback for this one
+    for helper in ("_queue_batched", "transmit", "_stage_queued", "_post", "queue_message", "can_send_data"):
+        assert counts[helper] == 0, helper
+    # A long message takes a send slot the same way (the ring registered its first slots).
+    engine.coalesce_next = False
+    engine._grow()
+    asyncio.run(engine.send(b"L" * 40))
+    assert deliver(peer, qp.posts[-1]) == [b"L" * 40] and len(engine.free_slots) == 3
+
+
+def test_an_idle_send_without_a_credit_is_batched_as_before() -> None:
+    engine, qp, peer, io = make_native(peer_depth=4)
+    asyncio.run(engine.send(b"a"))
+    for _ in range(2):
+        engine.coalesce_next = False
+        asyncio.run(engine.send(b"b"))
+    assert len(qp.posts) == 3  # 4 credits, one kept for control frames
+    engine.coalesce_next = False
+    asyncio.run(engine.send(b"c"))  # no credit: the C call changes nothing, the message is batched
+    asyncio.run(engine.send(b"d"))
+    assert len(qp.posts) == 3 and engine.queue.mbuf_count == 2 and len(io.pending) == 1
+    for chain in qp.posts:
+        deliver(peer, chain)
+    peer.on_recv_reposted(3)
+    engine.session.on_frame(peer.take_credit_frame(), 0)
+    io.advance(0)  # the end-of-iteration flush: one batch frame of both
+    assert len(qp.posts) == 4 and len(qp.posts[3]) == 1 and deliver(peer, qp.posts[3]) == [b"c", b"d"]
+
+
+def test_a_send_after_a_close_fact_raises_as_before() -> None:
+    engine, qp, _peer, _io = make_native()
+    assert engine.session.close_state.clear
+    engine.session.write_eof()
+    assert not engine.session.close_state.clear
+    with pytest.raises(rdmaio.EndpointClosedError, match="write_eof"):
+        asyncio.run(engine.send(b"x"))
+    engine2, _qp, _peer2, _io2 = make_native()
+    engine2.session.on_transport_error(OSError("gone"))
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(engine2.send(b"x"))
+    engine3, _qp3, _peer3, _io3 = make_native()
+    engine3.abort()
+    with pytest.raises(rdmaio.EndpointClosedError, match="closing"):
+        asyncio.run(engine3.send(b"x"))
+    assert not qp.posts and not _qp.posts and not _qp3.posts
+
+
+def test_an_idle_send_stages_a_due_control_frame_in_the_same_chain() -> None:
+    engine, qp, peer, _io = make_native()
+    asyncio.run(engine.send(b"warm"))
+    engine.coalesce_next = False
+    state = engine.plain_state
+    state.eof_due = 1  # a control frame due after the message (the C call's code 2)
+    asyncio.run(engine.send(b"m"))
+    assert len(qp.posts[-1]) == 2 and deliver(peer, qp.posts[-1]) == [b"m"]
+    assert engine.staged == 0 and engine._stats["frames_posted"] == 3
+
+
+def test_a_batch_built_by_the_send_queue_is_the_protocols_record_encoding() -> None:
+    # queue_small() writes each record inline: it must be append_batch_record()'s bytes, record by record.
+    queue = SendQueue(4096, 4096, 1000)
+    expected = bytearray()
+    for size in (0, 1, 63, 64, 255, 256, 999):
+        message = bytes(range(256)) * 4
+        view = memoryview(message[:size])
+        assert queue.queue_small(view, size) == len(expected) + BATCH_RECORD_HEADER + size  # buffered
+        append_batch_record(expected, view)
+        assert queue.mbuf == expected
+    assert queue.mbuf_count == 7

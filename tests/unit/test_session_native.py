@@ -249,6 +249,7 @@ _OPS = st.lists(
             st.just("take_data"), st.booleans(), st.one_of(st.integers(-1, 80), st.integers(-(2**40), 2**40))
         ),
         st.tuples(st.just("take_batch"), st.integers(-4, 90), st.integers(-1, 30)),
+        st.tuples(st.just("send_now"), st.integers(0, 300)),
         st.tuples(st.just("take_credit")),
         st.tuples(st.just("credit_due")),
         st.tuples(st.just("control_due")),
@@ -294,6 +295,67 @@ def _outcome(call: Any) -> tuple[str, Any]:
     except Exception as exc:
         return "raised", (type(exc), str(exc))
     return "returned", int(result) if isinstance(result, int) else result
+
+
+def _check_clear(session: Session) -> None:
+    """The close state's ``clear`` (what a send and an empty read test instead of asking it) holds exactly
+    while no close fact does, and then every answer is None."""
+    close = session.close_state
+    facts = (
+        "aborted",
+        "local_closed",
+        "eof_requested",
+        "peer_eof",
+        "transport_lost",
+        "torn_down",
+        "wire_down",
+    )
+    assert close.clear == (not any(getattr(close, fact) for fact in facts))
+    if close.clear:
+        assert session.send_error() is session.flush_error() is session.recv_outcome() is None
+
+
+_SEND_NOW_INLINE = 512  # the test ring sends every frame of send_now's lengths inline (no slot)
+
+
+def _send_now(session: Session, length: int, native: bool) -> tuple[int, int]:
+    """An idle sender's message of ``length`` bytes: ``rdmaio_txring_send_now`` (room, credit, the take, the
+    copy, the work request, the chain's signalling) on the C state, against the Python rules it stands
+    for: ``can_send_data()``, ``take_data_frame(True, length)`` and ``control_frame_due()``. Returns its
+    code (0: no credit, 1: finished, 2: a control frame is due after it) and the frame's immediate value;
+    a frame the C take refuses is handed to the Python take, which raises (as the sender does)."""
+    if not native:
+        if not session.can_send_data():
+            return 0, -1
+        imm = session.take_data_frame(True, length)
+        return (2 if session.control_frame_due() else 1), imm
+    sends = ffi.new("struct rdmaio_send[]", 1)
+    tx = ffi.new("struct rdmaio_txring *")
+    free_stack, inflight = ffi.new("uint32_t[]", 1), ffi.new("uint32_t[]", 1)
+    wr_base = verbs.make_wr_id(verbs.WR_KIND_SEND, 1, 0)
+    assert (
+        lib.rdmaio_txring_init(tx, sends, 1, free_stack, 1, inflight, 1, 64, _SEND_NOW_INLINE, 4, wr_base)
+        == 0
+    )
+    scratch = ffi.new("uint8_t[]", _SEND_NOW_INLINE)
+    assert lib.rdmaio_txring_set_scratch(tx, scratch, 1) == 0
+    data = bytes(range(256)) * 2
+    rc: int = lib.rdmaio_txring_send_now(tx, session.rules_state, data, length)
+    if rc == lib.RDMAIO_TX_SESSION:
+        session.take_data_frame(True, length)  # raises the precise error
+        raise AssertionError("the C take refused a frame the Python take accepts")
+    assert rc >= 0, rc
+    if not rc:
+        assert tx.inflight_count == 0  # nothing changed
+        return 0, -1
+    # The frame is in entry 0: its bytes inline, its immediate value the take's; a finished chain of one
+    # entry in a one-entry send queue is signalled (it leaves the sender short of entries).
+    wr = sends[0]
+    assert tx.inflight_count == 1 and wr.length == length
+    assert bytes(ffi.buffer(ffi.cast("char *", wr.addr), length)) == data[:length]
+    if rc == 1:
+        assert wr.send_flags & verbs.SEND_SIGNALED
+    return rc, int(wr.imm_data)
 
 
 def _batch_payload(length: int) -> bytes:
@@ -372,6 +434,8 @@ def _apply(session: Session, peer: Session, op: tuple[Any, ...], native: bool) -
         return _outcome(lambda: session.take_data_frame(op[1], op[2]))
     if name == "take_batch":
         return _outcome(lambda: session.take_batch_frame(op[1], op[2]))
+    if name == "send_now":
+        return _outcome(lambda: _send_now(session, op[1], native))
     if name == "take_credit":
         return _outcome(session.take_credit_frame)
     if name == "credit_due":
@@ -457,6 +521,7 @@ def test_c_rules_match_the_python_session(
         assert got == expected, (step, op)
         assert fields(native) == fields(reference), (step, op)
         assert native.state == reference.state and native.statistics() == reference.statistics(), (step, op)
+        _check_clear(reference)
 
 
 def test_a_rejected_frame_changes_nothing_in_c_and_python_raises_the_error() -> None:
@@ -520,6 +585,8 @@ def _random_op(rnd: random.Random, s: Session) -> tuple[Any, ...]:
         return ("frame", imm, rnd.choice([0, 1, 4, 8, 64, 65, 100, 1 << 31]))
     if r < 0.56:
         return ("take_data", rnd.random() < 0.6, rnd.choice([0, 1, 10, 63, 64, 65, 100, -1]))
+    if r < 0.59:
+        return ("send_now", rnd.choice([0, 1, 10, 63, 64, 65, 100]))
     if r < 0.62:
         n = rnd.choice([4, 8, 12, 40, 64, 100, 3, 0])
         return ("take_batch", n, rnd.choice([1, 1, 2, max(1, n // 4), n // 4 + 1, 0]))
@@ -569,6 +636,7 @@ def test_c_rules_match_the_python_session_on_long_random_runs(seed: int) -> None
         assert got == expected, (step, op)
         assert fields(native) == fields(reference), (step, op)
         assert native.state == reference.state and native.statistics() == reference.statistics(), (step, op)
+        _check_clear(reference)
 
 
 # -- the receiver on a C state ----------------------------------------------------------------------------
