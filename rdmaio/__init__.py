@@ -11,7 +11,8 @@ and engines); the public API: :mod:`rdmaio.endpoint`, :mod:`rdmaio.client` (``co
 :mod:`rdmaio.server` (``serve``, ``listen``), :mod:`rdmaio.options`, :mod:`rdmaio.errors`,
 :mod:`rdmaio.path` (the path record of a connection); compatibility:
 :mod:`rdmaio.streams` (asyncio streams), :mod:`rdmaio.anyio` (anyio streams), :mod:`rdmaio.dask` (Dask's
-``rdma://``); tools: :mod:`rdmaio.cli` (``doctor``, ``ping``), :mod:`rdmaio.testing` (the test host, fakes).
+``rdma://``); tools: :mod:`rdmaio.cli` (``doctor``, ``ping``), :mod:`rdmaio.testing` (the test host, fakes);
+observability: :mod:`rdmaio.metrics` (process-wide metrics, the Prometheus exporter).
 """
 
 # Before the imports: connection setup (rdmaio.core.negotiation) announces it in the handshake, and imports

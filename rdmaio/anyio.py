@@ -112,6 +112,7 @@ class RdmaAttribute(TypedAttributeSet):
     endpoint: Endpoint = typed_attribute()
     #: the connection's path record, a :class:`rdmaio.PathInfo` (device, transport, GIDs, MTU, features,
     #: the peer's version), as ``Endpoint.get_extra_info("rdma")``: read from the device when first asked
+    #: (None if the connection closed before that)
     path: PathInfo = typed_attribute()
 
 

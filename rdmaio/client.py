@@ -7,6 +7,7 @@ import builtins
 from typing import Any
 
 from rdmaio.core.dial import dial
+from rdmaio.core.metrics import connect_failed
 from rdmaio.core.reactor import Reactor
 from rdmaio.endpoint import Endpoint
 from rdmaio.errors import TimeoutError
@@ -37,11 +38,15 @@ async def connect(
         timeout = opts.connect_timeout
     reactor = Reactor.current()
     try:
-        async with reactor.backend.timeout(timeout):
-            return Endpoint(await dial(reactor, host, port, local_addr, opts))
-    except builtins.TimeoutError as exc:
-        if isinstance(exc, TimeoutError):
-            raise
-        raise TimeoutError(
-            f"connect to {host} port {port} timed out after {timeout} s", call="connect"
-        ) from exc
+        try:
+            async with reactor.backend.timeout(timeout):
+                return Endpoint(await dial(reactor, host, port, local_addr, opts))
+        except builtins.TimeoutError as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            raise TimeoutError(
+                f"connect to {host} port {port} timed out after {timeout} s", call="connect"
+            ) from exc
+    except Exception as exc:
+        connect_failed(reactor.backend, exc)  # process metrics: refused, or failed by error type
+        raise

@@ -28,9 +28,9 @@ from typing import Any, Self
 
 from rdmaio.core.connection import Connection
 from rdmaio.core.onesided import RemoteKey, WriteNotice
+from rdmaio.core.path import query_connection_path
 from rdmaio.errors import VerbsError
 from rdmaio.options import Options
-from rdmaio.path import query_connection_path
 
 __all__ = ["Endpoint"]
 

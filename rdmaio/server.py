@@ -15,6 +15,7 @@ from typing import Any, Self
 from rdmaio.core.acceptor import Acceptor
 from rdmaio.core.backend import AsyncioBackend, Waiter
 from rdmaio.core.connection import Connection
+from rdmaio.core.metrics import fold_acceptor, register_acceptor
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.resolver import resolve_host
 from rdmaio.endpoint import Endpoint
@@ -76,6 +77,7 @@ class StreamServer:
             on_device_removal=self.close,
             on_timed_out=self._state_changed,
         )
+        register_acceptor(self._acceptor, self._io)  # process metrics: its rejections, read on demand
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -235,6 +237,7 @@ class StreamServer:
             return
         self._serving = False
         self._acceptor.close()  # the listeners and the pending connections
+        fold_acceptor(self._acceptor)
         while self._accepted:
             self._accepted.popleft().abort()
         if self._accept_waiter is not None:

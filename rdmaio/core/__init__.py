@@ -25,6 +25,9 @@ and the public API.
   exporter (grants, revocation, write notices) and the facade each connection holds.
 * :mod:`~rdmaio.core.shared_receive`: per device and loop, the optional shared receive queue (its buffers,
   its credit ledger) and each connection's place on it.
+* :mod:`~rdmaio.core.path`: the path record of a connection (``get_extra_info("rdma")``), read on request.
+* :mod:`~rdmaio.core.metrics`: the process's connection registry behind :mod:`rdmaio.metrics` (connections
+  registered at setup, their counters folded in at teardown, failures counted where they are raised).
 
 The core imports the verbs layer, the protocol, :mod:`rdmaio.options` and :mod:`rdmaio.errors`, and reaches
 C only through the verbs layer (its objects, or ``ffi``/``lib`` from :mod:`rdmaio.verbs.native`, checked by

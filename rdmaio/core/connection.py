@@ -27,6 +27,7 @@ from typing import Any
 from rdmaio import verbs
 from rdmaio.core.backend import Event, Handle
 from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive
+from rdmaio.core.metrics import connection_failed, fold_connection, register_connection
 from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.receive import Receiver
@@ -166,6 +167,7 @@ class Connection:
         self.closed: Event = self.io.event()
         self._close_callbacks: list[Callable[[], None]] = []
         self._start(reactor, cm_id, transport)
+        register_connection(self)  # process metrics: read from this connection's counters, folded at teardown
 
     @property
     def options(self) -> Options:
@@ -398,6 +400,7 @@ class Connection:
         """A transport or protocol failure: every pending and later operation fails."""
         if self.torn_down:
             return
+        connection_failed(self, exc, self._keepalive.outstanding)  # process metrics: once per connection
         if isinstance(exc, ProtocolError):
             self.session.abort(exc)
         else:
@@ -423,6 +426,7 @@ class Connection:
         self.onesided.close(self.session.flush_error())  # one-sided: the QP is gone now
         if self.rndv is not None:  # zero-copy: after the QP, so no READ runs any more
             self.rndv.close(self.session.flush_error())
+        fold_connection(self)  # its final counters into the process metrics
         self.closed.set()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:

@@ -371,6 +371,9 @@ class Domain:
         and the completion channel. Idempotent."""
         if self.pd.closed:
             return
+        from rdmaio.core.metrics import fold_domain  # (that module imports this one)
+
+        fold_domain(self)  # its counters into the process metrics, before they go
         completions = self._completions
         try:
             if self.shared_receive is not None:

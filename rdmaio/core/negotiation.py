@@ -9,8 +9,8 @@ can make it hold).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
-from rdmaio import __version__
 from rdmaio.options import Options
 from rdmaio.protocol import (
     FEATURE_BATCH,
@@ -23,6 +23,11 @@ from rdmaio.protocol import (
 from rdmaio.protocol.reclaim import MIN_WINDOW
 
 __all__ = ["accepting_handshake", "local_handshake"]
+
+# rdmaio.__version__, announced in every handshake (shown to the peer's user, never acted on). Read from the
+# package this module is part of, which sets it before importing anything (the core does not import the
+# package's facade: docs/architecture.md's layers).
+_SOFTWARE_VERSION: str = getattr(sys.modules.get("rdmaio"), "__version__", "")
 
 
 def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
@@ -43,7 +48,7 @@ def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
         | (FEATURE_RNDV if options.rndv_threshold else 0)
         | (FEATURE_RECLAIM if options.shared_receive_queue else 0),
         initial_depth=initial if grow else 0,
-        software=__version__,  # shown to the peer's user (rdmaio.PathInfo.peer_version), never acted on
+        software=_SOFTWARE_VERSION,
     )
 
 

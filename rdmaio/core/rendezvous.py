@@ -278,6 +278,7 @@ class RendezvousEngine:
             raise self._failure()
         stats = self._stats
         stats["rndv_sent"] += 1
+        stats["rndv_bytes_sent"] += size  # per zero-copy message, never per frame (process metrics)
         stats["messages_sent"] += 1
         stats["bytes_sent"] += size - DESCRIPTOR_SIZE  # the stage counted the descriptor's bytes
         return True
@@ -420,6 +421,7 @@ class RendezvousEngine:
         self._onesided.send_control(self.recvs.pulled(msg), msg.desc.msg_id)
         stats = self._stats
         stats["rndv_received"] += 1
+        stats["rndv_bytes_received"] += msg.length
         stats["messages_received"] += 1
         stats["bytes_received"] += msg.length
         if data is not None:

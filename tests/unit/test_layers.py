@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "rdmaio"
 
-PUBLIC = {"rdmaio.endpoint", "rdmaio.client", "rdmaio.server"}
+PUBLIC = {"rdmaio.endpoint", "rdmaio.client", "rdmaio.server", "rdmaio.path"}
 COMPAT = {"rdmaio.streams", "rdmaio.anyio", "rdmaio.dask"}
 SHARED = {"rdmaio.errors", "rdmaio.options"}
 # The top-level modules outside the layers: the package's facade (it re-exports the public API and the

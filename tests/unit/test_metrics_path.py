@@ -189,3 +189,22 @@ def test_a_hostile_version_field_is_dropped_not_fatal(field: bytes) -> None:
     data = _HEADER.pack(HANDSHAKE_MAGIC, 1, FLAG_SOFTWARE, len(body)) + body
     decoded = Handshake.decode(data)
     assert decoded.software == "" and (decoded.recv_depth, decoded.slot_size) == (16, 256)
+
+
+def test_the_c_query_refuses_an_id_without_a_device_and_fills_every_field() -> None:
+    """``rdmaio_query_path`` through cffi: a NULL id (or output) is -EINVAL, never a crash, and the output
+    is initialised (unknown index and type -1, the rest 0) before anything is read."""
+    import errno
+
+    from rdmaio._ffi import ffi, lib
+
+    out = ffi.new("struct rdmaio_path *")
+    out.sgid_index = 99
+    out.path_mtu = 5
+    assert lib.rdmaio_query_path(ffi.NULL, out) == -errno.EINVAL
+    assert (out.sgid_index, out.gid_type, out.path_mtu, out.port_num) == (-1, -1, 0, 0)
+    assert bytes(ffi.buffer(out.sgid)) == bytes(16) == bytes(ffi.buffer(out.dgid))
+    assert lib.rdmaio_query_path(ffi.NULL, ffi.NULL) == -errno.EINVAL
+    # an id whose device is not resolved yet (verbs NULL): the same
+    raw_id = ffi.new("struct rdma_cm_id *")
+    assert lib.rdmaio_query_path(raw_id, out) == -errno.EINVAL

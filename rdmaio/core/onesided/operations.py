@@ -82,6 +82,16 @@ _WC_FLUSH = int(verbs.WcStatus.WR_FLUSH_ERR)
 _PACK_OP = verbs.RDMA_OP.pack_into
 _OP_SIZE = verbs.RDMA_OP.size
 _INLINE_OPCODES = frozenset((_WR_WRITE, _WR_WRITE_IMM, _WR_SEND))
+# The Counter key of each request kind posted by the general paths (process metrics: rdmaio.metrics); a
+# serial call completed at its post counts in an int of its own kind instead (no Counter update there).
+_KIND_KEY = {
+    WR_READ: "rdma_reads",
+    _WR_WRITE: "rdma_writes",
+    _WR_WRITE_IMM: "rdma_writes",
+    WR_FADD: "rdma_fetch_adds",
+    _WR_CSWAP: "rdma_compare_swaps",
+    _WR_SEND: "rdma_control_sends",
+}
 _DOORBELL = 16  # requests per ibv_post_send at most (the QP's scratch array has 16 entries)
 # Calls completed at their post that may return in a row without yielding to the loop (see _wait).
 _AT_POST_BUDGET = 16
@@ -246,11 +256,14 @@ class OperationEngine:
         self._running: Callable[[], Any] = _running_loop if self._futures else io.current_task
         self._task_of: Callable[[Any], object] = _task_of_loop if self._futures else _itself
         self._close_state = close_state
-        # Serial calls and batch waves completed at their post (no op, no Counter update: statistics()
-        # adds them).
-        self._done_at_post = 0
+        # Serial calls and batch waves completed at their post, by kind (no op, no Counter update:
+        # statistics() adds them).
+        self._reads_at_post = 0
+        self._writes_at_post = 0
+        self._fetch_adds_at_post = 0
+        self._compare_swaps_at_post = 0
         self._waves_done_at_post = 0
-        self._wave_ops_done_at_post = 0
+        self._wave_ops_at_post = dict.fromkeys(_KIND_KEY, 0)  # requests of those waves, by opcode
         self._at_post_streak = 0  # calls completed at their post since one last yielded to the loop
         self._last_poster = 0  # id() of the task that posted the previous request (not a reference)
         # The serial path's flag: one attribute a call checks instead of the engine's state (see
@@ -375,7 +388,7 @@ class OperationEngine:
             )  # fmt: skip
             if result == _POSTED_DONE:
                 data = bytes(self._staging_view[at : at + length])
-                self._done_at_post += 1
+                self._reads_at_post += 1
                 self._at_post_streak += 1
                 if self._at_post_streak >= _AT_POST_BUDGET:
                     self._at_post_streak = 0
@@ -478,7 +491,7 @@ class OperationEngine:
                 key.rkey, 0, 0,
             )  # fmt: skip
             if result == _POSTED_DONE:
-                self._done_at_post += 1
+                self._writes_at_post += 1
                 self._at_post_streak += 1
                 if self._at_post_streak >= _AT_POST_BUDGET:
                     self._at_post_streak = 0
@@ -536,7 +549,7 @@ class OperationEngine:
             )  # fmt: skip
             if result == _POSTED_DONE:
                 old: int = _U64_AT(self._staging_view, at)[0]
-                self._done_at_post += 1
+                self._fetch_adds_at_post += 1
                 self._at_post_streak += 1
                 if self._at_post_streak >= _AT_POST_BUDGET:
                     self._at_post_streak = 0
@@ -576,7 +589,7 @@ class OperationEngine:
             )  # fmt: skip
             if result == _POSTED_DONE:
                 old: int = _U64_AT(self._staging_view, at)[0]
-                self._done_at_post += 1
+                self._compare_swaps_at_post += 1
                 self._at_post_streak += 1
                 if self._at_post_streak >= _AT_POST_BUDGET:
                     self._at_post_streak = 0
@@ -629,6 +642,7 @@ class OperationEngine:
         self.in_flight += count
         stats = self._stats
         stats["rdma_ops_posted"] += count
+        stats[_KIND_KEY[opcode]] += count
         stats["rdma_doorbells"] += 1
         if wave:
             stats["rdma_batches"] += 1
@@ -888,9 +902,11 @@ class OperationEngine:
             for op in ops:
                 self._complete(op, exc)
             return
+        stats = self._stats
         for op in ops:
             op.posted = True
-        self._stats["rdma_ops_posted"] += len(ops)
+            stats[_KIND_KEY[op.opcode]] += 1
+        stats["rdma_ops_posted"] += len(ops)
         self._stats["rdma_doorbells"] += 1
 
     def _post_now(self, op: Op, *, polled: bool = False) -> None:
@@ -910,6 +926,7 @@ class OperationEngine:
                 return
             op.posted = True
             self._stats["rdma_ops_posted"] += 1
+            self._stats[_KIND_KEY[op.opcode]] += 1
             self._stats["rdma_doorbells"] += 1
             if result == _POSTED_DONE:
                 self._complete(op, None)
@@ -930,6 +947,7 @@ class OperationEngine:
                 return
             op.posted = True
             self._stats["rdma_ops_posted"] += 1
+            self._stats[_KIND_KEY[op.opcode]] += 1
             self._stats["rdma_doorbells"] += 1
             return
         if op.done:
@@ -988,7 +1006,7 @@ class OperationEngine:
             if result == _POSTED_DONE:
                 data = bytes(self._staging_view[at : at + nbytes])
                 self._waves_done_at_post += 1
-                self._wave_ops_done_at_post += count
+                self._wave_ops_at_post[opcode] += count
                 self._at_post_streak += 1
                 if self._at_post_streak >= _AT_POST_BUDGET:
                     self._at_post_streak = 0
@@ -1010,6 +1028,7 @@ class OperationEngine:
             op.posted = True
             stats = self._stats
             stats["rdma_ops_posted"] += count
+            stats[_KIND_KEY[opcode]] += count
             stats["rdma_doorbells"] += 1
             stats["rdma_batches"] += 1
         await self.finish(op)
@@ -1235,16 +1254,32 @@ class OperationEngine:
         self._serial_open = False  # closed: no serial path any more
         self._serial_task = 0
 
+    @property
+    def _done_at_post(self) -> int:
+        """Serial calls completed at their post, of every kind (the sum of the per-kind counters)."""
+        serial_reads_writes = self._reads_at_post + self._writes_at_post
+        return serial_reads_writes + self._fetch_adds_at_post + self._compare_swaps_at_post
+
     def statistics(self) -> dict[str, int]:
         """Requests posted, doorbells (post calls), batch waves, serial calls completed at their post, and
-        ops pending (always present, 0 until counted)."""
+        ops pending; requests posted by kind: ``rdma_reads``, ``rdma_writes`` (with immediate data too),
+        ``rdma_fetch_adds``, ``rdma_compare_swaps`` (always present, 0 until counted)."""
         stats = self._stats
+        get = stats.get
+        reads, writes = self._reads_at_post, self._writes_at_post
+        fetch_adds, compare_swaps = self._fetch_adds_at_post, self._compare_swaps_at_post
+        done_at_post = reads + writes + fetch_adds + compare_swaps
+        wave = self._wave_ops_at_post
         return {
-            "rdma_ops_posted": stats["rdma_ops_posted"] + self._done_at_post + self._wave_ops_done_at_post,
-            "rdma_doorbells": stats["rdma_doorbells"] + self._done_at_post + self._waves_done_at_post,
+            "rdma_ops_posted": stats["rdma_ops_posted"] + done_at_post + sum(wave.values()),
+            "rdma_doorbells": stats["rdma_doorbells"] + done_at_post + self._waves_done_at_post,
             "rdma_batches": stats["rdma_batches"] + self._waves_done_at_post,
-            "rdma_completed_at_post": stats["rdma_completed_at_post"] + self._done_at_post,
+            "rdma_completed_at_post": stats["rdma_completed_at_post"] + done_at_post,
             "rdma_ops_pending": len(self.ops),
+            "rdma_reads": get("rdma_reads", 0) + reads + wave[WR_READ],
+            "rdma_writes": get("rdma_writes", 0) + writes + wave[_WR_WRITE] + wave[_WR_WRITE_IMM],
+            "rdma_fetch_adds": get("rdma_fetch_adds", 0) + fetch_adds + wave[WR_FADD],
+            "rdma_compare_swaps": get("rdma_compare_swaps", 0) + compare_swaps + wave[_WR_CSWAP],
         }
 
 
