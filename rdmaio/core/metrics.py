@@ -169,18 +169,23 @@ def _add_connection(connection: Connection, bucket: dict[str, int]) -> None:
     one-sided engine; the same numbers its ``statistics()`` reports)."""
     get = connection.stats.get
     state = connection.session.rules_state
-    bucket["bytes_sent"] += get("bytes_sent", 0)
-    bucket["bytes_received"] += get("bytes_received", 0)
-    bucket["messages_sent"] += get("messages_sent", 0)
-    bucket["messages_received"] += get("messages_received", 0)
+    sender = connection.sender
+    receiver = connection.receiver
+    # The per-message counters are attributes of the sender, receiver and connection; the Counter holds
+    # the rendezvous engine's share of the same keys (statistics() adds the two the same way).
+    bucket["bytes_sent"] += get("bytes_sent", 0) + sender.bytes_sent
+    bucket["bytes_received"] += get("bytes_received", 0) + receiver.bytes_received
+    bucket["messages_sent"] += get("messages_sent", 0) + sender.messages_sent
+    bucket["messages_received"] += get("messages_received", 0) + receiver.messages_received
     bucket["frames_sent"] += int(state.frames_sent)
     bucket["frames_received"] += int(state.frames_received)
     bucket["rndv_sent"] += get("rndv_sent", 0)
     bucket["rndv_received"] += get("rndv_received", 0)
     bucket["rndv_bytes_sent"] += get("rndv_bytes_sent", 0)
     bucket["rndv_bytes_received"] += get("rndv_bytes_received", 0)
-    bucket["completions"] += get("completions", 0)
-    bucket["completion_batches"] += get("wakeups", 0)  # the connection's groups of completion batches
+    bucket["completions"] += get("completions", 0) + connection.completions
+    # the connection's groups of completion batches
+    bucket["completion_batches"] += get("wakeups", 0) + connection.wakeups
     bucket["keepalive_probes"] += connection._keepalive.probes_sent  # the core's own part, read here
     onesided = connection.onesided.operations.statistics()
     bucket["onesided_reads"] += onesided["rdma_reads"]
