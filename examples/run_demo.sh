@@ -46,11 +46,11 @@ echo "== zero-copy: large messages by rendezvous (RDMA READ into the receiver's 
 "$PY" examples/zerocopy_transfer.py "$ADDR" --sizes 64K,1M,16M
 echo "== shared receive queue: 20 connections' echoes on one SRQ, credits lent from what it holds =="
 "$PY" examples/shared_receive_queue.py "$ADDR" --clients 20 --messages 100
-echo "== rdmaio ping =="
+echo "== rdmaio ping -v: the path record (device, transport, GIDs, MTU, credits, features), then 5 round trips =="
 "$PY" -m rdmaio ping --server "$ADDR" 7479 > .testhost/ping_server.log 2>&1 &
 ping_server=$!
 sleep 3
-"$PY" -m rdmaio ping -c 5 -i 0.2 "$ADDR" 7479 || { cat .testhost/ping_server.log; kill "$ping_server"; exit 1; }
+"$PY" -m rdmaio ping -v -c 5 -i 0.2 "$ADDR" 7479 || { cat .testhost/ping_server.log; kill "$ping_server"; exit 1; }
 kill -INT "$ping_server"; wait "$ping_server" || true
 echo "== the Python path of one small message: files and calls of one send (to its post) and one recv =="
 "$PY" tools/trace_path.py
