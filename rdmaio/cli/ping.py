@@ -190,7 +190,7 @@ def describe_error(exc: BaseException, host: str, port: int) -> str:
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
-def _on_signals(callback: Callable[[], object]) -> Callable[[], None]:
+def on_signals(callback: Callable[[], object]) -> Callable[[], None]:
     """Call ``callback`` on SIGINT/SIGTERM while the loop runs; returns the undo."""
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -223,7 +223,7 @@ async def run_client(config: PingConfig, out: TextIO, err: TextIO) -> int:
     stats = PingStats()
     task = asyncio.current_task()
     assert task is not None
-    undo = _on_signals(task.cancel)
+    undo = on_signals(task.cancel)
     lost_connection = False
     try:
         async with ep:
@@ -270,7 +270,7 @@ async def run_server(host: str, port: int, out: TextIO, err: TextIO) -> int:
         print(f"rdmaio ping --server: cannot listen: {describe_error(exc, host, port)}", file=err, flush=True)
         return 2
     stop = asyncio.Event()
-    undo = _on_signals(stop.set)
+    undo = on_signals(stop.set)
     try:
         async with server:
             addr, bound = server.addresses[0] if server.addresses else (host, port)
