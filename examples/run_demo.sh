@@ -49,7 +49,13 @@ echo "== shared receive queue: 20 connections' echoes on one SRQ, credits lent f
 echo "== rdmaio ping -v: the path record (device, transport, GIDs, MTU, credits, features), then 5 round trips =="
 "$PY" -m rdmaio ping --server "$ADDR" 7479 > .testhost/ping_server.log 2>&1 &
 ping_server=$!
-sleep 3
+# Wait for its "listening" line (a fixed sleep is not enough in the emulated VM, where a Python process
+# takes seconds to start).
+for _ in $(seq 1 600); do
+    grep -q "listening" .testhost/ping_server.log 2>/dev/null && break
+    kill -0 "$ping_server" 2>/dev/null || { cat .testhost/ping_server.log; exit 1; }
+    sleep 0.1
+done
 "$PY" -m rdmaio ping -v -c 5 -i 0.2 "$ADDR" 7479 || { cat .testhost/ping_server.log; kill "$ping_server"; exit 1; }
 kill -INT "$ping_server"; wait "$ping_server" || true
 echo "== the Python path of one small message: files and calls of one send (to its post) and one recv =="
