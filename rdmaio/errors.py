@@ -176,9 +176,13 @@ class RemoteAccessRefusedError(RemoteAccessError, builtins.ConnectionResetError)
 
 
 class FeatureNotSupportedError(RdmaError, NotImplementedError):
-    """The peer did not announce, in its handshake, a protocol feature this call needs (an older rdmaio).
+    """The peer did not announce, in its handshake, a protocol feature this call needs (an older rdmaio),
+    or a device of the connection lacks a capability the call needs: remote atomics (``atomic_cap`` NONE on
+    this side's device, or on the exporter's, which its :class:`~rdmaio.RemoteKey` says) or memory windows
+    (``max_mw`` 0). The message names the device (the exporter's is known only as "the peer's") and what
+    it lacks; iWARP devices (siw, E810, Chelsio) have neither.
 
-    Raised locally before anything is sent: the connection stays usable for everything else.
+    Raised locally before anything is sent or posted: the connection stays usable for everything else.
     """
 
 

@@ -137,6 +137,18 @@ class Options:
     docs/one-sided.md, "Revocation"): keys revoked in the order they were exported cost nothing, each id
     left between keys still alive costs one range. A peer that needs more (or revokes ids it never issued)
     fails the connection with a ``ProtocolError``."""
+    atomics: str = "auto"
+    """Remote atomics (``fetch_add``, ``compare_swap``, ``fetch_add_many``, ``export(access="...a")``):
+    ``"auto"`` uses them where this side's device offers them (``atomic_cap`` not NONE); ``"off"`` acts as
+    on a device without them (siw and other iWARP devices): those calls raise
+    ``FeatureNotSupportedError`` before anything is posted, and this side's keys tell the importer so.
+    ``"off"`` exists to test that behaviour on devices that have atomics."""
+    memory_windows: str = "auto"
+    """Memory windows for connection-scoped exports: ``"auto"`` uses them where this side's device offers
+    them (``max_mw`` above 0); ``"off"`` acts as on a device without them (siw and other iWARP devices):
+    ``export()`` of the default scope raises ``FeatureNotSupportedError`` (``scope="domain"`` still
+    works) and rendezvous sends go by copy. ``"off"`` exists to test that behaviour on devices that have
+    windows."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -184,6 +196,8 @@ class Options:
             raise ValueError("establish_timeout and reclaim_timeout must be positive")
         if self.max_pending_per_source < 1:
             raise ValueError("max_pending_per_source must be >= 1")
+        if self.atomics not in ("auto", "off") or self.memory_windows not in ("auto", "off"):
+            raise ValueError("atomics and memory_windows must be 'auto' or 'off'")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:

@@ -58,6 +58,8 @@ from rdmaio.options import Options
 from rdmaio.verbs.path import PathAttributes
 
 __all__ = [
+    "IWARP_ONESIDED_CAPS",
+    "RXE_ONESIDED_CAPS",
     "SLOTLESS",
     "Chain",
     "CompletionGroup",
@@ -65,6 +67,7 @@ __all__ = [
     "FakeBackend",
     "FakeCMId",
     "FakeCQ",
+    "FakeCapsDevice",
     "FakeCompletionBatch",
     "FakeCompletionChannel",
     "FakeDevice",
@@ -1417,6 +1420,7 @@ def onesided_rig(
     record: bool = True,
     close_state: Any = None,
     io: Any = None,
+    atomics: bool = True,
 ) -> SimpleNamespace:
     """A :class:`~rdmaio.core.onesided.OneSidedEngine` on the running asyncio loop over a :class:`FakeQP`
     whose fake device completes every request at its post (``complete_at_post``: the completion is taken by
@@ -1428,6 +1432,7 @@ def onesided_rig(
     :class:`~rdmaio.protocol.closestate.CloseState`; a new one when None, kept in ``rig.close_state``) as a
     connection's is given its Session's, and the credits' ``flush_error`` is its own, as a Session's is.
     ``io``: the loop backend (a TrioBackend under trio; the running asyncio loop's when None).
+    ``atomics``: False for an engine on a device without remote atomics (``atomic_cap`` NONE).
     """
     from rdmaio.core.backend import AsyncioBackend
     from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, OneSidedEngine, RemoteKey
@@ -1474,6 +1479,7 @@ def onesided_rig(
         revoke_timeout=5.0,
         port=port,
         close_state=state,
+        atomics=atomics,
     )
     rig.engine = engine
     if complete_at_post:
@@ -1503,3 +1509,29 @@ def onesided_rig(
     qp.post_rdma = post_rdma_completed_later  # type: ignore[method-assign]
     rig.key = RemoteKey(0x10000, 0x77, 4096, ACCESS_READ | ACCESS_WRITE | ACCESS_ATOMIC, 1)
     return rig
+
+
+# --- verbs: devices by one-sided capability (what an iWARP device lacks) --------------------------------
+
+#: The one-sided capabilities of Soft-iWARP (siw) and other iWARP devices: no remote atomics
+#: (``atomic_cap`` NONE) and no memory windows (``max_mw`` 0).
+IWARP_ONESIDED_CAPS = verbs.OneSidedCaps("NONE", 16, 16, max_mw=0, mw_type1=False, mw_type2=False)
+#: Those of Soft-RoCE (rxe, Linux 6.1): atomics among its own requests, type 1 and 2 windows.
+RXE_ONESIDED_CAPS = verbs.OneSidedCaps("HCA", 128, 128, max_mw=524287, mw_type1=True, mw_type2=True)
+
+
+class FakeCapsDevice:
+    """A device context answering :meth:`query_onesided_caps` with ``caps`` (e.g.
+    :data:`IWARP_ONESIDED_CAPS`); ``handle`` keeps it apart from other devices in the process-wide
+    capability cache (:func:`rdmaio.core.onesided.caps.cached_caps`). :attr:`queries` counts the queries."""
+
+    def __init__(self, caps: verbs.OneSidedCaps, *, name: str = "siw0", handle: int = 0x51A0) -> None:
+        self.caps = caps
+        self.name = name
+        self.handle = handle
+        self.queries = 0
+
+    def query_onesided_caps(self) -> verbs.OneSidedCaps:
+        """The scripted capabilities."""
+        self.queries += 1
+        return self.caps

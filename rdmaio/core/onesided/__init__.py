@@ -40,6 +40,16 @@ are dense per connection (1, 2, ...), so the importer keeps revoked ids as range
 Control messages are SENDs *without* immediate data (rdmaio frames always carry one) and write notices are
 RDMA WRITEs *with* immediate data (completion opcode ``IBV_WC_RECV_RDMA_WITH_IMM``); both consume one of the
 peer's posted receives, so both are paid for with a send credit like a frame (:meth:`Session.take_slot`).
+Where the connection has no immediate data (``write_notice_by_message``: iWARP devices), a write notice is
+an RDMA WRITE followed, on the same queue pair, by a control message of kind ``CTL_WRITE_NOTICE`` carrying
+its length and value: RC delivers the SEND after the WRITE's data is placed, so the exporter sees the same
+:class:`WriteNotice` after the same data. The exporter takes either form.
+
+Capabilities. Atomics need them on both devices: an ``export(..., access="...a")`` on a device without
+remote atomics (``atomic_cap`` NONE, or ``Options.atomics="off"``) raises
+:class:`~rdmaio.FeatureNotSupportedError`, and its keys carry :data:`KEY_FLAG_NO_ATOMICS`; an atomic call
+on such a key, or from a device without atomics, raises it before anything is posted (the connection stays
+usable). Without memory windows (``max_mw`` 0, or ``Options.memory_windows="off"``) see "Key scope".
 
 Work requests of one-sided operations and window binds carry ``wr_id = 2 << 56 | tag << 32 | index``
 (kind 2; kind 0 is the send slots of frames, kind 3 is reserved for keepalive; the tag routes the
@@ -80,6 +90,7 @@ from rdmaio.core.onesided.keys import (
     ACCESS_ATOMIC,
     ACCESS_READ,
     ACCESS_WRITE,
+    KEY_FLAG_NO_ATOMICS,
     KEY_VERSION,
     RemoteKey,
     WriteNotice,
@@ -97,6 +108,7 @@ __all__ = [
     "ACCESS_READ",
     "ACCESS_WRITE",
     "CTL_FIRST_EXTERNAL",
+    "KEY_FLAG_NO_ATOMICS",
     "KEY_VERSION",
     "MAX_BINDS_IN_FLIGHT",
     "MAX_OP_BYTES",
@@ -170,6 +182,8 @@ class OneSidedEngine:
         port: SerialPort | None = None,
         make_port: Callable[[int], SerialPort | None] | None = None,
         close_state: CloseState | None = None,
+        device_name: str = "this device",
+        write_notice_by_message: bool = False,
     ) -> None:
         stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -194,6 +208,9 @@ class OneSidedEngine:
             peer_onesided=peer_onesided,
             port=port,
             close_state=close_state,
+            atomics=atomics,
+            device_name=device_name,
+            write_notice_by_message=write_notice_by_message,
         )
         exporter = Exporter(
             io,
@@ -215,6 +232,7 @@ class OneSidedEngine:
             repost=repost,
         )
         operations.on_other_completion = exporter.on_bind_completion
+        operations.send_notice = exporter.send_write_notice
         batches = BatchCalls(operations)
         self.operations = operations
         self.exporter = exporter
@@ -251,8 +269,10 @@ class OneSidedEngine:
         except VerbsError:
             windows = atomics = False
         else:
-            windows = caps.max_mw > 0
-            atomics = caps.atomic_cap != "NONE"
+            # What the device offers, less what Options take away ("off": the behaviour of a device
+            # without it, e.g. siw, tested on one that has it).
+            windows = caps.max_mw > 0 and options.memory_windows != "off"
+            atomics = caps.atomic_cap != "NONE" and options.atomics != "off"
         # A weak reference: a strong one (engine -> connection -> engine) would make every connection a
         # reference cycle, keeping its loop and the loop's Domain (PD, event channel fd) alive until the
         # cyclic GC runs instead of freeing them when the last reference goes.
@@ -299,6 +319,7 @@ class OneSidedEngine:
             repost=repost,
             make_port=transport.onesided_port,
             close_state=session.close_state,
+            device_name=transport.device.name,
         )
 
     @property
@@ -325,6 +346,20 @@ class OneSidedEngine:
     def closed(self) -> bool:
         """:meth:`close` ran."""
         return self.operations.closed
+
+    @property
+    def write_notice_by_message(self) -> bool:
+        """Writes with a notice (``imm=``) go as an RDMA WRITE followed by a control message instead of a
+        WRITE with immediate data (a framing without immediate data, e.g. on iWARP; see
+        :attr:`OperationEngine.write_notice_by_message
+        <rdmaio.core.onesided.operations.OperationEngine.write_notice_by_message>`). The constructor's
+        flag; settable (tests force it on a device that has immediate data). The receiving side takes
+        both forms whatever this says."""
+        return self.operations.write_notice_by_message
+
+    @write_notice_by_message.setter
+    def write_notice_by_message(self, by_message: bool) -> None:
+        self.operations.write_notice_by_message = bool(by_message)
 
     @property
     def control_handler(self) -> Callable[[int, int], None] | None:

@@ -38,6 +38,8 @@ class BatchCalls:
         self, key: RemoteKey, offsets: Iterable[int], add: int | Iterable[int] = 1
     ) -> list[int]:
         """Atomic fetch-and-add on many u64s of one key; see ``Endpoint.fetch_add_many``."""
+        if not self._operations.atomics or not getattr(key, "exporter_atomics", True):
+            self._operations.check_atomics_possible(key, "fetch_add_many")  # raises
         where = _ints(offsets, "offsets")
         if isinstance(add, int):
             adds = [add] * len(where)

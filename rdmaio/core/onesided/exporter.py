@@ -42,7 +42,6 @@ from rdmaio.errors import (
     BindQueueFullError,
     FeatureNotSupportedError,
     ProtocolError,
-    RemoteAccessError,
     VerbsError,
 )
 from rdmaio.verbs.native import lib
@@ -52,6 +51,7 @@ __all__ = [
     "CTL_FIRST_EXTERNAL",
     "CTL_REVOKE",
     "CTL_REVOKE_ACK",
+    "CTL_WRITE_NOTICE",
     "MAX_BINDS_IN_FLIGHT",
     "SCOPES",
     "Exporter",
@@ -73,6 +73,9 @@ CTL_REVOKE = 1
 """Control message kind: the exporter revokes the key id it carries."""
 CTL_REVOKE_ACK = 2
 """Control message kind: the importer will post nothing more on the key id it carries."""
+CTL_WRITE_NOTICE = 3
+"""Control message kind: a write notice sent as a message (the writer's framing has no immediate data):
+its u64 carries the bytes written (high 32 bits) and the notice value (low 32 bits)."""
 CTL_FIRST_EXTERNAL = 16
 """Control message kinds from here on belong to other layers (:meth:`Exporter.send_control`)."""
 _WC_RECV_RDMA_WITH_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
@@ -247,7 +250,11 @@ class Exporter:
             raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
         bits = parse_access(access)
         if bits & ACCESS_ATOMIC and not self._atomics:
-            raise RemoteAccessError("this device does not support remote atomics (atomic_cap NONE)")
+            raise FeatureNotSupportedError(
+                f"export(access={access!r}): {self._operations.device_name} does not offer remote atomics "
+                "(atomic_cap NONE, as on iWARP devices such as siw): export without 'a'",
+                errno=errno.EOPNOTSUPP,
+            )
         view = memoryview(buffer)
         if view.readonly:
             raise TypeError("export() needs a writable buffer (bytearray, memoryview, mmap, numpy array)")
@@ -266,7 +273,8 @@ class Exporter:
             scoped = self._grant_scoped(part, bits, readonly=False)
             region, rkey = scoped.region, scoped.rkey
         # Dense per-connection ids: the importer keeps the revoked ones as ranges (RevokedKeys).
-        key = RemoteKey(region.addr, rkey, length, bits, next(self._key_ids))
+        # The key tells the importer whether atomics are possible at all here (KEY_FLAG_NO_ATOMICS).
+        key = RemoteKey(region.addr, rkey, length, bits, next(self._key_ids), self._atomics)
         self.grants[key.key_id] = Grant(key, region, scoped)
         self._stats["exports"] += 1
         return key
@@ -303,8 +311,9 @@ class Exporter:
         connection's queue pair (signalled, kind 2: :meth:`on_bind_completion` gets its completion)."""
         if self._bind_window is None:
             raise FeatureNotSupportedError(
-                "this device has no memory windows (max_mw 0, e.g. siw): a grant cannot be limited to one "
-                "connection; export(..., scope='domain') grants it to every connection of the loop's device",
+                f"{self._operations.device_name} has no memory windows (max_mw 0, as on iWARP devices such "
+                "as siw): a grant cannot be limited to one connection; export(..., scope='domain') grants "
+                "it to every connection of the loop's device",
                 errno=errno.EOPNOTSUPP,
                 call="ibv_alloc_mw",
             )
@@ -415,6 +424,10 @@ class Exporter:
         if byte_len != _CONTROL.size:
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
+        if version == KEY_VERSION and kind == CTL_WRITE_NOTICE:
+            # A write notice without immediate data: the peer's WRITE before it on this queue pair is
+            # placed (RC order). Queued as one with immediate data is.
+            return self._queue_notice(WriteNotice(key_id >> 32, key_id & 0xFFFF_FFFF), slot)
         if version == KEY_VERSION and kind >= CTL_FIRST_EXTERNAL and self.control_handler is not None:
             # The rendezvous engine's handler (rdmaio.core.rendezvous): raises if the kind is unknown.
             self.control_handler(kind, key_id)
@@ -432,6 +445,25 @@ class Exporter:
             if grant is not None and grant.ack is not None:
                 grant.ack.set()
         return True
+
+    def _queue_notice(self, notice: WriteNotice, slot: int) -> bool:
+        """Queue a write notice that came as a control message (as :meth:`on_recv` queues one with
+        immediate data, holding its receive beyond ``notice_limit``); whether to repost ``slot`` now."""
+        self._notices.append(notice)
+        self._stats["write_notices"] += 1
+        self._stats["write_notices_by_message"] += 1
+        if self._notice_waiter is not None:
+            self._notice_waiter.set()
+        if len(self._notices) > self.notice_limit and self._repost is not None and slot >= 0:
+            self._held_slots.append(slot)
+            self._stats["write_notice_slots_held"] += 1
+            return False
+        return True
+
+    def send_write_notice(self, length: int, imm: int) -> None:
+        """Queue the control message of a write notice of ``length`` bytes with value ``imm`` (the writer's
+        side of a write without immediate data; see ``OperationEngine.write_notice_by_message``)."""
+        self.send_control_message(CTL_WRITE_NOTICE, (length & 0xFFFF_FFFF) << 32 | imm)
 
     async def wait_write_notice(self) -> WriteNotice:
         """The next write notice; raises the connection's error once none is left and it failed."""

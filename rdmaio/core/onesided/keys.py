@@ -1,8 +1,9 @@
 """Remote keys of one-sided RDMA: the access bits, the wire form of a key, and the write notice.
 
 A :class:`RemoteKey` is what an exporter hands to its peer (see :mod:`rdmaio.core.onesided` for the model):
-address, rkey, length, access bits and a key id, 32 bytes on the wire with a version byte. Parsing is strict:
-the key comes from an untrusted peer. A :class:`WriteNotice` is what a peer's RDMA WRITE with immediate data
+address, rkey, length, access bits and a key id, 32 bytes on the wire with a version byte, and one flag: the
+exporter's device has no remote atomics (so no key of it can ever grant them). Parsing is strict: the key
+comes from an untrusted peer. A :class:`WriteNotice` is what a peer's RDMA WRITE with immediate data
 through a key leaves on the exporter's side. Plain values, no verbs: the engine's objects and the public API
 share them.
 """
@@ -18,6 +19,7 @@ __all__ = [
     "ACCESS_ATOMIC",
     "ACCESS_READ",
     "ACCESS_WRITE",
+    "KEY_FLAG_NO_ATOMICS",
     "KEY_VERSION",
     "RemoteKey",
     "WriteNotice",
@@ -36,7 +38,14 @@ _ACCESS_CHARS = {"r": ACCESS_READ, "w": ACCESS_WRITE, "a": ACCESS_ATOMIC}
 
 KEY_VERSION = 1
 """Version byte of the wire form of a :class:`RemoteKey`."""
-# version u8, access u8, reserved u16 (0), rkey u32, key id u64, address u64, length u64; network order.
+KEY_FLAG_NO_ATOMICS = 0x8000
+"""Key flag (the high bit of the u16 after the access bits, reserved before): the exporter's device has no
+remote atomics (``atomic_cap`` NONE, e.g. siw), so the importer raises
+:class:`~rdmaio.FeatureNotSupportedError` for an atomic on the key instead of a plain access error. Keys of
+devices with atomics leave it 0: their wire form is what it always was."""
+_KNOWN_FLAGS = KEY_FLAG_NO_ATOMICS
+# version u8, access u8, flags u16 (reserved bits 0), rkey u32, key id u64, address u64, length u64;
+# network order.
 _KEY = struct.Struct("!BBHIQQQ")
 _U64 = (1 << 64) - 1
 
@@ -78,6 +87,9 @@ class RemoteKey:
     """:data:`ACCESS_READ` | :data:`ACCESS_WRITE` | :data:`ACCESS_ATOMIC`."""
     key_id: int
     """The exporter's identifier of this grant (used to revoke it)."""
+    exporter_atomics: bool = True
+    """False: the exporter's device has no remote atomics (:data:`KEY_FLAG_NO_ATOMICS`), so atomics on
+    this key raise :class:`~rdmaio.FeatureNotSupportedError` (never granted, never possible)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.addr <= _U64 or not 0 <= self.rkey <= 0xFFFF_FFFF or not 0 <= self.key_id <= _U64:
@@ -86,6 +98,8 @@ class RemoteKey:
             raise InvalidRemoteKeyError(f"remote key length {self.length} out of range")
         if not self.access_bits or self.access_bits & ~_ACCESS_ALL:
             raise InvalidRemoteKeyError(f"remote key access bits {self.access_bits:#x} invalid")
+        if self.access_bits & ACCESS_ATOMIC and not self.exporter_atomics:
+            raise InvalidRemoteKeyError("remote key grants atomics from a device without atomics")
 
     @property
     def access(self) -> str:
@@ -93,7 +107,8 @@ class RemoteKey:
         return access_str(self.access_bits)
 
     def __bytes__(self) -> bytes:
-        return _KEY.pack(KEY_VERSION, self.access_bits, 0, self.rkey, self.key_id, self.addr, self.length)
+        flags = 0 if self.exporter_atomics else KEY_FLAG_NO_ATOMICS
+        return _KEY.pack(KEY_VERSION, self.access_bits, flags, self.rkey, self.key_id, self.addr, self.length)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview | None) -> RemoteKey:
@@ -104,12 +119,12 @@ class RemoteKey:
         raw = bytes(data)
         if len(raw) != _KEY.size:
             raise InvalidRemoteKeyError(f"a remote key is {_KEY.size} bytes, got {len(raw)}")
-        version, access, reserved, rkey, key_id, addr, length = _KEY.unpack(raw)
+        version, access, flags, rkey, key_id, addr, length = _KEY.unpack(raw)
         if version != KEY_VERSION:
             raise InvalidRemoteKeyError(f"unsupported remote key version {version} (expected {KEY_VERSION})")
-        if reserved:
+        if flags & ~_KNOWN_FLAGS:
             raise InvalidRemoteKeyError("remote key has reserved bits set")
-        return cls(addr, rkey, length, access, key_id)
+        return cls(addr, rkey, length, access, key_id, not flags & KEY_FLAG_NO_ATOMICS)
 
     def __repr__(self) -> str:
         return f"<RemoteKey id={self.key_id:#x} length={self.length} access={self.access!r}>"

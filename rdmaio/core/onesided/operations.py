@@ -223,6 +223,9 @@ class OperationEngine:
         peer_onesided: bool,
         port: SerialPort | None,
         close_state: CloseState | None = None,
+        atomics: bool = True,
+        device_name: str = "this device",
+        write_notice_by_message: bool = False,
     ) -> None:
         self._io = io
         self._qp = qp
@@ -256,6 +259,21 @@ class OperationEngine:
         self._running: Callable[[], Any] = _running_loop if self._futures else io.current_task
         self._task_of: Callable[[Any], object] = _task_of_loop if self._futures else _itself
         self._close_state = close_state
+        self.atomics = atomics
+        """This side's device can issue remote atomics (``atomic_cap`` not NONE, nor forced off)."""
+        self.device_name = device_name
+        """This side's device (named in the errors of what it lacks)."""
+        self.write_notice_by_message = write_notice_by_message
+        """A write with a notice (``imm=``) is an RDMA WRITE followed by a control message carrying the
+        notice (:attr:`send_notice`), not a WRITE with immediate data: for a connection whose framing has
+        no immediate data (iWARP devices have none). Both go out on this queue pair in that order, and RC
+        places the WRITE's data before the SEND is delivered, so the peer sees the notice after the data."""
+        self.send_notice: Callable[[int, int], None] | None = None
+        """Queues the control message of a write notice (``length``, ``imm``): the exporter's, set by the
+        engine that composes both."""
+        # The access bit an atomic's serial path tests a key for: none on a device without atomics, so
+        # such calls take the general path, which raises FeatureNotSupportedError (no Python call more).
+        self._atomic_bit = ACCESS_ATOMIC if atomics else 0
         # Serial calls and batch waves completed at their post, by kind (no op, no Counter update:
         # statistics() adds them).
         self._reads_at_post = 0
@@ -516,12 +534,40 @@ class OperationEngine:
             if length == 0 and imm is None:
                 self.raise_if_failed()
                 return
+            if imm is not None and self.write_notice_by_message:
+                await self._write_then_notice(key, offset, view, imm)
+                return
             opcode = _WR_WRITE if imm is None else _WR_WRITE_IMM
             op = self._start_now(key, opcode, length) or await self.start(key, opcode, length)
             if length:
                 assert op.buffer is not None
                 op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
             self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
+        if self._must_await(op):
+            await self.finish(op)
+        self.release(op)
+
+    async def _write_then_notice(self, key: RemoteKey, offset: int, view: memoryview, imm: int) -> None:
+        """A write with a notice where there is no immediate data: an RDMA WRITE (none when ``view`` is
+        empty), then the notice as a control message queued once the WRITE is posted (it follows it on
+        this queue pair: RC delivers it after the WRITE's data is placed). A WRITE that fails to post, or
+        whose key the peer revoked before the doorbell rang, sends no notice. Returns when the WRITE
+        completed (as a WRITE with immediate data does); the notice goes out after a send credit."""
+        send_notice = self.send_notice
+        assert send_notice is not None
+        length = view.nbytes
+        if not length:
+            self.raise_if_failed()
+            send_notice(0, imm)
+            return
+        op = self._start_now(key, _WR_WRITE, length) or await self.start(key, _WR_WRITE, length)
+        assert op.buffer is not None
+        op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
+        self._post(op, key.addr + offset, key.rkey)
+        if not op.posted and not op.done:
+            self._ring()  # collected for this iteration's doorbell: post it now, before the notice
+        if op.posted and self.error is None:
+            send_notice(length, imm)
         if self._must_await(op):
             await self.finish(op)
         self.release(op)
@@ -533,7 +579,7 @@ class OperationEngine:
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
             and isinstance(add, int)
-            and key.access_bits & ACCESS_ATOMIC
+            and key.access_bits & self._atomic_bit
             and offset >= 0
             and offset + 8 <= key.length
             and not (key.addr + offset) & 7
@@ -557,7 +603,7 @@ class OperationEngine:
                 return old
             old = await self._serial_rest(index, result, WR_FADD, 8, key.key_id)
             return old
-        self._check_atomic(key, offset)
+        self._check_atomic(key, offset, "fetch_add")
         if not isinstance(add, int) or not -(1 << 63) <= add <= U64:
             raise ValueError(f"add must be an int in -2**63..2**64-1, not {add!r}")
         op = self._start_now(key, WR_FADD, 8) or await self.start(key, WR_FADD, 8)
@@ -572,7 +618,7 @@ class OperationEngine:
             and isinstance(offset, int)
             and isinstance(expected, int)
             and isinstance(desired, int)
-            and key.access_bits & ACCESS_ATOMIC
+            and key.access_bits & self._atomic_bit
             and offset >= 0
             and offset + 8 <= key.length
             and not (key.addr + offset) & 7
@@ -597,7 +643,7 @@ class OperationEngine:
                 return old
             old = await self._serial_rest(index, result, _WR_CSWAP, 8, key.key_id)
             return old
-        self._check_atomic(key, offset)
+        self._check_atomic(key, offset, "compare_swap")
         for name, value in (("expected", expected), ("desired", desired)):
             if not isinstance(value, int) or not 0 <= value <= U64:
                 raise ValueError(f"{name} must be an int in 0..2**64-1, not {value!r}")
@@ -692,7 +738,25 @@ class OperationEngine:
             self._wake_slot_waiter()  # they may wait for a staging slot
         return value
 
-    def _check_atomic(self, key: RemoteKey, offset: int) -> None:
+    def check_atomics_possible(self, key: RemoteKey, call: str) -> None:
+        """Raise :class:`~rdmaio.FeatureNotSupportedError` when this side's device, or the device that
+        exported ``key`` (its wire form says so), has no remote atomics: checked before anything else of an
+        atomic call, nothing is posted and the connection stays usable."""
+        if not self.atomics:
+            raise FeatureNotSupportedError(
+                f"{call}() needs remote atomics, which {self.device_name} does not offer (atomic_cap NONE, "
+                "as on iWARP devices such as siw): use rdma_read/rdma_write and messages instead",
+                errno=errno.EOPNOTSUPP,
+            )
+        if isinstance(key, RemoteKey) and not key.exporter_atomics:
+            raise FeatureNotSupportedError(
+                f"{call}() on {key!r}: the peer's device that exported it has no remote atomics (atomic_cap "
+                "NONE, as on iWARP devices such as siw), so no key of it grants them",
+                errno=errno.EOPNOTSUPP,
+            )
+
+    def _check_atomic(self, key: RemoteKey, offset: int, call: str) -> None:
+        self.check_atomics_possible(key, call)
         self.check_key(key, offset, 8, ACCESS_ATOMIC)
         if (key.addr + offset) % 8:
             raise RemoteAccessError(
