@@ -302,9 +302,12 @@ class Endpoint:
         window bound on its queue pair; every other connection of the process, on any loop, is refused by
         the NIC). The bind is posted now, so whatever this endpoint sends afterwards, ``bytes(key)``
         included, reaches the peer after the key became valid; a key sent by another path may arrive
-        first. A device without memory windows (siw) raises :class:`~rdmaio.FeatureNotSupportedError`.
+        first. On a device without memory windows (siw) the connection has a protection domain of its
+        own, and the key is its region's own rkey, which works through this connection only too.
         ``scope="domain"`` grants the range to every connection of this loop's device (the region's own
-        rkey), as one must ask for by name. See docs/one-sided.md, "Key scope".
+        rkey), as one must ask for by name; it raises :class:`~rdmaio.FeatureNotSupportedError` on a
+        device without memory windows. Access ``"a"`` raises it on a device without atomics. See
+        docs/one-sided.md, "Key scope".
         """
         self._conn.check_fork()
         return self._onesided.export(buffer, offset, length, access, scope)

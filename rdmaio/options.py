@@ -146,9 +146,13 @@ class Options:
     memory_windows: str = "auto"
     """Memory windows for connection-scoped exports: ``"auto"`` uses them where this side's device offers
     them (``max_mw`` above 0); ``"off"`` acts as on a device without them (siw and other iWARP devices):
-    ``export()`` of the default scope raises ``FeatureNotSupportedError`` (``scope="domain"`` still
-    works) and rendezvous sends go by copy. ``"off"`` exists to test that behaviour on devices that have
-    windows."""
+    the connection gets a protection domain of its own (its QP alone in it, its rings, exports and
+    rendezvous buffers registered there, a registration cache of its own bounded by ``max_pinned``), so
+    an export is a region whose own rkey reaches this connection only, revoked by deregistering it;
+    ``export(scope="domain")`` raises ``FeatureNotSupportedError`` then. With ``shared_receive_queue``
+    (the SRQ is in the device's shared PD) the connection keeps the shared PD and connection-scoped
+    exports raise ``FeatureNotSupportedError`` instead. ``"off"`` exists to test that behaviour on devices
+    that have windows."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:

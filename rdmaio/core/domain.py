@@ -48,6 +48,8 @@ __all__ = [
     "Domain",
     "Registration",
     "RegistrationCache",
+    "buffer_address",
+    "register_in",
 ]
 
 ACCESS_REMOTE_READ = 0x1
@@ -248,9 +250,23 @@ class RegistrationCache:
         self._room_made()
 
 
-def _buffer_address(buffer: Any) -> tuple[int, int]:
+def buffer_address(buffer: Any) -> tuple[int, int]:
+    """The address and length of a writable buffer (a :class:`RegistrationCache`'s ``address_of``)."""
     cbuf = ffi.from_buffer(buffer, require_writable=True)
     return int(ffi.cast("uintptr_t", cbuf)), len(cbuf)
+
+
+def register_in(pd: ProtectionDomain, buffer: Any, access: int) -> MemoryRegion:
+    """Register ``buffer`` in ``pd`` with the cache's ``access`` flags (:data:`ACCESS_REMOTE_READ`,
+    :data:`ACCESS_REMOTE_WRITE`; local access only unless asked): a :class:`RegistrationCache`'s
+    ``register`` for a protection domain of its own (a connection's, where the device has no memory
+    windows; :class:`Domain` registers in its own PD the same way)."""
+    return MemoryRegion(
+        pd,
+        buffer,
+        remote_read=bool(access & ACCESS_REMOTE_READ),
+        remote_write=bool(access & ACCESS_REMOTE_WRITE),
+    )
 
 
 def _unwatched(fd: int, callback: Callable[[], None]) -> None:
@@ -280,7 +296,7 @@ class Domain:
         self.device = device
         self.pd = ProtectionDomain(device)
         self.registrations = RegistrationCache(
-            self._register, _buffer_address, DEFAULT_MAX_PINNED if max_pinned is None else max_pinned
+            self._register, buffer_address, DEFAULT_MAX_PINNED if max_pinned is None else max_pinned
         )
         self._settings_refused: set[int] = set()  # max_pinned values later connections asked for, logged
         # Slot-ring memory of closed connections, kept registered (local access only) for the next ones:
@@ -338,12 +354,7 @@ class Domain:
 
     def _register(self, buffer: Any, access: int) -> MemoryRegion:
         # Local access unless asked: nothing is remotely accessible that was not exported on purpose.
-        return MemoryRegion(
-            self.pd,
-            buffer,
-            remote_read=bool(access & ACCESS_REMOTE_READ),
-            remote_write=bool(access & ACCESS_REMOTE_WRITE),
-        )
+        return register_in(self.pd, buffer, access)
 
     def statistics(self) -> dict[str, dict[str, int]]:
         """``{"registrations": ..., "completions": ..., "rings": ...}``: the registration cache's, the

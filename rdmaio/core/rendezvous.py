@@ -165,7 +165,10 @@ class RendezvousEngine:
         session = conn.session
         if not options.rndv_threshold or not session.rendezvous:
             return None
-        cache = transport.domain.registrations
+        # A connection with a protection domain of its own (a device without memory windows) registers
+        # in it, through its own cache (rdmaio.core.transport.private_pd_needed).
+        private = getattr(transport, "private_registrations", None)
+        cache = private if private is not None else transport.domain.registrations
         return cls(
             conn,
             onesided=conn.onesided,

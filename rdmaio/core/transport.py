@@ -2,8 +2,9 @@
 
 A :class:`Transport` owns, for one connected cm id: a ring of receive slots and a ring of send slots
 (:class:`~rdmaio.core.rings.SlotRing`, registered in the device's shared protection domain chunk by chunk as
-load needs them), the RC queue pair, and a reservation of CQ entries (send depth + receive depth at their
-largest + a margin, so the CQ cannot overflow) on one of its domain's shared CQs
+load needs them; in a protection domain of the connection's own where the device has no memory windows, see
+:func:`private_pd_needed`), the RC queue pair, and a reservation of CQ entries (send depth + receive depth at
+their largest + a margin, so the CQ cannot overflow) on one of its domain's shared CQs
 (:mod:`rdmaio.core.dispatch`).
 The protection domain and the CQs are the domain's. The transport registers its QP with the domain's
 completion dispatcher, which gives it the connection tag of its wr_ids, and unregisters before the QP is
@@ -12,12 +13,17 @@ destroyed. It knows nothing about framing or credits.
 
 from __future__ import annotations
 
+import functools
+
 from rdmaio import verbs
 from rdmaio.core.dispatch import CompletionHandler, CQReservation
+from rdmaio.core.domain import RegistrationCache, buffer_address, register_in
 from rdmaio.core.onesided import MAX_BINDS_IN_FLIGHT
+from rdmaio.core.onesided.caps import cached_caps
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.rings import SlotRing
 from rdmaio.core.shared_receive import SharedMember, shared_pool
+from rdmaio.errors import VerbsError
 from rdmaio.options import Options
 from rdmaio.verbs import (
     WR_KIND_RECV,
@@ -25,14 +31,29 @@ from rdmaio.verbs import (
     CompletionQueue,
     DeviceContext,
     MemoryRegion,
+    ProtectionDomain,
     QueuePair,
     make_wr_id,
 )
 
-__all__ = ["OneSidedPort", "Transport"]
+__all__ = ["OneSidedPort", "Transport", "private_pd_needed"]
 
 CQ_MARGIN = 8
 """CQ entries reserved beyond the send, one-sided and receive depths: control work requests."""
+
+
+def private_pd_needed(device: DeviceContext, options: Options) -> bool:
+    """Whether a connection on ``device`` gets a protection domain of its own: its device has no memory
+    windows (``max_mw`` 0, e.g. siw; or ``Options.memory_windows`` is ``"off"``), unless it uses the
+    shared receive queue (which lives in the Domain's PD)."""
+    if options.shared_receive_queue:
+        return False
+    if options.memory_windows == "off":
+        return True
+    try:
+        return cached_caps(device).max_mw == 0
+    except VerbsError:
+        return False  # no capabilities known: the shared PD, and exports say what is missing
 
 
 class Transport:
@@ -56,7 +77,23 @@ class Transport:
         self.send_depth = options.send_depth
         self.max_rdma_ops = options.max_rdma_ops  # one-sided ops in flight
         self.domain = reactor.domain(device, options)  # created with options' per-device settings
-        self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
+        # A protection domain of this connection's own where its device has no memory windows (or
+        # Options.memory_windows is "off"): an MR with remote access flags is reachable through every QP
+        # of its PD, so with this QP alone in it an export (its MR's own rkey) reaches this connection
+        # only, as a type 2 window scopes it where windows exist. Not on a shared receive queue (the SRQ
+        # and its buffers are the Domain's PD's): such connections keep the shared PD, and connection-
+        # scoped exports raise FeatureNotSupportedError there.
+        self.private_pd = private_pd_needed(device, options)
+        self.private_registrations: RegistrationCache | None = None
+        if self.private_pd:
+            self.pd = ProtectionDomain(device)  # closed with this transport
+            # Caller buffers of rdma_read_into and rendezvous pulls are registered in this PD: a cache
+            # of this connection's own, with the device's bound (the Domain's cache is in its PD).
+            self.private_registrations = RegistrationCache(
+                functools.partial(register_in, self.pd), buffer_address, self.domain.max_pinned
+            )
+        else:
+            self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
         # --- shared CQ (sharedcq): the CQ is the domain's; this connection reserves its entries on it.
         self.completions = self.domain.completions
         self.tag: int | None = None  # connection tag (wr_id bits 32..55), set once the QP is registered
@@ -64,8 +101,9 @@ class Transport:
         self.cq_reservation: CQReservation | None = None
         initial = self.recv_depth if initial_recv is None else initial_recv
         # The rings' memory comes from (and goes back to) the domain's pool: no registration per connection
-        # while connections come and go (rdmaio.core.rings).
-        pool = self.domain.rings
+        # while connections come and go (rdmaio.core.rings). Not with a PD of its own (the pool's memory
+        # is registered in the Domain's).
+        pool = None if self.private_pd else self.domain.rings
         # Shared receive queue: receives come from the Domain's SRQ; the ring is the pool's.
         self.shared: SharedMember | None = None
         if options.shared_receive_queue:
@@ -202,6 +240,12 @@ class Transport:
         self.send_ring.close()
         if self.cq_reservation is not None:
             self.cq_reservation.release()  # after the QP: a CQ is destroyed only once its QPs are
+        if self.private_pd:
+            # The connection's own PD, after its QP: deregisters what is still registered in it (the
+            # one-sided engine's and the rendezvous engine's regions close again later: a no-op).
+            if self.private_registrations is not None:
+                self.private_registrations.close()
+            self.pd.close()
 
 
 class OneSidedPort:

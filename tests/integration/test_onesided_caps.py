@@ -4,8 +4,10 @@ write notices, by the engine's flag), on asyncio and uvloop.
 
 * No atomics: atomics raise ``FeatureNotSupportedError`` before anything is posted, whether this side's
   device or the exporter's lacks them (the key says so), and the connection goes on.
-* No memory windows: a connection-scoped export raises ``FeatureNotSupportedError`` naming the device;
-  ``scope="domain"`` still works; rendezvous sends go by copy.
+* No memory windows: each connection has a protection domain of its own; an export (its region's own
+  rkey) reaches its connection only, is bounded by its region and revoked by deregistering it; rendezvous
+  buffers likewise. With a shared receive queue (shared PD) a connection-scoped export raises
+  ``FeatureNotSupportedError`` naming the device.
 * No immediate data: a write notice is an RDMA WRITE followed by a control message on the same queue pair.
 """
 
@@ -22,6 +24,7 @@ import pytest
 from loops import Runner, arun  # arun is a fixture used by name
 
 import rdmaio
+from rdmaio.core.onesided import ACCESS_READ, ACCESS_WRITE
 
 __all__ = ["arun"]
 
@@ -145,30 +148,150 @@ def test_atomics_work_by_default(arun: Runner[Any], rdma_addr: str) -> None:
 # --- no memory windows ---------------------------------------------------------------------------------
 
 
-def test_without_memory_windows_a_connection_scoped_export_raises_and_rendezvous_copies(
+@asynccontextmanager
+async def server_and_clients(
+    addr: str, clients: int, server_options: dict[str, Any]
+) -> AsyncIterator[tuple[list[rdmaio.Endpoint], list[rdmaio.Endpoint]]]:
+    """``clients`` connections to one server on this loop: (the server's endpoints, the clients'), in
+    connection order. The server's side takes ``server_options``."""
+    accepted: asyncio.Queue[rdmaio.Endpoint] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def handler(ep: rdmaio.Endpoint) -> None:
+        await accepted.put(ep)
+        await done.wait()
+
+    server = await rdmaio.serve(handler, addr, 0, options=rdmaio.Options(**server_options))
+    served: list[rdmaio.Endpoint] = []
+    connected: list[rdmaio.Endpoint] = []
+    async with server:
+        try:
+            for _ in range(clients):
+                connected.append(await rdmaio.connect(addr, server.addresses[0][1], timeout=30))
+                served.append(await asyncio.wait_for(accepted.get(), 30))
+            yield served, connected
+        finally:
+            for ep in connected + served:
+                ep.abort()
+            done.set()
+
+
+def forged(key: rdmaio.RemoteKey, key_id: int = 1) -> rdmaio.RemoteKey:
+    """What a client that learnt (or guessed) another connection's address and rkey would use."""
+    return rdmaio.RemoteKey(key.addr, key.rkey, key.length, ACCESS_READ | ACCESS_WRITE, key_id)
+
+
+def test_without_memory_windows_an_export_reaches_its_own_connection_only(
     arun: Runner[Any], rdma_addr: str
 ) -> None:
-    """The server's device has no memory windows (forced): export() of the default scope raises
-    FeatureNotSupportedError naming the device and what it lacks, nothing registered; scope="domain"
-    works; a large message goes by copy, intact, and registers no rendezvous buffer."""
+    """The server's connections have no memory windows (forced): each has a protection domain of its
+    own. A's export works through A's connection with the local bounds checks; B, another connection of
+    the same server process, presenting A's address and rkey is refused by the NIC (its connection
+    fails) and A's memory is unchanged; after revoke the NIC refuses A's rkey too."""
 
     async def main() -> None:
-        async with pair(rdma_addr, {"memory_windows": "off"}, {}) as (server, client):
+        async with server_and_clients(rdma_addr, 2, {"memory_windows": "off"}) as ((to_a, to_b), (a, b)):
+            transports = to_a._conn.transport, to_b._conn.transport
+            assert all(t.private_pd for t in transports)
+            assert transports[0].pd is not transports[1].pd is not transports[0].domain.pd
+            secret = os.urandom(8192)
+            memory = bytearray(secret)
+            key = await share(to_a, a, to_a.export(memory, 1024, 4096, access="rw"))
+            grant = to_a._conn.onesided.grants[key.key_id]
+            assert grant.scoped is None and grant.mr.rkey == key.rkey and grant.mr.length == 4096
+            assert await a.rdma_read(key, 0, 16) == secret[1024:1040]
+            await a.rdma_write(key, 4090, b"edge!!")
+            assert memory[1024 + 4090 : 1024 + 4096] == b"edge!!"
+            for call in (a.rdma_read(key, 4090, 7), a.rdma_write(key, -1, b"x"), a.rdma_read(key, 4096, 1)):
+                with pytest.raises(rdmaio.RemoteAccessError):
+                    await call
+            expected = bytes(memory)
+            # B (the same server process, the same device, its own PD) with A's address and rkey.
+            with pytest.raises(rdmaio.RemoteAccessRefusedError):
+                await asyncio.wait_for(b.rdma_write(forged(key), 0, b"\xee" * 4096), 30)
+            assert bytes(memory) == expected  # B's write never landed
+            assert await a.rdma_read(key, 0, 16) == secret[1024:1040]  # A's connection is untouched
+            await ping(a, to_a)
+            with pytest.raises(rdmaio.FeatureNotSupportedError, match="scope='domain'"):
+                to_a.export(memory, access="r", scope="domain")
+            # Revoked: the MR is deregistered after the importer's ACK; A's key fails locally, and the
+            # same rkey under a key id A never saw revoked reaches the NIC, which refuses it.
+            await asyncio.wait_for(to_a.revoke(key), 30)
+            assert grant.mr.closed
+            with pytest.raises(rdmaio.RemoteKeyRevokedError):
+                await a.rdma_read(key, 0, 16)
+            with pytest.raises(rdmaio.RemoteAccessRefusedError):
+                await asyncio.wait_for(a.rdma_write(forged(key, key.key_id + 1), 0, b"\xee" * 16), 30)
+            assert bytes(memory) == expected
+
+    arun(main())
+
+
+def test_without_memory_windows_rendezvous_reads_through_its_own_connection_only(
+    arun: Runner[Any], rdma_addr: str
+) -> None:
+    """Large messages from a server without memory windows (forced) go by rendezvous from its buffer
+    registered in the connection's own PD: B cannot read it with the descriptor's address and rkey; A
+    pulls it intact (SHA-256); the connection's registrations are released with it."""
+
+    async def main() -> None:
+        async with server_and_clients(rdma_addr, 2, {"memory_windows": "off"}) as ((to_a, _), (a, b)):
+            rndv = a._conn.rndv
+            assert rndv is not None
+            rndv.kick = lambda: None  # A leaves the message unpulled (test only)
+            payload = os.urandom(4 << 20)
+            sending = asyncio.create_task(to_a.send(payload))
+            for _ in range(3000):
+                if rndv.recvs.active:
+                    break
+                await asyncio.sleep(0.01)
+            (msg,) = rndv.recvs.active.values()
+            desc = msg.desc
+            assert desc.length == len(payload) and not sending.done()
+            stolen = rdmaio.RemoteKey(desc.addr, desc.rkey, desc.length, ACCESS_READ, 1)
+            with pytest.raises(rdmaio.RemoteAccessRefusedError):
+                await asyncio.wait_for(b.rdma_read(stolen, 0, 4096), 30)
+            del rndv.kick  # back to the class's: A pulls now
+            received = await asyncio.wait_for(a.recv(), 120)
+            await asyncio.wait_for(sending, 60)
+            assert hashlib.sha256(received).digest() == hashlib.sha256(payload).digest()
+            stats = to_a.statistics()
+            assert stats.get("rndv_fallback_eager", 0) == 0 and stats.get("mw_binds", 0) == 0
+            # A large message the other way: the server pulls it into memory registered in its own PD,
+            # through the connection's own registration cache.
+            back = os.urandom(2 << 20)
+            sent = asyncio.create_task(a.send(back))
+            got = await asyncio.wait_for(to_a.recv(), 120)
+            await asyncio.wait_for(sent, 60)
+            assert hashlib.sha256(got).digest() == hashlib.sha256(back).digest()
+            assert to_a._conn.transport.private_registrations.statistics()["misses"] >= 1
+
+    arun(main())
+
+
+def test_a_connection_scoped_export_on_a_shared_receive_queue_without_windows_says_what_is_missing(
+    arun: Runner[Any], rdma_addr: str
+) -> None:
+    """With a shared receive queue the connection keeps the device's shared PD (the SRQ lives there):
+    without memory windows a connection-scoped export raises FeatureNotSupportedError naming the device
+    and what it lacks; scope="domain" works; large messages go by copy."""
+
+    async def main() -> None:
+        opts = {"memory_windows": "off", "shared_receive_queue": True}
+        async with pair(rdma_addr, opts, {}) as (server, client):
+            assert server._conn.transport.private_pd is False
             memory = bytearray(b"x" * 4096)
-            before = server.statistics()["grants"]
             with pytest.raises(rdmaio.FeatureNotSupportedError, match=r"rxe\w* has no memory windows"):
                 server.export(memory, access="rw")
-            assert server.statistics()["grants"] == before
             key = await share(server, client, server.export(memory, access="rw", scope="domain"))
             assert await client.rdma_read(key, 0, 4) == b"xxxx"
             await server.revoke(key)
-            payload = os.urandom(4 << 20)
+            payload = os.urandom(1 << 20)
             sending = asyncio.create_task(server.send(payload))
             received = await asyncio.wait_for(client.recv(), 120)
             await sending
-            assert hashlib.sha256(received).digest() == hashlib.sha256(payload).digest()
+            assert received == payload
             assert server.statistics().get("rndv_fallback_eager", 0) >= 1
-            await ping(client, server)
 
     arun(main())
 

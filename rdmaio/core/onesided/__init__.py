@@ -15,8 +15,13 @@ MR's own rkey works on all of them: rkeys are near-sequential, so any other conn
 could use a grant by guessing its address. A type 2 window's rkey works only through the queue pair it was
 bound on: a key is good on the connection that exported it and refused (a remote access error at the
 requester) on every other. ``export(..., scope="domain")`` asks for the old process-wide grant by name (the
-MR's own rkey with the remote flags); a device without memory windows (``max_mw`` 0, e.g. siw) raises
-:class:`~rdmaio.FeatureNotSupportedError` for the default scope. One MR per grant, not one for many: rxe
+MR's own rkey with the remote flags). A device without memory windows (``max_mw`` 0, e.g. siw; or
+``Options.memory_windows="off"``) gives each connection a protection domain of its own
+(:func:`rdmaio.core.transport.private_pd_needed`): its QP is the only one there, so a grant is the MR's own
+rkey with the remote flags, reaching this connection only, bounded by the MR (one per grant) and revoked by
+deregistering it after the REVOKE_ACK; ``scope="domain"`` raises :class:`~rdmaio.FeatureNotSupportedError`
+there, and so does the default scope on such a device when the connection shares the loop's PD (a shared
+receive queue). One MR per grant, not one for many: rxe
 (Linux 6.1) checks a window's accesses against its MR's bounds, not the window's, so the window must cover
 its whole MR.
 
@@ -97,7 +102,12 @@ from rdmaio.core.onesided.keys import (
     parse_access,
 )
 from rdmaio.core.onesided.operations import MAX_OP_BYTES, WR_KIND_ONESIDED, Op, OperationEngine
-from rdmaio.core.onesided.registrars import bindable_registrar, local_and_grant_registrars, window_binder
+from rdmaio.core.onesided.registrars import (
+    bindable_registrar,
+    local_and_grant_registrars,
+    read_grant_registrar,
+    window_binder,
+)
 from rdmaio.core.onesided.revoked import RevokedKeys
 from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_ONESIDED, Session
@@ -184,6 +194,8 @@ class OneSidedEngine:
         close_state: CloseState | None = None,
         device_name: str = "this device",
         write_notice_by_message: bool = False,
+        private_pd: bool = False,
+        register_read_grant: Callable[[memoryview, bool], Region] | None = None,
     ) -> None:
         stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -230,6 +242,8 @@ class OneSidedEngine:
             peer_onesided=peer_onesided,
             notice_limit=notice_limit,
             repost=repost,
+            private_pd=private_pd,
+            register_read_grant=register_read_grant,
         )
         operations.on_other_completion = exporter.on_bind_completion
         operations.send_notice = exporter.send_write_notice
@@ -262,7 +276,11 @@ class OneSidedEngine:
         Only grants get remote access flags; staging memory and the caller buffers of ``rdma_read_into``
         are registered for local access only (the latter through the Domain's registration cache).
         """
-        domain = transport.domain
+        # A connection alone in a protection domain of its own (a device without memory windows, see
+        # rdmaio.core.transport.private_pd_needed): its grants are regions of that PD, and caller buffers
+        # are registered there too, through the connection's own cache.
+        private_pd = bool(getattr(transport, "private_pd", False))
+        registrations = transport.private_registrations if private_pd else transport.domain.registrations
         register_local, register_grant = local_and_grant_registrars(transport.pd)
         try:
             caps = cached_caps(transport.device)
@@ -302,7 +320,7 @@ class OneSidedEngine:
             session,
             register_local=register_local,
             register_grant=register_grant,
-            cache_get=lambda view: domain.registrations.get(view, 0),
+            cache_get=lambda view: registrations.get(view, 0),
             register_bindable=bindable_registrar(transport.pd),
             bind_window=window_binder(transport.pd, transport.qp) if windows else None,
             poll=transport.poll_completions,
@@ -320,6 +338,8 @@ class OneSidedEngine:
             make_port=transport.onesided_port,
             close_state=session.close_state,
             device_name=transport.device.name,
+            private_pd=private_pd,
+            register_read_grant=read_grant_registrar(transport.pd) if private_pd else None,
         )
 
     @property

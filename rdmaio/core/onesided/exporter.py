@@ -198,8 +198,14 @@ class Exporter:
         peer_onesided: bool,
         notice_limit: int,
         repost: Callable[[int], None] | None,
+        private_pd: bool = False,
+        register_read_grant: Callable[[memoryview, bool], Region] | None = None,
     ) -> None:
         self._io = io
+        # The connection's QP is alone in its protection domain (a device without memory windows): a
+        # region's own rkey reaches this connection only, so a grant is a region with remote flags.
+        self._private_pd = private_pd
+        self._register_read_grant = register_read_grant
         self._credits = credits
         self._operations = operations
         self._register_grant = register_grant
@@ -266,7 +272,15 @@ class Exporter:
             raise ValueError(f"export range offset={offset} length={length} outside a buffer of {size} bytes")
         part = view[offset : offset + length]
         scoped = None
-        if scope == "domain":
+        if scope == "domain" and self._private_pd:
+            raise FeatureNotSupportedError(
+                f"export(scope='domain'): {self._operations.device_name} has no memory windows, so this "
+                "connection has a protection domain of its own and its grants reach it only; export on "
+                "each connection that needs the memory (the default scope)",
+                errno=errno.EOPNOTSUPP,
+            )
+        if scope == "domain" or self._private_pd:
+            # The region's own rkey: every QP of the loop's PD, or (a PD of its own) this one only.
             region = self._register_grant(part, bits)
             rkey = region.rkey
         else:
@@ -279,12 +293,17 @@ class Exporter:
         self._stats["exports"] += 1
         return key
 
-    async def export_for_read(self, view: memoryview) -> ScopedGrant | None:
+    async def export_for_read(self, view: memoryview) -> ScopedGrant | Region | None:
         """Grant the peer RDMA READ of all of ``view`` through this connection only (a rendezvous send's
         buffer; ``view`` may be read-only): an object with ``addr``, ``rkey`` and ``close()`` (which
-        invalidates the grant before it deregisters). None when the device has no memory windows (the
-        caller then sends the message by copy: its memory is never readable by other connections). Waits
-        while :data:`MAX_BINDS_IN_FLIGHT` binds are in flight."""
+        invalidates the grant before it deregisters). On a connection with a protection domain of its own
+        (a device without memory windows) a region with remote read in it. None when the device has no
+        memory windows and the connection shares the loop's PD (the caller then sends the message by
+        copy: its memory is never readable by other connections). Waits while
+        :data:`MAX_BINDS_IN_FLIGHT` binds are in flight."""
+        if self._private_pd and self._register_read_grant is not None:
+            self._check_open()
+            return self._register_read_grant(view, view.readonly)
         if self._bind_window is None:
             return None
         while True:

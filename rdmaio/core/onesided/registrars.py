@@ -15,7 +15,7 @@ from rdmaio import verbs
 from rdmaio.core.onesided.interfaces import BindWindow, Region
 from rdmaio.core.onesided.keys import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE
 
-__all__ = ["bindable_registrar", "local_and_grant_registrars", "window_binder"]
+__all__ = ["bindable_registrar", "local_and_grant_registrars", "read_grant_registrar", "window_binder"]
 
 
 def local_and_grant_registrars(
@@ -47,6 +47,17 @@ def bindable_registrar(pd: Any) -> Callable[[memoryview, bool], Region]:
         return verbs.MemoryRegion(pd, view, readonly=readonly, mw_bind=True)
 
     return register_bindable
+
+
+def read_grant_registrar(pd: Any) -> Callable[[memoryview, bool], Region]:
+    """Registration of a rendezvous send's buffer for remote READ in a connection's own protection domain
+    (a device without memory windows: the region's own rkey reaches that connection only); read-only
+    buffers (bytes) are registered without local write."""
+
+    def register_read_grant(view: memoryview, readonly: bool) -> Region:
+        return verbs.MemoryRegion(pd, view, readonly=readonly, remote_read=True)
+
+    return register_read_grant
 
 
 def window_binder(pd: Any, qp: Any) -> BindWindow:
