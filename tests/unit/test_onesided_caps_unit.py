@@ -17,6 +17,7 @@ from rdmaio._ffi import ffi, lib
 from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, ACCESS_WRITE, RemoteKey
 from rdmaio.core.onesided.exporter import CTL_WRITE_NOTICE
 from rdmaio.core.onesided.keys import KEY_FLAG_NO_ATOMICS
+from rdmaio.core.transport import private_pd_needed
 from rdmaio.options import Options
 from rdmaio.testing.fakes import IWARP_ONESIDED_CAPS, RXE_ONESIDED_CAPS, FakeCapsDevice, onesided_rig
 from rdmaio.testing.nullpair import null_pair
@@ -349,3 +350,194 @@ def test_write_notices_by_message_between_two_real_engines(arun: Run) -> None:
         await writing
 
     arun(main())
+
+
+# --- no memory windows: a protection domain per connection ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("caps", "options", "private"),
+    [
+        (IWARP_ONESIDED_CAPS, Options(), True),
+        (RXE_ONESIDED_CAPS, Options(), False),
+        (RXE_ONESIDED_CAPS, Options(memory_windows="off"), True),
+        (IWARP_ONESIDED_CAPS, Options(shared_receive_queue=True), False),  # the SRQ is the shared PD's
+        (RXE_ONESIDED_CAPS, Options(memory_windows="off", shared_receive_queue=True), False),
+    ],
+)
+def test_a_connection_gets_a_pd_of_its_own_where_its_device_has_no_windows(
+    caps: Any, options: Options, private: bool
+) -> None:
+    # A handle of its own: the process-wide capability cache keeps each fake device's apart.
+    device = FakeCapsDevice(caps, handle=0x6000 + (caps is IWARP_ONESIDED_CAPS))
+    assert private_pd_needed(device, options) is private  # type: ignore[arg-type]
+
+
+def test_without_windows_an_export_is_its_own_region_and_revoke_deregisters_it(arun: Run) -> None:
+    async def main() -> None:
+        rig = Rig(windows=False, private_pd=True)
+        e = rig.engine
+        memory = bytearray(4096)
+        k = e.export(memory, 100, 1000, access="rw")  # the default scope: this connection
+        region = rig.grants[-1]
+        # A region with exactly the remote access asked for, no window: its own rkey is the key's.
+        assert rig.windows == [] and region.access == ACCESS_READ | ACCESS_WRITE
+        assert (k.rkey, k.addr, k.length) == (region.rkey, region.addr, 1000)
+        assert e.grants[k.key_id].scoped is None
+        with pytest.raises(rdmaio.FeatureNotSupportedError, match="scope='domain'"):
+            e.export(memory, access="r", scope="domain")
+        assert len(rig.grants) == 1
+        revoking = asyncio.ensure_future(e.revoke(k))
+        await settle()
+        assert not region.closed  # not before the importer's ACK: its requests may still be in flight
+        ctl = rig.qp.posted[-1]
+        assert ctl["opcode"] == lib.IBV_WR_SEND
+        e.on_recv(RECV, 0, 16, memoryview(struct.pack("!BB6xQ", 1, 2, k.key_id)))
+        await asyncio.wait_for(revoking, 5)
+        assert region.closed and e.grants == {}
+
+    arun(main())
+
+
+def test_without_windows_a_rendezvous_buffer_is_a_read_only_region_of_the_connection(arun: Run) -> None:
+    async def main() -> None:
+        private = Rig(windows=False, private_pd=True)
+        grant = await private.engine.export_for_read(memoryview(b"immutable payload"))
+        assert grant is not None and grant is private.grants[-1]
+        assert grant.access == ACCESS_READ and private.windows == []
+        # Without windows and without a PD of its own (a shared receive queue): by copy.
+        shared = Rig(windows=False)
+        assert await shared.engine.export_for_read(memoryview(b"immutable payload")) is None
+        with pytest.raises(rdmaio.FeatureNotSupportedError, match="has no memory windows"):
+            shared.engine.export(bytearray(64))
+
+    arun(main())
+
+
+# --- one READ scatter entry (siw) ----------------------------------------------------------------------
+
+# Every path of the C helper that posts an RDMA READ (a doorbell of single requests, a batch of waves, a
+# serial request, a serial wave), compiled against a fake provider that records each work request of each
+# chain: siw takes one scatter entry per READ (and rdmaio creates its QPs with max_send_sge 1).
+READ_SGE_HARNESS = r"""
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include "helper.h"
+
+int ibv_get_cq_event(struct ibv_comp_channel *c, struct ibv_cq **cq, void **ctx)
+{
+    (void)c; (void)cq; (void)ctx; errno = EAGAIN; return -1;
+}
+void ibv_ack_cq_events(struct ibv_cq *cq, unsigned int n) { (void)cq; (void)n; }
+int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event *e)
+{
+    (void)c; (void)e; errno = EAGAIN; return -1;
+}
+void ibv_ack_async_event(struct ibv_async_event *e) { (void)e; }
+int rdma_get_cm_event(struct rdma_event_channel *c, struct rdma_cm_event **e)
+{
+    (void)c; (void)e; errno = EAGAIN; return -1;
+}
+int rdma_ack_cm_event(struct rdma_cm_event *e) { (void)e; return 0; }
+int ibv_query_device(struct ibv_context *c, struct ibv_device_attr *a) { (void)c; (void)a; return EINVAL; }
+int ibv_query_qp(struct ibv_qp *qp, struct ibv_qp_attr *a, int m, struct ibv_qp_init_attr *i)
+{
+    (void)qp; (void)a; (void)m; (void)i; return EINVAL;
+}
+
+static int reads, max_sge, bad_length;
+
+static int fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+{
+    (void)qp; (void)bad;
+    for (; wr; wr = wr->next) {
+        if (wr->opcode != IBV_WR_RDMA_READ)
+            continue;
+        reads++;
+        if (wr->num_sge > max_sge)
+            max_sge = wr->num_sge;
+        if (wr->num_sge == 1 && wr->sg_list[0].length == 0)
+            bad_length++;
+    }
+    return 0;
+}
+static int fake_poll(struct ibv_cq *cq, int n, struct ibv_wc *wc) { (void)cq; (void)n; (void)wc; return 0; }
+
+int main(void)
+{
+    struct ibv_context ctx;
+    struct ibv_qp qp;
+    struct ibv_cq cq;
+    int bad = -1;
+    memset(&ctx, 0, sizeof ctx);
+    memset(&qp, 0, sizeof qp);
+    memset(&cq, 0, sizeof cq);
+    ctx.ops.post_send = fake_post_send;
+    ctx.ops.poll_cq = fake_poll;
+    qp.context = &ctx;
+    cq.context = &ctx;
+
+    struct rdmaio_rdma_op ops[16];
+    memset(ops, 0, sizeof ops);
+    for (int i = 0; i < 16; i++) {
+        ops[i].opcode = IBV_WR_RDMA_READ;
+        ops[i].length = 1u << (i + 10);
+    }
+    int a = rdmaio_post_rdma(&qp, ops, 16, &bad);
+
+    uint64_t remote[100];
+    uint32_t length[100];
+    uint64_t offset[100];
+    for (int i = 0; i < 100; i++) {
+        remote[i] = 0x1000 * (uint64_t)i;
+        length[i] = 1 + (uint32_t)i * 7;
+        offset[i] = 1024 * (uint64_t)i;
+    }
+    struct rdmaio_batch b;
+    memset(&b, 0, sizeof b);
+    b.opcode = IBV_WR_RDMA_READ;
+    b.count = 100;
+    b.remote_addr = remote;
+    b.length = length;
+    b.local_offset = offset;
+    int c = rdmaio_post_batch(&qp, &b, &bad);
+
+    struct rdmaio_onesided_port port;
+    memset(&port, 0, sizeof port);
+    port.qp = &qp;
+    port.cq = &cq;
+    int d = rdmaio_onesided_post_poll(&port, 1, 0x5000, 7, 65536, IBV_WR_RDMA_READ, 0x9000, 9, 0, 0);
+    b.count = 16;
+    int e = rdmaio_onesided_post_batch_poll(&port, &b);
+    printf("doorbell=%d batch=%d serial=%d wave=%d reads=%d max_sge=%d empty_sge=%d\n", a, c, d, e, reads,
+           max_sge, bad_length);
+    return 0;
+}
+"""
+
+
+def test_no_read_is_posted_with_more_than_one_scatter_entry(tmp_path: Any) -> None:
+    out = _build_and_run_with_onesided(tmp_path, READ_SGE_HARNESS)
+    # 16 + 100 + 1 + 16 READs, each with exactly one scatter entry of its own length (never 0 entries
+    # for a non-empty READ, never 2): siw's limit of one READ scatter entry holds on every path.
+    assert out.strip() == "doorbell=16 batch=100 serial=0 wave=0 reads=133 max_sge=1 empty_sge=0", out
+
+
+def _build_and_run_with_onesided(work: Any, source: str) -> str:
+    """Build ``source`` with the C helper and its one-sided part (test_helper_c's way), run it."""
+    import shutil
+    import subprocess
+
+    from test_helper_c import FFI_DIR
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
+    (work / "reads.c").write_text(source)
+    binary = work / "reads"
+    command = [gcc, "-std=gnu11", "-Wall", "-Werror", "-I", str(FFI_DIR), str(work / "reads.c")]
+    command += [str(FFI_DIR / "helper.c"), str(FFI_DIR / "onesided.c"), "-o", str(binary)]
+    built = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr
+    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout

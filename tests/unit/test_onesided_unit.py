@@ -73,6 +73,7 @@ class Rig:
         poll: Callable[[], None] | None = None,
         windows: bool = True,
         max_revoked_ranges: int = 4096,
+        private_pd: bool = False,
     ) -> None:
         self.qp = FakeQP()
         self.reposted: list[int] = []
@@ -109,6 +110,8 @@ class Rig:
             poll=self._reap,
             max_revoked_ranges=max_revoked_ranges,
             close_state=self.credits.close_state,
+            private_pd=private_pd,
+            register_read_grant=self._read_grant,
         )
 
     def _bindable(self, view: memoryview, readonly: bool) -> FakeRegion:
@@ -146,6 +149,10 @@ class Rig:
 
     def _grant(self, view: memoryview, bits: int) -> FakeRegion:
         self.grants.append(FakeRegion(view, bits))
+        return self.grants[-1]
+
+    def _read_grant(self, view: memoryview, readonly: bool) -> FakeRegion:
+        self.grants.append(FakeRegion(view, ACCESS_READ, readonly=readonly))
         return self.grants[-1]
 
     def _cache(self, view: memoryview) -> FakeRegistration:
