@@ -6,9 +6,9 @@ load needs them; in a protection domain of the connection's own where the device
 :func:`private_pd_needed`), the RC queue pair, and a reservation of CQ entries (send depth + receive depth at
 their largest + a margin, so the CQ cannot overflow) on one of its domain's shared CQs
 (:mod:`rdmaio.core.dispatch`).
-The protection domain and the CQs are the domain's. The transport registers its QP with the domain's
-completion dispatcher, which gives it the connection tag of its wr_ids, and unregisters before the QP is
-destroyed. It knows nothing about framing or credits.
+The protection domain (unless it has its own) and the CQs are the domain's. The transport registers its QP
+with the domain's completion dispatcher, which gives it the connection tag of its wr_ids, and unregisters
+before the QP is destroyed. It knows nothing about framing or credits.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def private_pd_needed(device: DeviceContext, options: Options) -> bool:
 
 
 class Transport:
-    """Slot rings, shared-CQ reservation and QP of one connection (the PD and the CQ are the domain's).
+    """Slot rings, shared-CQ reservation and QP of one connection (the CQ is the domain's; the PD too, unless
+    :attr:`private_pd`: then the PD and a registration cache, :attr:`private_registrations`, are its own).
 
     ``initial_recv`` receives are registered and posted at first (the handshake's ``initial_depth``; all
     of ``recv_depth`` when the peer cannot grow windows); the send ring starts empty and grows on demand.
