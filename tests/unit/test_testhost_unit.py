@@ -399,7 +399,9 @@ def fake_vm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     kernel = tmp_path / "vmlinuz-0-test"
     kernel.write_bytes(b"")
     monkeypatch.setattr(launcher, "find_local_rdma", lambda: None)
-    monkeypatch.setattr(launcher, "plan_vm", lambda kernel_arg, install, provider="rxe": preflight.VmPlan(kernel, str(vng)))
+    monkeypatch.setattr(
+        launcher, "plan_vm", lambda kernel_arg, install, provider="rxe": preflight.VmPlan(kernel, str(vng))
+    )
     work = tmp_path / "work"
     work.mkdir()
     return work
