@@ -28,7 +28,7 @@ NO_LISTENER_PORT = 7497
 
 #: What doctor's features check must report for each provider of the test host.
 EXPECTED_FEATURES = {
-    "rxe": {"transport": "RoCE v1/v2", "immediate_data": True, "atomics": True},
+    "rxe": {"transport": "RoCE v2", "immediate_data": True, "atomics": True, "max_sge_rd": 32},
     "siw": {"transport": "iWARP", "immediate_data": False, "atomics": False, "max_mw": 0, "max_sge_rd": 1},
 }
 
