@@ -24,6 +24,11 @@ from rdmaio.verbs.srq import SharedReceiveQueue
 # --- rdma_cm ---------------------------------------------------------------------------------------
 
 
+class ConnectRefusedError(RefusedError, VerbsError):
+    """``rdma_connect`` itself was refused (``ECONNREFUSED``): :class:`rdmaio.ConnectionRefusedError`, and
+    still the :class:`~rdmaio.errors.VerbsError` of the failed call it always was."""
+
+
 @dataclass(frozen=True, slots=True)
 class CMEvent:
     """One rdma_cm event, copied out of librdmacm's buffer and already acked."""
@@ -312,12 +317,12 @@ class CMId(_Resource):
                 raise self._refused()
             raise VerbsError.from_errno("rdma_connect", -rc)
 
-    def _refused(self) -> RefusedError:
+    def _refused(self) -> ConnectRefusedError:
         peer = None
         with contextlib.suppress(Exception):  # only for the message: the id may know no peer
             peer = self.peer_address
         where = f"{peer[0]} port {peer[1]}" if peer else "the peer"
-        return RefusedError(
+        return ConnectRefusedError(
             f"connection refused by {where}: no listener on that port",
             errno=errno.ECONNREFUSED,
             call="rdma_connect",

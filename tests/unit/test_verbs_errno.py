@@ -53,6 +53,7 @@ def test_connect_refused_at_once_is_connection_refused_error(cm_id: Any) -> None
     with pytest.raises(rdmaio.ConnectionRefusedError) as info:
         cm_id.connect(b"handshake")
     assert isinstance(info.value, builtins.ConnectionRefusedError)
+    assert isinstance(info.value, VerbsError)  # still the failed call's error, as callers caught it before
     assert info.value.errno == errno.ECONNREFUSED
     assert info.value.call == "rdma_connect"
     assert str(info.value) == (
