@@ -130,6 +130,13 @@ def setup_script(provider: str = "rxe") -> str:
     lines += ["EOF_IP", "ip -6 -batch - <<'EOF_IP6' || fail \"ip: cannot add the IPv6 rules\""]
     lines += [f"rule add pref {n.table} iif {n.netdev} lookup {n.table}" for n in NODES]
     lines.append("EOF_IP6")
+    if provider == "siw":
+        # siw listens and connects with kernel TCP sockets bound to the node's address, which the local
+        # table no longer declares local: bind() would fail with EADDRNOTAVAIL (rxe binds no socket).
+        lines.append(
+            "sysctl -qw net.ipv4.ip_nonlocal_bind=1 net.ipv6.ip_nonlocal_bind=1 >/dev/null "
+            '|| fail "sysctl ip_nonlocal_bind for siw failed"'
+        )
     for n in (a, b):
         lines.append(
             f"sysctl -qw net.ipv4.conf.{n.netdev}.accept_local=1 net.ipv4.conf.{n.netdev}.rp_filter=0 "

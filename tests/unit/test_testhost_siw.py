@@ -61,6 +61,8 @@ def test_siw_pair_sets_up_a_siw_device_on_each_veth() -> None:
     assert "export RDMAIO_TEST_DEVICE=siw0" in script and "export RDMAIO_TEST_DEVICE2=siw1" in script
     assert "route del local 198.18.0.2 table local" in script  # the same routing as with rxe
     assert "rdma link show siw1/1" in script
+    assert "net.ipv4.ip_nonlocal_bind=1" in script  # siw binds TCP sockets to the nodes' addresses
+    assert "ip_nonlocal_bind" not in script_for("rxe", "pair")
     bash_ok(script)
 
 
