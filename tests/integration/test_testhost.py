@@ -47,7 +47,9 @@ def test_ibv_devinfo_reports_port_active() -> None:
     out = run("ibv_devinfo", "-d", DEVICE)
     assert re.search(r"^\s*state:\s+PORT_ACTIVE\b", out, re.MULTILINE), out
     if IN_VM:
-        assert re.search(r"^\s*transport:\s+InfiniBand", out, re.MULTILINE), out  # RoCE reports IB transport
+        # RoCE reports the IB transport; Soft-iWARP (--provider siw) iWARP
+        transport = "iWARP" if os.environ.get("RDMAIO_TEST_PROVIDER") == "siw" else "InfiniBand"
+        assert re.search(rf"^\s*transport:\s+{transport}\b", out, re.MULTILINE), out
         assert re.search(r"^\s*link_layer:\s+Ethernet", out, re.MULTILINE), out
 
 
