@@ -529,7 +529,7 @@ def _build_and_run_with_onesided(work: Any, source: str) -> str:
     import shutil
     import subprocess
 
-    from test_helper_c import FFI_DIR
+    from ctest import FFI_DIR
 
     gcc = shutil.which("gcc")
     if gcc is None:
