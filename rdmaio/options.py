@@ -137,6 +137,13 @@ class Options:
     docs/one-sided.md, "Revocation"): keys revoked in the order they were exported cost nothing, each id
     left between keys still alive costs one range. A peer that needs more (or revokes ids it never issued)
     fails the connection with a ``ProtocolError``."""
+    framing: str = "auto"
+    """How frames travel: ``"auto"`` (the default) uses SEND with immediate data (the frame kind and credits
+    in the 32-bit immediate value) where both sides' devices offer it, and the header framing where either
+    lacks it (iWARP: siw, E810 in iWARP mode, Chelsio); ``"header"`` forces the header framing (plain SENDs
+    whose payload starts with a 4-byte header carrying that value, so a slot carries ``slot_size - 4``
+    payload bytes). Either side forcing it puts the connection in the header framing; a peer whose rdmaio
+    predates the header framing cannot be connected to then (``HandshakeError``)."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -184,6 +191,8 @@ class Options:
             raise ValueError("establish_timeout and reclaim_timeout must be positive")
         if self.max_pending_per_source < 1:
             raise ValueError("max_pending_per_source must be >= 1")
+        if self.framing not in ("auto", "header"):
+            raise ValueError(f"framing must be 'auto' or 'header', not {self.framing!r}")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:
