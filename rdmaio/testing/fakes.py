@@ -93,7 +93,6 @@ __all__ = [
 SLOTLESS = 1 << 31
 
 
-
 class PostedSend(tuple[int, bytes, int, int]):
     """One request of a posted chain: ``(wr_id, bytes, imm_data, send_flags)``, with its ``opcode``
     (``IBV_WR_SEND_WITH_IMM`` in the immediate framing, ``IBV_WR_SEND`` in the header framing)."""
