@@ -111,11 +111,16 @@ def test_rendezvous_sizes_with_sha256(arun: Runner[None], rdma_addr: str, mode: 
     async def main() -> None:
         async with endpoint_pair(rdma_addr, client_opts, server_opts) as (served, client):
             await _check_header_framing(served)
-            for n in sizes:
-                await client.send(POOL[:n])
+
+            async def send_all() -> None:
+                for n in sizes:  # a rendezvous send returns once the peer pulled it: read meanwhile
+                    await client.send(POOL[:n])
+
+            sender = asyncio.ensure_future(send_all())
             for n in sizes:
                 got = await asyncio.wait_for(served.recv(), 120)
                 assert hashlib.sha256(got).hexdigest() == hashlib.sha256(POOL[:n]).hexdigest(), n
+            await asyncio.wait_for(sender, 120)
             assert served.statistics()["messages_received"] == len(sizes)
 
     arun(main())
