@@ -26,8 +26,9 @@ import logging
 from collections.abc import Callable, Sized
 
 from rdmaio.core.backend import Handle
+from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
-from rdmaio.core.negotiation import DEVICE_CAPS, accepting_handshake, device_capabilities, local_handshake
+from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.shared_receive import new_session

@@ -16,8 +16,9 @@ from __future__ import annotations
 import collections
 
 from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
-from rdmaio.core.negotiation import DEVICE_CAPS, device_capabilities, local_handshake
+from rdmaio.core.negotiation import local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.resolver import resolve_host

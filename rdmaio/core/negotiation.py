@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
 
-from rdmaio.errors import VerbsError
 from rdmaio.options import Options
 from rdmaio.protocol import (
     FEATURE_BATCH,
@@ -20,18 +18,12 @@ from rdmaio.protocol import (
     FEATURE_ONESIDED,
     FEATURE_RECLAIM,
     FEATURE_RNDV,
+    Capabilities,
     Handshake,
 )
-from rdmaio.protocol.handshake import Capabilities
 from rdmaio.protocol.reclaim import MIN_WINDOW
-from rdmaio.verbs.native import ffi, lib
 
-__all__ = ["DEVICE_CAPS", "accepting_handshake", "device_capabilities", "local_handshake"]
-
-DEVICE_CAPS: dict[tuple[int, int, str], Capabilities] = {}
-"""What :func:`device_capabilities` found, by (device handle, inline size, ``Options.framing``): a device's
-never change, and connection setup's Python calls are budgeted, so setup reads this with ``.get()`` (no
-Python call) and calls :func:`device_capabilities` only when it misses."""
+__all__ = ["accepting_handshake", "local_handshake"]
 
 # rdmaio.__version__, announced in every handshake (shown to the peer's user, never acted on). Read from the
 # package this module is part of, which sets it before importing anything (the core does not import the
@@ -42,7 +34,8 @@ _SOFTWARE_VERSION: str = getattr(sys.modules.get("rdmaio"), "__version__", "")
 def local_handshake(options: Options, *, grow: bool = True, caps: Capabilities | None = None) -> Handshake:
     """The handshake this side announces for ``options``: a growing receive window (FEATURE_GROW, starting
     at ``options.initial_depth``) unless ``grow`` is false (a server answering a peer that cannot grow),
-    and the device's capabilities ``caps`` (:func:`device_capabilities`) when given.
+    and the device's capabilities ``caps`` (:func:`rdmaio.core.capabilities.device_capabilities`) when
+    given.
 
     FEATURE_GROW is announced even when ``initial_depth`` equals ``recv_depth`` (a fixed ring): the bit also
     says this side accepts a growing peer, and a server gives a peer without it only a small fixed window
@@ -88,32 +81,3 @@ def accepting_handshake(handshake: Handshake, peer: Handshake, options: Options)
     return dataclasses.replace(
         handshake, recv_depth=fixed, features=handshake.features & ~FEATURE_GROW, initial_depth=0
     )
-
-
-def device_capabilities(device: Any, max_inline: int, options: Options) -> Capabilities:
-    """What ``device`` (a :class:`~rdmaio.verbs.DeviceContext`, or a test's fake with a ``capabilities``
-    attribute) offers, as this side announces it: immediate data unless its transport is iWARP, atomics,
-    memory windows, READ scatter entries, the queue pair's ``max_inline``; and whether ``options`` force
-    the header framing. Queried once per device."""
-    forced = options.framing == "header"
-    key = (device.handle, max_inline, options.framing)
-    caps = DEVICE_CAPS.get(key)
-    if caps is None:
-        fake = getattr(device, "capabilities", None)
-        if fake is not None:
-            caps = dataclasses.replace(fake, max_inline=max_inline, header_framing=forced)
-        else:
-            raw = ffi.new("struct rdmaio_framing_caps *")
-            rc = lib.rdmaio_query_framing_caps(device._ptr, raw)
-            if rc < 0:
-                raise VerbsError.from_errno("ibv_query_device", -rc)
-            caps = Capabilities(
-                immediate=raw.transport_type != lib.IBV_TRANSPORT_IWARP,
-                atomics=raw.atomic_cap != lib.IBV_ATOMIC_NONE,
-                memory_windows=raw.max_mw > 0,
-                max_inline=max_inline,
-                max_read_sge=raw.max_sge_rd,
-                header_framing=forced,
-            )
-        DEVICE_CAPS[key] = caps
-    return caps

@@ -164,7 +164,15 @@ class Receiver:
         # The header framing (rdmaio.protocol.framing): every batch's receives are first made into what the
         # immediate framing delivers (the header word as the immediate value, the payload moved to the
         # slot's start), in C, so that everything below is the same in both framings. None: immediate.
-        self._unframe_ring: Any = ffi.from_buffer(recv_view) if session.framing.header else None
+        # The ring's address as a plain pointer: a from_buffer object held here could be released after
+        # its memoryview by the cyclic collector (a crash); recv_view keeps the memory alive.
+        self._unframe_ring: Any = None
+        self._unframe_len = 0
+        if session.framing.header:
+            ring = ffi.from_buffer(recv_view)
+            self._unframe_ring = ffi.cast("uint8_t *", ring)
+            self._unframe_len = len(ring)
+            del ring
         self._frames = ffi.new("struct rdmaio_rx_frame[]", _RX_FRAMES)  # what C applied, per frame
         self._consumed = ffi.new("int *")
         self._stop = ffi.new("int *")
@@ -196,7 +204,7 @@ class Receiver:
         if unframe is not None:
             if not isinstance(records, _CDATA):
                 records, start = _wc_array(records, start, count), 0
-            if _rx_unframe(records, start, count, unframe, len(unframe), slot_size) < 0:
+            if _rx_unframe(records, start, count, unframe, self._unframe_len, slot_size) < 0:
                 raise RuntimeError("rdmaio: rdmaio_rx_unframe refused its arguments")
         frames = self._frames
         consumed = self._consumed

@@ -119,6 +119,7 @@ from rdmaio.protocol.handshake import (
     MIN_RECV_DEPTH,
     MIN_SLOT_SIZE,
     PROTOCOL_VERSION,
+    Capabilities,
     Handshake,
 )
 from rdmaio.protocol.session import EOF, EOFType, Session, State
@@ -143,6 +144,7 @@ __all__ = [
     "MIN_SLOT_SIZE",
     "PROTOCOL_VERSION",
     "BytesLike",
+    "Capabilities",
     "EOFType",
     "FrameKind",
     "Handshake",

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import rdmaio
 from rdmaio import verbs
-from rdmaio.core.negotiation import device_capabilities, local_handshake
+from rdmaio.core.capabilities import device_capabilities
+from rdmaio.core.negotiation import local_handshake
 from rdmaio.errors import HandshakeError, VerbsError
 from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, MAX_PRIVATE_DATA, Handshake
 from rdmaio.protocol.framing import (
