@@ -384,13 +384,16 @@ def _receive(session: Session, rows: list[tuple[int, int, str]], native: bool) -
         # The header framing: each receive's word travels in its slot's first 4 bytes and the completion
         # has no immediate data (a write notice keeps its own); C's rdmaio_rx_unframe or the Python
         # reference (unframe_receive) turns them back first. Both must agree, record and slot bytes.
-        slot_size = max([n for _imm, n, _what in rows] + [0]) + header + 8
+        # Slots of at most 4 KiB: a row's byte_len may be anything (up to 2**32 - 1); one longer than the
+        # slot is rejected by the unframing either way, and only a slot's bytes are written.
+        slot_size = min(max([n for _imm, n, _what in rows] + [0]), 4096) + header + 8
         ring = bytearray(slot_size * max(len(rows), 1))
         table = []
         for i, (imm, n, what) in enumerate(rows):
             word = CONTROL_WORD if what == "ctl" else imm
-            ring[i * slot_size : i * slot_size + header + n] = word.to_bytes(4, "big") + bytes(
-                (i + k) & 0xFF for k in range(n)
+            fill = min(n, slot_size - header)
+            ring[i * slot_size : i * slot_size + header + fill] = word.to_bytes(4, "big") + bytes(
+                (i + k) & 0xFF for k in range(fill)
             )
             plain = what in ("recv", "ctl", "failed")
             table.append(
@@ -398,7 +401,7 @@ def _receive(session: Session, rows: list[tuple[int, int, str]], native: bool) -
                     verbs.make_wr_id(verbs.WR_KIND_RECV, 1, i),
                     5 if what == "failed" else 0,
                     opcodes[what],
-                    n + header if plain else n,
+                    min(n + header, 0xFFFF_FFFF) if plain else n,
                     0 if plain else imm,
                     0 if plain else _WITH_IMM,
                 )
