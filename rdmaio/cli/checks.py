@@ -25,6 +25,7 @@ __all__ = [
     "check_devices",
     "check_driver",
     "check_extension",
+    "check_features",
     "check_gids",
     "check_libraries",
     "check_loopback",
@@ -300,13 +301,23 @@ def _active_ports(system: System) -> list[PortState]:
 
 
 def check_gids(system: System) -> CheckResult:
-    """Each ACTIVE port has GIDs; a RoCE port has a RoCE v2 GID for an IPv4 address of its netdev."""
+    """Each ACTIVE port has GIDs; a RoCE port has a RoCE v2 GID for an IPv4 address of its netdev; an iWARP
+    port (whose GIDs are MAC-based, RoCE's checks do not apply) has an IPv4 address on its netdev."""
     ports = _active_ports(system)
     if not ports:
         return _no_device("gids")
     parts, bad = [], []
     for port in ports:
         where = f"{port.device}/{port.number}"
+        if port.transport == "iWARP":
+            addrs = system.ipv4_addresses(port.netdev) if port.netdev else []
+            parts.append(
+                f"{where}: iWARP, {len(port.gids)} MAC-based GIDs, netdev {port.netdev or '-'}, "
+                f"IPv4 {', '.join(addrs) or 'none'}"
+            )
+            if not addrs:
+                bad.append(where)
+            continue
         if port.link_layer != "Ethernet":
             parts.append(f"{where}: {len(port.gids)} GIDs")
             if not port.gids:
@@ -325,6 +336,45 @@ def check_gids(system: System) -> CheckResult:
             f"{SUDO}ip addr add ADDR/PREFIX dev NETDEV (the netdev of {', '.join(bad)})",
         )
     return CheckResult("gids", Verdict.OK, text)
+
+
+def check_features(system: System) -> CheckResult:
+    """What each device offers that changes what rdmaio does on it: transport, immediate data, atomics,
+    memory windows, scatter entries of a READ and of a send (``ibv_devinfo -v``)."""
+    devices = system.sysfs_devices()
+    if not devices:
+        return _no_device("features")
+    caps = system.device_caps()
+    parts: list[str] = []
+    data: dict[str, Any] = {}
+    for device in devices:
+        transport = ", ".join(sorted({p.transport for p in device.ports})) or "unknown"
+        immediate = "iWARP" not in transport
+        entry: dict[str, Any] = {"transport": transport, "immediate_data": immediate}
+        found = caps.get(device.name)
+        if found is None:
+            parts.append(f"{device.name}: {transport}, immediate data {'yes' if immediate else 'none'}")
+        else:
+            entry.update(
+                atomics=found.atomics,
+                atomic_cap=found.atomic_cap,
+                max_mw=found.max_mw,
+                max_sge_rd=found.max_sge_rd,
+                max_sge=found.max_sge,
+            )
+            parts.append(
+                f"{device.name}: {transport}, immediate data {'yes' if immediate else 'none'}, "
+                f"atomics {'yes' if found.atomics else 'none'} ({found.atomic_cap or '?'}), "
+                f"memory windows {found.max_mw or 'none'}, READ scatter entries {found.max_sge_rd}, "
+                f"send scatter entries {found.max_sge}"
+            )
+        data[device.name] = entry
+    text = "; ".join(parts)
+    if not caps:
+        text += (
+            " (atomics, memory windows and scatter entries: ibv_devinfo -v, from ibverbs-utils, gave none)"
+        )
+    return CheckResult("features", Verdict.OK, text, data=data)
 
 
 def check_mtu(system: System) -> CheckResult:
@@ -438,7 +488,9 @@ def check_loopback(system: System, timeout: float = 20.0) -> CheckResult:
         except Exception as exc:  # any failure is the finding here: report it, do not crash
             failed.append(f"{device} {addr}: {type(exc).__name__}: {exc}")
         else:
-            parts.append(f"{device} {addr}: connect+echo ok ({seconds * 1000:.1f} ms)")
+            inline = getattr(seconds, "max_inline", None)
+            extra = f", max inline {inline} B" if inline is not None else ""
+            parts.append(f"{device} {addr}: connect+echo ok ({seconds * 1000:.1f} ms{extra})")
     data = {"targets": targets}
     if failed:
         return CheckResult(
@@ -467,6 +519,7 @@ CHECKS: tuple[Callable[[System], CheckResult], ...] = (
     check_devices,
     check_verbs,
     check_gids,
+    check_features,
     check_mtu,
     check_memlock,
     check_netns,

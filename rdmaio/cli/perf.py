@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO, TypeVar
 
 import rdmaio
-from rdmaio.cli.ping import describe_error, on_signals
+from rdmaio.cli.ping import describe_error, on_signals, serve_until_signalled
 from rdmaio.errors import ProtocolError, RdmaError
 
 __all__ = [
@@ -569,20 +569,8 @@ async def run_server(host: str, port: int, limits: ServerLimits, out: TextIO, er
     perf = PerfServer(limits, out)
     # Messages up to the largest run size are accepted (a header is far smaller).
     options = rdmaio.Options(max_message_size=max(limits.max_size, MAX_CONTROL))
-    try:
-        server = await rdmaio.serve(perf.handle, host, port, options=options)
-    except (OSError, RdmaError) as exc:
-        print(f"rdmaio perf --server: cannot listen: {describe_error(exc, host, port)}", file=err, flush=True)
+    if not await serve_until_signalled("perf", perf.handle, host, port, options, out, err):
         return EXIT_CONNECT
-    stop = asyncio.Event()
-    undo = on_signals(stop.set)
-    try:
-        async with server:
-            addr, bound = server.addresses[0] if server.addresses else (host, port)
-            print(f"rdmaio perf server listening on {addr} port {bound}", file=out, flush=True)
-            await stop.wait()
-    finally:
-        undo()
     print(f"rdmaio perf server stopped after {perf.runs} runs ({perf.refused} refused)", file=out, flush=True)
     return EXIT_OK
 

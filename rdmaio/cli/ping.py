@@ -20,9 +20,12 @@ import signal
 import struct
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
+
+if TYPE_CHECKING:
+    import rdmaio
 
 __all__ = [
     "DEFAULT_PORT",
@@ -35,6 +38,7 @@ __all__ = [
     "make_payload",
     "parse_seq",
     "ping_loop",
+    "serve_until_signalled",
 ]
 
 DEFAULT_PORT = 7471
@@ -204,6 +208,44 @@ def on_signals(callback: Callable[[], object]) -> Callable[[], None]:
     return undo
 
 
+async def serve_until_signalled(
+    command: str,
+    handler: Callable[[rdmaio.Endpoint], Awaitable[None]],
+    host: str,
+    port: int,
+    options: rdmaio.Options | None,
+    out: TextIO,
+    err: TextIO,
+) -> bool:
+    """Serve ``handler`` on ``host``:``port`` until SIGINT/SIGTERM: the server side of ``rdmaio COMMAND``.
+
+    Prints ``rdmaio COMMAND server listening on ADDR port PORT`` to ``out`` once the listener is up (scripts
+    and tests wait for that line) and returns True after a signal closed the server. When the listener
+    cannot be made, prints ``rdmaio COMMAND --server: cannot listen: ...`` to ``err`` and returns False.
+    """
+    import rdmaio
+
+    try:
+        server = await rdmaio.serve(handler, host, port, options=options)
+    except (OSError, rdmaio.RdmaError) as exc:
+        print(
+            f"rdmaio {command} --server: cannot listen: {describe_error(exc, host, port)}",
+            file=err,
+            flush=True,
+        )
+        return False
+    stop = asyncio.Event()
+    undo = on_signals(stop.set)
+    try:
+        async with server:
+            addr, bound = server.addresses[0] if server.addresses else (host, port)
+            print(f"rdmaio {command} server listening on {addr} port {bound}", file=out, flush=True)
+            await stop.wait()
+    finally:
+        undo()
+    return True
+
+
 async def run_client(config: PingConfig, out: TextIO, err: TextIO) -> int:
     """Connect, ping until done or interrupted, print the summary; returns the exit status."""
     import rdmaio
@@ -264,20 +306,8 @@ async def run_server(host: str, port: int, out: TextIO, err: TextIO) -> int:
             print(f"{peer}: {type(exc).__name__}: {exc}", file=out, flush=True)
         print(f"{peer}: closed after {count} messages", file=out, flush=True)
 
-    try:
-        server = await rdmaio.serve(echo, host, port)
-    except (OSError, rdmaio.RdmaError) as exc:
-        print(f"rdmaio ping --server: cannot listen: {describe_error(exc, host, port)}", file=err, flush=True)
+    if not await serve_until_signalled("ping", echo, host, port, None, out, err):
         return 2
-    stop = asyncio.Event()
-    undo = on_signals(stop.set)
-    try:
-        async with server:
-            addr, bound = server.addresses[0] if server.addresses else (host, port)
-            print(f"rdmaio ping server listening on {addr} port {bound}", file=out, flush=True)
-            await stop.wait()
-    finally:
-        undo()
     print("rdmaio ping server stopped", file=out, flush=True)
     return 0
 

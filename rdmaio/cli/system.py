@@ -23,7 +23,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # importing verbs loads the extension, which is one of the things doctor checks
     from rdmaio.verbs import DeviceInfo
 
-__all__ = ["PortState", "SysfsDevice", "System", "run_command"]
+__all__ = [
+    "DeviceCaps",
+    "LoopbackTime",
+    "PortState",
+    "SysfsDevice",
+    "System",
+    "parse_devinfo",
+    "run_command",
+    "transport_of",
+]
 
 # The administrator's tools (ldconfig, rdma, ip) live in sbin, which is often not on a user's PATH.
 _SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin"
@@ -56,6 +65,13 @@ def _real_import_extension() -> None:
     import rdmaio._rdmaio_cffi  # noqa: F401
 
 
+class LoopbackTime(float):
+    """The seconds a loopback connect and echo took, with what the connection got from the device."""
+
+    max_inline: int | None = None
+    """The inline data size of the connection's send queue (bytes), when known."""
+
+
 async def _echo_once(addr: str) -> float:
     import rdmaio
 
@@ -72,9 +88,11 @@ async def _echo_once(addr: str) -> float:
         async with await rdmaio.connect(addr, port) as ep:
             await ep.send(LOOPBACK_PAYLOAD)
             reply = await ep.recv()
-        elapsed = time.perf_counter() - start
+            inline = ep.get_extra_info("max_inline")
+        elapsed = LoopbackTime(time.perf_counter() - start)
     if reply != LOOPBACK_PAYLOAD:
         raise RuntimeError(f"the echo came back wrong: {reply!r}")
+    elapsed.max_inline = inline if isinstance(inline, int) else None
     return elapsed
 
 
@@ -104,11 +122,16 @@ class PortState:
     link_layer: str
     gids: tuple[tuple[str, str, str], ...]
     """The non-zero GIDs: (gid, type such as ``RoCE v2``, netdev) each."""
+    transport: str = "unknown"
+    """``InfiniBand``, ``RoCE v2``, ``RoCE v1``, ``RoCE v1/v2``, ``RoCE``, ``iWARP`` or ``unknown``
+    (:func:`transport_of`)."""
+    link_netdev: str | None = None
+    """The netdev ``rdma link`` names for the port (iWARP ports have no GID attributes that name it)."""
 
     @property
     def netdev(self) -> str | None:
-        """The network device the port's GIDs are bound to (RoCE), if any."""
-        return next((ndev for _gid, _type, ndev in self.gids if ndev), None)
+        """The network device the port's GIDs are bound to (RoCE), else the one ``rdma link`` names."""
+        return next((ndev for _gid, _type, ndev in self.gids if ndev), self.link_netdev)
 
     def roce_v2_ipv4(self) -> list[str]:
         """IPv4 addresses that have a RoCE v2 GID (``::ffff:a.b.c.d``): what rdma_cm over IPv4 uses."""
@@ -121,12 +144,94 @@ class PortState:
         return found
 
 
+def transport_of(node_type: str, link_layer: str, gid_types: Sequence[str] = ()) -> str:
+    """The transport of a port: from the device's ``node_type`` (``RNIC`` is iWARP), else the port's link
+    layer and, on Ethernet, its GID types (RoCE v1 and/or v2)."""
+    if node_type.upper() == "RNIC":
+        return "iWARP"
+    if link_layer == "InfiniBand":
+        return "InfiniBand"
+    if link_layer == "Ethernet":
+        kinds = {t.strip().lower() for t in gid_types}
+        v1 = bool(kinds & {"ib/roce v1", "roce v1"})
+        v2 = "roce v2" in kinds
+        if v1 and v2:
+            return "RoCE v1/v2"
+        if v1:
+            return "RoCE v1"
+        return "RoCE v2" if v2 else "RoCE"
+    return "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCaps:
+    """What a device offers that changes what rdmaio does on it (from ``ibv_devinfo -v``)."""
+
+    transport: str
+    """``ibv_devinfo``'s transport (``InfiniBand`` covers RoCE, ``iWARP``)."""
+    atomic_cap: str
+    """``ATOMIC_NONE``, ``ATOMIC_HCA``, ``ATOMIC_GLOB``."""
+    max_mw: int
+    """Memory windows (0: none)."""
+    max_sge_rd: int
+    """Scatter entries of one RDMA READ."""
+    max_sge: int
+    """Scatter/gather entries of one send or receive."""
+
+    @property
+    def atomics(self) -> bool:
+        """Whether the device performs RDMA atomics."""
+        return self.atomic_cap not in ("", "ATOMIC_NONE")
+
+    @property
+    def immediate_data(self) -> bool:
+        """Whether SEND and RDMA WRITE can carry immediate data (iWARP has none)."""
+        return self.transport != "iWARP"
+
+
+def parse_devinfo(text: str) -> dict[str, DeviceCaps]:
+    """The capabilities of each device in the output of ``ibv_devinfo -v``."""
+    found: dict[str, DeviceCaps] = {}
+    name: str | None = None
+    fields: dict[str, str] = {}
+
+    def flush() -> None:
+        if name is None:
+            return
+
+        def number(key: str) -> int:
+            match = re.match(r"\s*(\d+)", fields.get(key, ""))
+            return int(match.group(1)) if match else 0
+
+        found[name] = DeviceCaps(
+            transport=fields.get("transport", "").split(" (")[0].strip() or "unknown",
+            atomic_cap=fields.get("atomic_cap", "").split(" (")[0].strip(),
+            max_mw=number("max_mw"),
+            max_sge_rd=number("max_sge_rd"),
+            max_sge=number("max_sge"),
+        )
+
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition(":")
+        if not sep:
+            continue
+        if key == "hca_id":
+            flush()
+            name, fields = value.strip(), {}
+        elif name is not None and key not in fields:
+            fields[key] = value.strip()
+    flush()
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class SysfsDevice:
     """One RDMA device under ``/sys/class/infiniband``."""
 
     name: str
     ports: tuple[PortState, ...]
+    node_type: str = ""
+    """``CA`` (InfiniBand/RoCE), ``RNIC`` (iWARP), ... (the text after ``1: `` in ``node_type``)."""
 
 
 @dataclass
@@ -168,9 +273,32 @@ class System:
             names = sorted(p.name for p in base.iterdir())
         except OSError:
             return []
-        return [SysfsDevice(name, self._ports(name)) for name in names]
+        if not names:
+            return []
+        links = self.link_netdevs()
+        devices = []
+        for name in names:
+            node = (self.read(f"/sys/class/infiniband/{name}/node_type") or "").strip()
+            node_type = node.partition(": ")[2] or node
+            devices.append(SysfsDevice(name, self._ports(name, node_type, links), node_type))
+        return devices
 
-    def _ports(self, device: str) -> tuple[PortState, ...]:
+    def link_netdevs(self) -> dict[str, str]:
+        """``DEVICE/PORT`` to netdev, from ``rdma link show`` (empty when the command is missing)."""
+        found: dict[str, str] = {}
+        for line in (self.run(["rdma", "link", "show"]) or "").splitlines():
+            tokens = line.split()
+            if len(tokens) >= 2 and tokens[0] == "link" and "netdev" in tokens[2:-1]:
+                found[tokens[1]] = tokens[tokens.index("netdev", 2) + 1]
+        return found
+
+    def device_caps(self) -> dict[str, DeviceCaps]:
+        """The capabilities of each device (``ibv_devinfo -v``; empty when it is missing or fails)."""
+        return parse_devinfo(self.run(["ibv_devinfo", "-v"]) or "")
+
+    def _ports(
+        self, device: str, node_type: str = "", links: dict[str, str] | None = None
+    ) -> tuple[PortState, ...]:
         base = f"/sys/class/infiniband/{device}/ports"
         try:
             numbers = sorted(int(p.name) for p in self.path(base).iterdir() if p.name.isdigit())
@@ -179,13 +307,17 @@ class System:
         ports = []
         for number in numbers:
             state = (self.read(f"{base}/{number}/state") or "").strip()
+            link_layer = (self.read(f"{base}/{number}/link_layer") or "unknown").strip()
+            gids = self._gids(f"{base}/{number}")
             ports.append(
                 PortState(
                     device=device,
                     number=number,
                     state=state.partition(": ")[2] or state or "unknown",
-                    link_layer=(self.read(f"{base}/{number}/link_layer") or "unknown").strip(),
-                    gids=self._gids(f"{base}/{number}"),
+                    link_layer=link_layer,
+                    gids=gids,
+                    transport=transport_of(node_type, link_layer, [t for _g, t, _n in gids]),
+                    link_netdev=(links or {}).get(f"{device}/{number}"),
                 )
             )
         return tuple(ports)

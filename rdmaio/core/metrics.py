@@ -139,9 +139,11 @@ def register_connection(connection: Connection) -> None:
         _domains[id(domain)] = (weakref.ref(domain), device, loop)
     if _lost_refs:
         _drain_lost()
+    entry = (weakref.ref(connection, _lost), device, loop)  # built before the lock: held for less
+    labels = device, loop
     with _lock:
-        _live[id(connection)] = (weakref.ref(connection, _lost), device, loop)
-        bucket = _folded.get((device, loop)) or _new_bucket(_folded, (device, loop), CONNECTION_COUNTERS)
+        _live[id(connection)] = entry
+        bucket = _folded.get(labels) or _new_bucket(_folded, labels, CONNECTION_COUNTERS)
         bucket["opened"] += 1
 
 
@@ -164,29 +166,43 @@ def _drain_lost() -> None:
                     bucket["closed"] += 1
 
 
+# The connection's Counter keys folded, with the registry counter each adds to. The per-message counters
+# are attributes of the sender, receiver and connection; the Counter holds the rendezvous engine's share of
+# the same keys (statistics() adds the two the same way), and nothing at all on most connections.
+_COUNTER_KEYS: tuple[tuple[str, str], ...] = (
+    ("bytes_sent", "bytes_sent"),
+    ("bytes_received", "bytes_received"),
+    ("messages_sent", "messages_sent"),
+    ("messages_received", "messages_received"),
+    ("rndv_sent", "rndv_sent"),
+    ("rndv_received", "rndv_received"),
+    ("rndv_bytes_sent", "rndv_bytes_sent"),
+    ("rndv_bytes_received", "rndv_bytes_received"),
+    ("completions", "completions"),
+    ("wakeups", "completion_batches"),  # the connection's groups of completion batches
+)
+
+
 def _add_connection(connection: Connection, bucket: dict[str, int]) -> None:
     """Add ``connection``'s counters to ``bucket`` (read from its counter, its session's state and its
     one-sided engine; the same numbers its ``statistics()`` reports)."""
-    get = connection.stats.get
     state = connection.session.rules_state
     sender = connection.sender
     receiver = connection.receiver
-    # The per-message counters are attributes of the sender, receiver and connection; the Counter holds
-    # the rendezvous engine's share of the same keys (statistics() adds the two the same way).
-    bucket["bytes_sent"] += get("bytes_sent", 0) + sender.bytes_sent
-    bucket["bytes_received"] += get("bytes_received", 0) + receiver.bytes_received
-    bucket["messages_sent"] += get("messages_sent", 0) + sender.messages_sent
-    bucket["messages_received"] += get("messages_received", 0) + receiver.messages_received
+    bucket["bytes_sent"] += sender.bytes_sent
+    bucket["bytes_received"] += receiver.bytes_received
+    bucket["messages_sent"] += sender.messages_sent
+    bucket["messages_received"] += receiver.messages_received
     bucket["frames_sent"] += int(state.frames_sent)
     bucket["frames_received"] += int(state.frames_received)
-    bucket["rndv_sent"] += get("rndv_sent", 0)
-    bucket["rndv_received"] += get("rndv_received", 0)
-    bucket["rndv_bytes_sent"] += get("rndv_bytes_sent", 0)
-    bucket["rndv_bytes_received"] += get("rndv_bytes_received", 0)
-    bucket["completions"] += get("completions", 0) + connection.completions
-    # the connection's groups of completion batches
-    bucket["completion_batches"] += get("wakeups", 0) + connection.wakeups
+    bucket["completions"] += connection.completions
+    bucket["completion_batches"] += connection.wakeups
     bucket["keepalive_probes"] += connection._keepalive.probes_sent  # the core's own part, read here
+    stats = connection.stats
+    if stats:  # an empty Counter (most connections) adds nothing: skip its ten look-ups
+        get = stats.get
+        for key, counter in _COUNTER_KEYS:
+            bucket[counter] += get(key, 0)
     onesided = connection.onesided.operations.statistics()
     bucket["onesided_reads"] += onesided["rdma_reads"]
     bucket["onesided_writes"] += onesided["rdma_writes"]

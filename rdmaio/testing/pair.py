@@ -24,9 +24,9 @@ node B" means stopping its processes (SIGSTOP) and cutting or deleting its link.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["NODES", "Node", "setup_script"]
+__all__ = ["NODES", "Node", "nodes", "setup_script"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,18 @@ NODES = (
     Node("a", "rxe0", "veth0", "198.18.0.1", "fd00:198:18::1", 100),
     Node("b", "rxe1", "veth1", "198.18.0.2", "fd00:198:18::2", 101),
 )
-"""Node A and node B."""
+"""Node A and node B (Soft-RoCE; :func:`nodes` gives them for another provider)."""
+
+
+def nodes(provider: str = "rxe") -> tuple[Node, Node]:
+    """Node A and node B with devices of ``provider`` (``rxe0``/``rxe1``, or ``siw0``/``siw1``).
+
+    Soft-iWARP runs over the kernel's TCP, which follows the same routing, so the pair works the same way.
+    """
+    return (
+        replace(NODES[0], device=f"{provider}0"),
+        replace(NODES[1], device=f"{provider}1"),
+    )
 
 
 def routing_commands() -> list[str]:
@@ -78,13 +89,14 @@ def routing_commands() -> list[str]:
     return lines
 
 
-def setup_script() -> str:
-    """Bash lines that build the pair (run as root in the VM, after ``modprobe rdma_rxe``).
+def setup_script(provider: str = "rxe") -> str:
+    """Bash lines that build the pair (run as root in the VM, after the provider's module is loaded), with
+    a device of ``provider`` (``rxe`` or ``siw``) on each veth.
 
     Each failing command calls ``fail`` (defined by the guest script). The order matters: a route with
     ``src`` must be added while that source is still a local address, i.e. before the local routes go.
     """
-    a, b = NODES
+    a, b = nodes(provider)
     lines = [
         "sysctl -qw net.ipv4.conf.all.accept_local=1 net.ipv4.conf.all.rp_filter=0 "
         "net.ipv4.conf.default.rp_filter=0 net.ipv4.conf.default.accept_local=1 "
@@ -118,13 +130,20 @@ def setup_script() -> str:
     lines += ["EOF_IP", "ip -6 -batch - <<'EOF_IP6' || fail \"ip: cannot add the IPv6 rules\""]
     lines += [f"rule add pref {n.table} iif {n.netdev} lookup {n.table}" for n in NODES]
     lines.append("EOF_IP6")
-    for n in NODES:
+    if provider == "siw":
+        # siw listens and connects with kernel TCP sockets bound to the node's address, which the local
+        # table no longer declares local: bind() would fail with EADDRNOTAVAIL (rxe binds no socket).
+        lines.append(
+            "sysctl -qw net.ipv4.ip_nonlocal_bind=1 net.ipv6.ip_nonlocal_bind=1 >/dev/null "
+            '|| fail "sysctl ip_nonlocal_bind for siw failed"'
+        )
+    for n in (a, b):
         lines.append(
             f"sysctl -qw net.ipv4.conf.{n.netdev}.accept_local=1 net.ipv4.conf.{n.netdev}.rp_filter=0 "
             f'>/dev/null || fail "sysctl for {n.netdev} failed"'
         )
         lines.append(
-            f"rdma link add {n.device} type rxe netdev {n.netdev} "
-            f'|| fail "rdma link add {n.device} type rxe netdev {n.netdev} failed"'
+            f"rdma link add {n.device} type {provider} netdev {n.netdev} "
+            f'|| fail "rdma link add {n.device} type {provider} netdev {n.netdev} failed"'
         )
     return "\n".join(lines)

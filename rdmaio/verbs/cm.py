@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from rdmaio._ffi import ffi, lib
+from rdmaio.errors import ConnectionRefusedError as RefusedError
 from rdmaio.errors import VerbsError
 from rdmaio.verbs import _base
 from rdmaio.verbs._base import _check, _check_ptr, _Resource, make_sockaddr, sockaddr_to_tuple
@@ -19,6 +22,11 @@ from rdmaio.verbs.qp import QueuePair
 from rdmaio.verbs.srq import SharedReceiveQueue
 
 # --- rdma_cm ---------------------------------------------------------------------------------------
+
+
+class ConnectRefusedError(RefusedError, VerbsError):
+    """``rdma_connect`` itself was refused (``ECONNREFUSED``): :class:`rdmaio.ConnectionRefusedError`, and
+    still the :class:`~rdmaio.errors.VerbsError` of the failed call it always was."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +294,11 @@ class CMId(_Resource):
         """Send a connection request; the answer arrives as ESTABLISHED, REJECTED, UNREACHABLE, ...
 
         ``private_data`` (at most 255 bytes) carries the handshake; one C call (``rdmaio_setup_connect``)
-        builds the connection parameters and connects."""
+        builds the connection parameters and connects.
+
+        Raises :class:`~rdmaio.ConnectionRefusedError` when the call itself is refused: iWARP connects over
+        TCP, so a port without a listener fails here at once (``ECONNREFUSED``) instead of as a later
+        ``REJECTED`` event as on InfiniBand and RoCE."""
         if self.closed or self._generation != _base._generation:  # inline: no call when usable
             self._check_usable()
         if len(private_data) > 255:
@@ -301,7 +313,20 @@ class CMId(_Resource):
             initiator_depth,
         )
         if rc < 0:
+            if -rc == errno.ECONNREFUSED:
+                raise self._refused()
             raise VerbsError.from_errno("rdma_connect", -rc)
+
+    def _refused(self) -> ConnectRefusedError:
+        peer = None
+        with contextlib.suppress(Exception):  # only for the message: the id may know no peer
+            peer = self.peer_address
+        where = f"{peer[0]} port {peer[1]}" if peer else "the peer"
+        return ConnectRefusedError(
+            f"connection refused by {where}: no listener on that port",
+            errno=errno.ECONNREFUSED,
+            call="rdma_connect",
+        )
 
     def accept(
         self,

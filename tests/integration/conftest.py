@@ -101,3 +101,78 @@ def _collect_earlier_loops() -> None:
     snapshots (the likely cause of what CI saw once: test_scale's baseline held one Domain more than
     its end state; test_scale now also counts only its own processes' objects)."""
     gc.collect()
+
+
+# --- providers: what the device under test offers ---------------------------------------------------------
+# The test host names its provider in RDMAIO_TEST_PROVIDER (rxe or siw); on a machine's own device the
+# transport decides (an RNIC is iWARP). Tests of something a provider lacks carry a marker and are
+# DESELECTED there (not skipped: a skip is a failure under the test host), so that the integration suite
+# runs unchanged on siw:
+#   @pytest.mark.requires_immediate       SEND/WRITE with immediate data at the verbs level (iWARP: none)
+#   @pytest.mark.requires_atomics         RDMA atomics (siw: ATOMIC_NONE)
+#   @pytest.mark.requires_memory_windows  memory windows (siw: max_mw 0)
+#   @pytest.mark.provider("siw", ...)     only on these providers
+#
+# Run the suite on Soft-iWARP:
+#   python -m rdmaio.testing.host --provider siw -- python -m pytest tests/integration
+
+#: What each software provider lacks (the capabilities the markers above name).
+PROVIDER_LACKS: dict[str, frozenset[str]] = {
+    "rxe": frozenset(),
+    "siw": frozenset({"immediate", "atomics", "memory_windows"}),
+    "iwarp": frozenset({"immediate"}),  # a hardware iWARP device: atomics and windows vary, immediates never
+}
+_CAPABILITY_MARKERS = {
+    "requires_immediate": "immediate",
+    "requires_atomics": "atomics",
+    "requires_memory_windows": "memory_windows",
+}
+
+
+def provider_under_test() -> str:
+    """The provider under test: ``RDMAIO_TEST_PROVIDER``, else ``iwarp`` for an RNIC device, else ``rxe``."""
+    named = os.environ.get("RDMAIO_TEST_PROVIDER")
+    if named:
+        return named
+    device = os.environ.get("RDMAIO_TEST_DEVICE", "")
+    try:
+        node_type = (SYSFS_INFINIBAND / device / "node_type").read_text() if device else ""
+    except OSError:
+        node_type = ""
+    return "iwarp" if "RNIC" in node_type else "rxe"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the provider markers."""
+    for name, capability in _CAPABILITY_MARKERS.items():
+        config.addinivalue_line(
+            "markers", f"{name}: needs {capability.replace('_', ' ')} (deselected without)"
+        )
+    config.addinivalue_line(
+        "markers", "provider(*names): runs only on these providers (deselected elsewhere)"
+    )
+
+
+def provider_applies(item: pytest.Item, provider: str) -> bool:
+    """Whether a test's provider markers allow it on ``provider``."""
+    lacks = PROVIDER_LACKS.get(provider, frozenset())
+    for name, capability in _CAPABILITY_MARKERS.items():
+        if capability in lacks and item.get_closest_marker(name) is not None:
+            return False
+    only = item.get_closest_marker("provider")
+    return only is None or provider in only.args
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the tests that cannot apply on the provider under test."""
+    provider = provider_under_test()
+    kept = [item for item in items if provider_applies(item, provider)]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def provider() -> str:
+    """The provider under test (``rxe``, ``siw``, or ``iwarp`` for a machine's own iWARP device)."""
+    return provider_under_test()

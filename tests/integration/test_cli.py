@@ -7,9 +7,11 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from loops import Runner, arun  # arun is a fixture used by name
 
 import rdmaio
-from rdmaio.cli.checks import CHECKS, CheckResult, Verdict
+from rdmaio.cli.checks import CHECKS, NEEDS_EXTENSION, CheckResult, Verdict
 from rdmaio.cli.peer import (
     PROBE_PREFIX,
     READ_PROBE_SIZE,
@@ -28,6 +30,7 @@ from rdmaio.cli.peer import (
     run_peer_checks,
     serve_doctor_session,
 )
+from rdmaio.cli.startup import EXTENSION_FIX
 from rdmaio.cli.system import System
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +65,64 @@ def test_doctor_passes_every_check() -> None:
     assert doc["ok"] is True
     assert {c["name"]: c["verdict"] for c in doc["checks"]} == {c["name"]: "ok" for c in doc["checks"]}
     assert len(doc["checks"]) == len(CHECKS)
+
+
+# --- doctor without rdmaio's compiled extension --------------------------------------------------------
+
+
+def run_without_extension(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the interpreter on the package copy at ``root``.
+
+    ``-S`` with the virtualenv's site-packages on ``PYTHONPATH``: the dependencies (cffi) are found, but not
+    the editable install's import hook, which would otherwise find the checkout's own extension for the copy.
+    """
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{sysconfig.get_paths()['purelib']}")
+    return subprocess.run(
+        [sys.executable, "-S", *args], capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=root, env=env
+    )
+
+
+def test_doctor_without_the_extension_on_a_device(tmp_path: Path) -> None:
+    """On a machine whose RDMA works, doctor run from an installation whose compiled extension is missing
+    names the extension and its fix, still passes every check that does not need the extension (the
+    device, its GIDs, memlock ...), skips the three that do, and exits 1 without a traceback."""
+    shutil.copytree(
+        REPO / "rdmaio", tmp_path / "rdmaio", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    assert not list((tmp_path / "rdmaio").glob("_rdmaio_cffi*"))
+    # The real failure mode: a program importing this copy fails on the missing extension.
+    program = run_without_extension(tmp_path, "-c", "import rdmaio")
+    assert program.returncode == 1
+    assert "ModuleNotFoundError: No module named 'rdmaio._rdmaio_cffi'" in program.stderr, program.stderr
+
+    done = run_without_extension(tmp_path, "-m", "rdmaio", "doctor")
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("rdmaio 0.1.0 doctor (Python "), done.stdout
+    checks = lines[1:-1]
+    assert len(checks) == len(CHECKS), done.stdout  # no "no RDMA here" hint: the device is found
+    by_name = {line.split()[1]: line for line in checks}
+    missing = f"rdmaio's compiled extension is missing: no _rdmaio_cffi*.so in {tmp_path}/rdmaio"
+    assert by_name["extension"] == f"FAIL  extension  {missing}  -> fix: {EXTENSION_FIX}", done.stdout
+    for name in NEEDS_EXTENSION:
+        assert by_name[name].startswith("skip  ") and by_name[name].endswith("(see extension)"), done.stdout
+    passed = set(by_name) - NEEDS_EXTENSION - {"extension"}
+    assert passed and all(by_name[name].startswith("ok    ") for name in passed), done.stdout
+    device = os.environ.get("RDMAIO_TEST_DEVICE", "rxe0")
+    assert device in by_name["devices"], done.stdout
+    assert lines[-1] == "doctor: 1 check(s) failed: extension", done.stdout
+
+    js = run_without_extension(tmp_path, "-m", "rdmaio", "doctor", "--json")
+    assert "Traceback" not in js.stderr, js.stderr
+    assert js.returncode == 1, js.stdout + js.stderr
+    doc = json.loads(js.stdout)
+    assert doc["ok"] is False
+    verdicts = {c["name"]: c["verdict"] for c in doc["checks"]}
+    expected = (
+        {name: "ok" for name in passed} | dict.fromkeys(NEEDS_EXTENSION, "skip") | {"extension": "fail"}
+    )
+    assert verdicts == expected
 
 
 class Proc:

@@ -1,8 +1,9 @@
 """The environment the test host guarantees to the integration tests.
 
-In the VM (``RDMAIO_TESTHOST=1``) that is: Soft-RoCE device rxe0, ACTIVE, on netdev dum0 holding
-198.18.0.1 and 198.18.0.2, unlimited locked memory and 65536 open files. On a machine with its own RDMA
-device (``RDMAIO_TESTHOST=local``) the device, netdev and address are the ones the test host found.
+In the VM (``RDMAIO_TESTHOST=1``) that is: Soft-RoCE device rxe0 (siw0 with ``--provider siw``), ACTIVE,
+on netdev dum0 holding 198.18.0.1 and 198.18.0.2, unlimited locked memory and 65536 open files. On a
+machine with its own RDMA device (``RDMAIO_TESTHOST=local``) the device, netdev and address are the ones
+the test host found.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def test_device_is_in_sysfs() -> None:
     devices = sorted(p.name for p in Path("/sys/class/infiniband").iterdir())
     assert DEVICE in devices
     if IN_VM:
-        assert DEVICE == "rxe0"
+        provider = os.environ.get("RDMAIO_TEST_PROVIDER", "rxe")
+        assert f"{provider}0" == DEVICE  # rxe0, or siw0 (--provider siw)
         assert (Path("/sys/class/infiniband") / DEVICE / "ports" / "1" / "state").read_text().strip() == (
             "4: ACTIVE"
         )
@@ -45,7 +47,9 @@ def test_ibv_devinfo_reports_port_active() -> None:
     out = run("ibv_devinfo", "-d", DEVICE)
     assert re.search(r"^\s*state:\s+PORT_ACTIVE\b", out, re.MULTILINE), out
     if IN_VM:
-        assert re.search(r"^\s*transport:\s+InfiniBand", out, re.MULTILINE), out  # RoCE reports IB transport
+        # RoCE reports the IB transport; Soft-iWARP (--provider siw) iWARP
+        transport = "iWARP" if os.environ.get("RDMAIO_TEST_PROVIDER") == "siw" else "InfiniBand"
+        assert re.search(rf"^\s*transport:\s+{transport}\b", out, re.MULTILINE), out
         assert re.search(r"^\s*link_layer:\s+Ethernet", out, re.MULTILINE), out
 
 

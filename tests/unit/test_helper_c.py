@@ -8,13 +8,8 @@ or ``ibv_destroy_cq`` blocks the loop thread for good.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
-
-FFI_DIR = Path(__file__).resolve().parents[2] / "rdmaio" / "_ffi"
+from ctest import build_and_run
 
 HARNESS = r"""
 #include <errno.h>
@@ -53,8 +48,9 @@ static int fake_notify(struct ibv_cq *cq, int solicited) { (void)cq; (void)solic
 
 int main(void)
 {
-    struct ibv_context ctx;
-    struct ibv_cq cq;
+    /* static: the fake ibv_get_cq_event hands out the_cq, which points at it */
+    static struct ibv_context ctx;
+    static struct ibv_cq cq;
     struct rdmaio_wc out[4];
     unsigned int events = 99;
     memset(&ctx, 0, sizeof ctx);
@@ -77,29 +73,7 @@ int main(void)
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> str:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
-    work = tmp_path_factory.mktemp("helper")
-    (work / "harness.c").write_text(HARNESS)
-    binary = work / "harness"
-    subprocess.run(
-        [
-            gcc,
-            "-std=gnu11",
-            "-Wall",
-            "-I",
-            str(FFI_DIR),
-            str(work / "harness.c"),
-            str(FFI_DIR / "helper.c"),
-            "-o",
-            str(binary),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    return build_and_run(tmp_path_factory.mktemp("helper"), "harness", HARNESS, ["helper.c"])
 
 
 # A channel serving several CQs (a Domain's pool) and a CQ returning scripted completions: the channel drain
@@ -255,35 +229,9 @@ int main(void)
 """
 
 
-def _build_and_run(work: Path, name: str, source: str) -> str:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
-    (work / f"{name}.c").write_text(source)
-    binary = work / name
-    subprocess.run(
-        [
-            gcc,
-            "-std=gnu11",
-            "-Wall",
-            "-Werror",
-            "-I",
-            str(FFI_DIR),
-            str(work / f"{name}.c"),
-            str(FFI_DIR / "helper.c"),
-            "-o",
-            str(binary),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
-
-
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return _build_and_run(tmp_path_factory.mktemp("multi"), "multi", MULTI_HARNESS).splitlines()
+    return build_and_run(tmp_path_factory.mktemp("multi"), "multi", MULTI_HARNESS, ["helper.c"]).splitlines()
 
 
 def test_channel_drain_acks_per_cq_and_rearms_each_fired_cq_once(multi: list[str]) -> None:
@@ -460,7 +408,7 @@ int main(void)
 
 @pytest.fixture(scope="module")
 def posts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return _build_and_run(tmp_path_factory.mktemp("posts"), "posts", POST_HARNESS).splitlines()
+    return build_and_run(tmp_path_factory.mktemp("posts"), "posts", POST_HARNESS, ["helper.c"]).splitlines()
 
 
 @pytest.mark.parametrize(("line", "rc", "errno_"), [(0, -22, -22), (1, 22, -22), (2, -12, -12), (3, 12, -12)])

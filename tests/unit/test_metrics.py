@@ -326,3 +326,66 @@ def test_the_exporter_carries_the_snapshot(arun: Run) -> None:
             ]
             assert scraped == [sample.value], (name, sample)
     assert any(s.labels.get("loop") == loop for s in parsed["rdmaio_bytes"].samples)
+
+
+def test_the_fold_puts_each_counter_of_a_connection_under_its_own_name() -> None:
+    """The registry adds a connection's counters to its totals by position: each counter read (every one a
+    different number here) lands under its own name, live and after the fold, the Counter's share too."""
+    import collections
+
+    class Connection(SimpleNamespace):  # weakly referenced by the registry
+        pass
+
+    statistics = {"rdma_reads": 12, "rdma_writes": 13, "rdma_fetch_adds": 14, "rdma_compare_swaps": 15}
+    connection: Any = Connection(
+        io=SimpleNamespace(name="asyncio"),
+        extra={"device": "order0"},
+        transport=SimpleNamespace(domain=None, registered_bytes=0),
+        torn_down=False,
+        session=SimpleNamespace(rules_state=SimpleNamespace(frames_sent=6, frames_received=7)),
+        sender=SimpleNamespace(bytes_sent=2, messages_sent=4),
+        receiver=SimpleNamespace(bytes_received=3, messages_received=5),
+        onesided=SimpleNamespace(operations=SimpleNamespace(statistics=lambda: statistics)),
+        completions=16,
+        wakeups=17,
+        _keepalive=SimpleNamespace(probes_sent=18),
+        stats=collections.Counter(
+            bytes_sent=100,
+            rndv_sent=8,
+            rndv_received=9,
+            rndv_bytes_sent=10,
+            rndv_bytes_received=11,
+            wakeups=200,
+        ),
+    )
+    expected = {
+        "opened": 1,
+        "closed": 0,
+        "bytes_sent": 102,
+        "bytes_received": 3,
+        "messages_sent": 4,
+        "messages_received": 5,
+        "frames_sent": 6,
+        "frames_received": 7,
+        "rndv_sent": 8,
+        "rndv_received": 9,
+        "rndv_bytes_sent": 10,
+        "rndv_bytes_received": 11,
+        "onesided_reads": 12,
+        "onesided_writes": 13,
+        "onesided_fetch_adds": 14,
+        "onesided_compare_swaps": 15,
+        "completions": 16,
+        "completion_batches": 217,
+        "keepalive_probes": 18,
+        "keepalive_failures": 0,
+    }
+    assert list(expected) == list(registry.CONNECTION_COUNTERS)
+    registry.register_connection(connection)
+    labels = ("order0", registry.loop_label(connection.io))
+    try:
+        assert registry.connection_totals()[0][labels] == expected
+        registry.fold_connection(connection)
+        assert registry.connection_totals()[0][labels] == expected | {"closed": 1}
+    finally:
+        registry.fold_connection(connection)

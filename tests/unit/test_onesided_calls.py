@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import shutil
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ctest import build_and_run
 
 import rdmaio
 from rdmaio.core.onesided import ACCESS_ATOMIC, ACCESS_READ, RemoteKey
 from rdmaio.testing.fakes import onesided_rig
 
 Run = Callable[[Awaitable[Any]], Any]
-FFI_DIR = Path(__file__).resolve().parents[2] / "rdmaio" / "_ffi"
 N = 64  # a multiple of the at-post budget (16): every run yields to the loop the same number of times
 
 
@@ -437,31 +435,8 @@ int main(void)
 
 @pytest.fixture(scope="module")
 def port_lines(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
     work = tmp_path_factory.mktemp("onesided_port")
-    (work / "harness.c").write_text(HARNESS)
-    binary = work / "harness"
-    subprocess.run(
-        [
-            gcc,
-            "-std=gnu11",
-            "-Wall",
-            "-Werror",
-            "-I",
-            str(FFI_DIR),
-            str(work / "harness.c"),
-            str(FFI_DIR / "helper.c"),
-            str(FFI_DIR / "onesided.c"),
-            "-o",
-            str(binary),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.splitlines()
+    return build_and_run(work, "harness", HARNESS, ["helper.c", "onesided.c"]).splitlines()
 
 
 def test_the_port_posts_one_signalled_request_and_looks_at_the_cq_once(port_lines: list[str]) -> None:

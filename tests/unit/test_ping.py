@@ -7,6 +7,7 @@ import asyncio
 import errno
 import io
 import re
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -136,3 +137,57 @@ def test_options(capsys: pytest.CaptureFixture[str]) -> None:
             ping.main(bad)
         assert exc.value.code == 2
     assert "-s SIZE must be between 12" in capsys.readouterr().err
+
+
+class FakeServer:
+    """What the server side of ``ping``/``perf`` uses of :func:`rdmaio.serve`'s server."""
+
+    def __init__(self, addresses: list[tuple[str, int]]) -> None:
+        self.addresses = addresses
+        self.closed = False
+
+    async def __aenter__(self) -> FakeServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("command", ["ping", "perf"])
+def test_server_lines_and_exit_status(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ping --server`` and ``perf --server``: the listening line (scripts wait for it), a SIGINT closes the
+    server and ends with status 0; a listener that cannot be made is one line on stderr and status 2."""
+    from rdmaio.cli import perf
+
+    served: list[tuple[str, int, object]] = []
+    server = FakeServer([("198.18.0.1", 7471)])
+
+    async def serve(handler: object, host: str, port: int, *, options: object = None) -> FakeServer:
+        served.append((host, port, options))
+        asyncio.get_running_loop().call_soon(signal.raise_signal, signal.SIGINT)
+        return server
+
+    def run_server(host: str, port: int, out: io.StringIO, err: io.StringIO) -> int:
+        if command == "ping":
+            return asyncio.run(ping.run_server(host, port, out, err))
+        return asyncio.run(perf.run_server(host, port, perf.ServerLimits(), out, err))
+
+    monkeypatch.setattr(rdmaio, "serve", serve)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_server("198.18.0.1", 0, out, err) == 0
+    assert server.closed and err.getvalue() == ""
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"rdmaio {command} server listening on 198.18.0.1 port 7471"
+    stopped = "rdmaio ping server stopped" if command == "ping" else "rdmaio perf server stopped after 0 runs"
+    assert lines[1].startswith(stopped) and len(lines) == 2, lines
+    assert served[0][:2] == ("198.18.0.1", 0)
+    assert (served[0][2] is None) == (command == "ping")  # perf raises the message size; ping keeps defaults
+
+    async def refuse(handler: object, host: str, port: int, *, options: object = None) -> FakeServer:
+        raise rdmaio.AddressError("address in use", errno=errno.EADDRINUSE)
+
+    monkeypatch.setattr(rdmaio, "serve", refuse)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_server("198.18.0.1", 7471, out, err) == 2
+    assert out.getvalue() == ""
+    assert err.getvalue().startswith(f"rdmaio {command} --server: cannot listen: 198.18.0.1 port 7471: "), err

@@ -11,19 +11,15 @@ the Python wrappers (:meth:`rdmaio.verbs.CMId.create_qp`, ``connect``, ``accept`
 from __future__ import annotations
 
 import errno
-import shutil
-import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ctest import build_and_run
 
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
 from rdmaio.verbs import _base, cm
-
-FFI_DIR = Path(__file__).resolve().parents[2] / "rdmaio" / "_ffi"
 
 HARNESS = r"""
 #include <errno.h>
@@ -209,31 +205,7 @@ int main(void)
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
-    work = tmp_path_factory.mktemp("setup")
-    (work / "harness.c").write_text(HARNESS)
-    binary = work / "harness"
-    subprocess.run(
-        [
-            gcc,
-            "-std=gnu11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-I",
-            str(FFI_DIR),
-            str(work / "harness.c"),
-            str(FFI_DIR / "setup.c"),
-            "-o",
-            str(binary),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    out = build_and_run(tmp_path_factory.mktemp("setup"), "harness", HARNESS, ["setup.c"])
     return {line.split()[0]: line for line in out.splitlines()}
 
 

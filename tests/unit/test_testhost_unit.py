@@ -399,7 +399,9 @@ def fake_vm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     kernel = tmp_path / "vmlinuz-0-test"
     kernel.write_bytes(b"")
     monkeypatch.setattr(launcher, "find_local_rdma", lambda: None)
-    monkeypatch.setattr(launcher, "plan_vm", lambda kernel_arg, install: preflight.VmPlan(kernel, str(vng)))
+    monkeypatch.setattr(
+        launcher, "plan_vm", lambda kernel_arg, install, provider="rxe": preflight.VmPlan(kernel, str(vng))
+    )
     work = tmp_path / "work"
     work.mkdir()
     return work
@@ -443,7 +445,7 @@ from rdmaio.testing import host
 from rdmaio.testing.host import launcher, preflight
 vng, kernel, work = sys.argv[1:4]
 launcher.find_local_rdma = lambda: None
-launcher.plan_vm = lambda kernel_arg, install: preflight.VmPlan(Path(kernel), vng)
+launcher.plan_vm = lambda kernel_arg, install, provider="rxe": preflight.VmPlan(Path(kernel), vng)
 sys.exit(host.main(["--workdir", work, "--stock-boot", "--", "true"]))
 """
 

@@ -4,14 +4,13 @@ signalling rules (every interval, the chain's last request when short, the EOF f
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ctest import RUN_TIMEOUT, compile_c
 
-import rdmaio._ffi
 from rdmaio import verbs
 from rdmaio._ffi import ffi, lib
 
@@ -26,7 +25,6 @@ BAD_ARG = int(lib.RDMAIO_TX_BAD_ARG)
 SIGNALED = int(lib.IBV_SEND_SIGNALED)
 INLINE = int(lib.IBV_SEND_INLINE)
 SLOT = 32
-FFI_DIR = Path(rdmaio._ffi.__file__).resolve().parent
 TAG = 0x42
 WR_BASE = verbs.make_wr_id(verbs.WR_KIND_SEND, TAG, 0)
 
@@ -302,31 +300,9 @@ def test_random_operations_keep_every_invariant_under_the_sanitizers(tmp_path: P
     array), posts, in-order completions and ring growth, compiled with AddressSanitizer and UBSan: no
     out-of-bounds access or undefined behaviour, every slot free or in flight, refusals change nothing, and
     a sender out of slots or entries always has a signalled request posted (it cannot stall)."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is needed to build the C harness (tools/dev setup installs it)")
-    binary = tmp_path / "harness"
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"]
-    sources = [str(HARNESS), str(FFI_DIR / "txring.c"), str(FFI_DIR / "session.c")]
-    subprocess.run(
-        [
-            gcc,
-            "-std=gnu11",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            *sanitize,
-            "-I",
-            str(FFI_DIR),
-            *sources,
-            "-o",
-            str(binary),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    binary = compile_c(tmp_path, "harness", HARNESS, ["txring.c", "session.c"], sanitize)
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert run.returncode == 0, run.stdout + run.stderr
     fields = dict(item.split("=") for item in run.stdout.split()[1:])
     assert run.stdout.startswith("ok ") and all(

@@ -21,6 +21,10 @@ Environment given to CMD (both modes):
     the RDMA device and its netdev (``rxe0`` and ``dum0`` in the VM).
 ``RDMAIO_REQUIRE_DEVICE``
     ``1``: tests must not skip for want of a device.
+``RDMAIO_TEST_PROVIDER``
+    in the VM, the provider it set up: ``rxe`` (the default), or ``siw`` with ``--provider siw``
+    (Soft-iWARP: ``siw0`` instead of ``rxe0``, and ``siw1`` in the pair; see
+    :mod:`~rdmaio.testing.host.siw`).
 
 The caller's variables named ``RDMAIO_*``, ``PYTEST_*``, ``CI``, ``PATH``, ``HOME``, ``LANG`` and
 ``PYTHONPATH`` are passed into the VM. In the VM the locked-memory limit is unlimited and the open files
@@ -45,6 +49,7 @@ Modules, one job each:
 * :mod:`~rdmaio.testing.host.devices` -- device detection: a usable RDMA device on this machine.
 * :mod:`~rdmaio.testing.host.preflight` -- preflight and packages: what the VM needs, installed if allowed.
 * :mod:`~rdmaio.testing.host.kernel` -- kernel preparation: the kernel to boot and its uncompressed copy.
+* :mod:`~rdmaio.testing.host.siw` -- Soft-iWARP: ``siw.ko`` built for the VM's kernel and cached.
 * :mod:`~rdmaio.testing.host.guest` -- the environment CMD gets and the script the VM runs.
 * :mod:`~rdmaio.testing.host.vm` -- the VM command: the ``vng`` command line and the fast-boot namespace.
 * :mod:`~rdmaio.testing.host.supervision` -- supervision: output, deadline, signals, exit status.

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rdmaio.testing.host.guest import TOPOLOGIES
+from rdmaio.testing.host.guest import PROVIDERS, TOPOLOGIES
 from rdmaio.testing.host.launcher import DEFAULT_TIMEOUT, run
 from rdmaio.testing.host.status import EXIT_HOST_FAILED, EXIT_PREFLIGHT, EXIT_TIMEOUT, log
 from rdmaio.testing.host.vm import DEFAULT_CPUS, DEFAULT_MEMORY
@@ -59,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
         help="single: rxe0 on a dummy netdev (default); pair: rxe0 and rxe1 joined by a veth pair, "
         "198.18.0.1 and 198.18.0.2, for fault injection (VM only)",
     )
+    parser.add_argument(
+        "--provider",
+        choices=PROVIDERS,
+        default="rxe",
+        help="rxe: Soft-RoCE (default); siw: Soft-iWARP (siw0, and siw1 with --topology pair; siw.ko is "
+        "built for the VM's kernel on the first run, which needs the kernel's headers and source packages; "
+        "VM only)",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
@@ -95,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fast_boot=not ns.stock_boot,
             verbose=ns.verbose,
             topology=ns.topology,
+            provider=ns.provider,
         )
     except KeyboardInterrupt:
         log("interrupted")

@@ -127,9 +127,13 @@ def decompress_kernel(kernel: Path) -> bytes | None:
     return elf if elf.startswith(b"\x7fELF") else None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """The test host's cache directory (``$XDG_CACHE_HOME/rdmaio-testhost``, default ``~/.cache/...``)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rdmaio-testhost"
+
+
+_cache_dir = cache_dir  # uncompressed_kernel's parameter shadows the name
 
 
 def uncompressed_kernel(kernel: Path, cache_dir: Path | None = None) -> Path | None:

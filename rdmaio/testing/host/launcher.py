@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rdmaio.testing.host.devices import find_local_rdma
-from rdmaio.testing.host.guest import TOPOLOGIES
+from rdmaio.testing.host.guest import PROVIDERS, TOPOLOGIES
 from rdmaio.testing.host.preflight import check_workdir, plan_vm
 from rdmaio.testing.host.status import EXIT_PREFLIGHT, PreflightError, log
 from rdmaio.testing.host.supervision import run_local
@@ -34,8 +34,12 @@ def run(
     fast_boot: bool = True,
     verbose: bool = False,
     topology: str = "single",
+    provider: str = "rxe",
 ) -> int:
     """Run ``cmd`` on the test host and return its exit status.
+
+    ``provider`` ``"siw"`` sets up Soft-iWARP (``siw0``, and ``siw1`` in the pair) instead of Soft-RoCE;
+    it always uses the VM, and builds ``siw.ko`` for the VM's kernel on its first run on a machine.
 
     ``topology`` ``"pair"`` sets up two rxe devices joined by a veth pair (:mod:`rdmaio.testing.pair`)
     instead of one on a dummy netdev; it always uses the VM (it rewires the host's routing).
@@ -63,8 +67,10 @@ def run(
             raise PreflightError(f"work directory {workdir} does not exist")
         if topology not in TOPOLOGIES:
             raise PreflightError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
-        if topology == "pair":
-            force_vm = True  # the pair rewires routing and adds devices: never on this machine
+        if provider not in PROVIDERS:
+            raise PreflightError(f"--provider must be one of {', '.join(PROVIDERS)}")
+        if topology == "pair" or provider != "rxe":
+            force_vm = True  # the pair rewires routing and adds devices, siw loads a module: never here
         local = None if force_vm else find_local_rdma()
         if local is not None:
             log(
@@ -75,13 +81,15 @@ def run(
         reason = (
             "--topology pair"
             if topology == "pair"
+            else f"--provider {provider}"
+            if provider != "rxe"
             else "--force-vm"
             if force_vm
             else "no usable RDMA device on this machine"
         )
-        log(f"mode: VM with Soft-RoCE ({reason})")
+        log(f"mode: VM with {'Soft-iWARP' if provider == 'siw' else 'Soft-RoCE'} ({reason})")
         check_workdir(workdir)
-        plan = plan_vm(kernel, install)
+        plan = plan_vm(kernel, install, provider)
     except PreflightError as exc:
         log(f"error: {exc}")
         return EXIT_PREFLIGHT
@@ -96,4 +104,5 @@ def run(
         fast_boot=fast_boot,
         verbose=verbose,
         topology=topology,
+        provider=provider,
     )

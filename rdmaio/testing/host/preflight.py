@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rdmaio.testing.host import siw
 from rdmaio.testing.host.kernel import KERNEL_PACKAGE, MODULES_DIR, find_kernel, kernel_release, rxe_module
 from rdmaio.testing.host.status import PreflightError, log
 
@@ -142,10 +143,12 @@ class _Installer:
 
 @dataclass(frozen=True)
 class VmPlan:
-    """What preflight found for the VM: the kernel image to boot and the vng executable."""
+    """What preflight found for the VM: the kernel image to boot and the vng executable (and, for Soft-iWARP,
+    the ``siw.ko`` built for that kernel)."""
 
     kernel: Path
     vng: str
+    siw_module: Path | None = None
 
 
 def check_workdir(workdir: Path) -> None:
@@ -158,8 +161,12 @@ def check_workdir(workdir: Path) -> None:
         )
 
 
-def plan_vm(kernel: Path | None, install: bool) -> VmPlan:
-    """Check (and, with ``install``, install) what the VM needs; the plan, or :class:`PreflightError`."""
+def plan_vm(kernel: Path | None, install: bool, provider: str = "rxe") -> VmPlan:
+    """Check (and, with ``install``, install) what the VM needs; the plan, or :class:`PreflightError`.
+
+    ``provider="siw"`` also installs the kernel's headers and source packages when missing and builds
+    ``siw.ko`` for the kernel (once per machine, see :mod:`rdmaio.testing.host.siw`).
+    """
     installer = _Installer(install)
 
     # Kernel: an explicit --kernel is never replaced by an installed one.
@@ -180,7 +187,7 @@ def plan_vm(kernel: Path | None, install: bool) -> VmPlan:
         if not os.access(kernel, os.R_OK):
             raise PreflightError(f"kernel image {kernel} is not readable (try running as root)")
     release = kernel_release(kernel)
-    if rxe_module(release) is None:
+    if provider == "rxe" and rxe_module(release) is None:
         raise PreflightError(
             f"kernel {release} ({kernel}) has no rdma_rxe module "
             f"({MODULES_DIR}/{release}/kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko*); "
@@ -198,10 +205,19 @@ def plan_vm(kernel: Path | None, install: bool) -> VmPlan:
     for tool, pkg in (("modprobe", "kmod"), ("ip", "iproute2"), ("rdma", "iproute2")):
         if shutil.which(tool, path=sbin_path()) is None:
             raise PreflightError(f"{tool} not found: apt-get install {pkg}")
-    if not any(Path("/usr/lib").glob("*/libibverbs/librxe-rdmav*.so")) and not any(
-        Path("/usr/lib64").glob("libibverbs/librxe-rdmav*.so")
+    library = f"lib{provider}-rdmav*.so"
+    if not any(Path("/usr/lib").glob(f"*/libibverbs/{library}")) and not any(
+        Path("/usr/lib64").glob(f"libibverbs/{library}")
     ):
-        raise PreflightError("the rxe verbs provider (librxe) is missing: apt-get install ibverbs-providers")
+        raise PreflightError(
+            f"the {provider} verbs provider (lib{provider}) is missing: apt-get install ibverbs-providers"
+        )
+    siw_module = None
+    if provider == "siw":
+        missing_src = siw.missing_packages(release)
+        if missing_src and install:
+            installer.apt(missing_src, f"building siw.ko for kernel {release}")
+        siw_module = siw.ensure_module(release)
 
     vng = _find_vng()
     if vng is None:
@@ -211,4 +227,4 @@ def plan_vm(kernel: Path | None, install: bool) -> VmPlan:
             raise PreflightError(
                 f"virtme-ng was installed, yet vng/virtme-run are not in {_bin_dir()} or PATH"
             )
-    return VmPlan(kernel, vng)
+    return VmPlan(kernel, vng, siw_module)

@@ -163,7 +163,7 @@ def supervise_vm(
         )
         return EXIT_HOST_FAILED
     rc = int(rc_text)
-    boot = f"VM boot + rxe setup {float(ready):.1f} s of guest uptime, " if ready else ""
+    boot = f"VM boot + RDMA setup {float(ready):.1f} s of guest uptime, " if ready else ""
     log(f"total {total:.1f} s ({boot}command exit status {rc})")
     return rc
 

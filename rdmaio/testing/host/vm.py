@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from rdmaio.testing.host.guest import guest_script
+from rdmaio.testing.host.guest import SIW_MODULE_NAME, guest_script
 from rdmaio.testing.host.kernel import uncompressed_kernel
 from rdmaio.testing.host.preflight import VmPlan, sbin_path, vng_path
 from rdmaio.testing.host.status import log
@@ -124,8 +124,13 @@ def run_vm(
     fast_boot: bool,
     verbose: bool,
     topology: str = "single",
+    provider: str = "rxe",
 ) -> int:
-    """Boot the VM, run ``cmd`` in it and return its exit status (or a status of :mod:`.status`)."""
+    """Boot the VM, run ``cmd`` in it and return its exit status (or a status of :mod:`.status`).
+
+    With ``provider="siw"`` the plan's built ``siw.ko`` is copied into the run directory, the one place
+    of this machine's that the guest surely sees (it hides ``/root`` and ``/tmp``, where a cache may be).
+    """
     started = time.monotonic()
     state = workdir / STATE_DIRNAME
     state.mkdir(exist_ok=True)
@@ -136,9 +141,15 @@ def run_vm(
     run_dir = state / f"run-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir()
     try:
+        if provider == "siw":
+            if plan.siw_module is None:
+                raise ValueError("provider siw needs a plan with a built siw.ko")
+            shutil.copyfile(plan.siw_module, run_dir / SIW_MODULE_NAME)
         script = run_dir / "guest.sh"
         script.write_text(
-            guest_script(cmd, workdir=workdir, run_dir=run_dir, env=os.environ, topology=topology)
+            guest_script(
+                cmd, workdir=workdir, run_dir=run_dir, env=os.environ, topology=topology, provider=provider
+            )
         )
         prefix: list[str] = []
         kernel = plan.kernel
@@ -159,7 +170,10 @@ def run_vm(
         )
         env = {**os.environ, "PATH": vng_path()}
         plural = "s" if cpus > 1 else ""
-        log(f"booting VM: {plan.kernel}, {cpus} CPU{plural}, {memory} memory, emulated (no KVM), {how}")
+        log(
+            f"booting VM: {plan.kernel}, {cpus} CPU{plural}, {memory} memory, emulated (no KVM), {how}, "
+            f"provider {provider}"
+        )
         return supervise_vm(
             argv, env=env, workdir=workdir, run_dir=run_dir, started=started, deadline=deadline
         )
