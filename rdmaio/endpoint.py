@@ -81,7 +81,9 @@ class Endpoint:
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """Return ``peername``, ``sockname``, ``device``, ``port``, ``qp_num``, ``mtu``, ``max_inline``,
-        ``options``, ``peer_max_message_size`` (the largest message the peer accepts) or ``rdma`` by name.
+        ``options``, ``peer_max_message_size`` (the largest message the peer accepts), ``framing``
+        (``"immediate"``, or ``"header"`` where a device lacks immediate data or a side forced it) or
+        ``rdma`` by name.
 
         ``"rdma"`` is the connection's path record, a :class:`rdmaio.PathInfo` (device, port, transport,
         GIDs, MTU, credits, features, the peer's version: docs/monitoring.md): read from the device on the

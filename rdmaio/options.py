@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["Options"]
@@ -153,6 +154,15 @@ class Options:
     (the SRQ is in the device's shared PD) the connection keeps the shared PD and connection-scoped
     exports raise ``FeatureNotSupportedError`` instead. ``"off"`` exists to test that behaviour on devices
     that have windows."""
+    framing: str = field(default_factory=lambda: os.environ.get("RDMAIO_FRAMING", "auto"))
+    """How frames travel: ``"auto"`` (the default) uses SEND with immediate data (the frame kind and credits
+    in the 32-bit immediate value) where both sides' devices offer it, and the header framing where either
+    lacks it (iWARP: siw, E810 in iWARP mode, Chelsio); ``"header"`` forces the header framing (plain SENDs
+    whose payload starts with a 4-byte header carrying that value, so a slot carries ``slot_size - 4``
+    payload bytes). Either side forcing it puts the connection in the header framing; a peer whose rdmaio
+    predates the header framing cannot be connected to then (``HandshakeError``). The default is the
+    environment variable ``RDMAIO_FRAMING`` when set (read when an Options is made: the test suite's
+    ``--framing=header`` runs every test, and the peer processes it starts, in the header framing)."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -202,6 +212,8 @@ class Options:
             raise ValueError("max_pending_per_source must be >= 1")
         if self.atomics not in ("auto", "off") or self.memory_windows not in ("auto", "off"):
             raise ValueError("atomics and memory_windows must be 'auto' or 'off'")
+        if self.framing not in ("auto", "header"):
+            raise ValueError(f"framing must be 'auto' or 'header', not {self.framing!r}")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:

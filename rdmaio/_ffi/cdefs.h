@@ -296,7 +296,9 @@ struct rdmaio_txring { struct rdmaio_send *sends; uint32_t send_len; uint32_t sl
                        uint32_t nfree; uint32_t *inflight; uint32_t inflight_head; uint32_t inflight_count;
                        uint32_t sq_depth; uint32_t unsignaled; uint32_t signal_interval; uint32_t interval;
                        uint32_t sq_interval; uint64_t wr_id_base; uint32_t seq; uint32_t max_inline;
-                       uint8_t *scratch; uint32_t scratch_entries; uint32_t eof_staged; uint32_t eof_index; };
+                       uint8_t *scratch; uint32_t scratch_entries; uint32_t eof_staged; uint32_t eof_index;
+                       uint32_t header; };
+int rdmaio_txring_set_header(struct rdmaio_txring *r, uint32_t header);
 int rdmaio_txring_init(struct rdmaio_txring *r, struct rdmaio_send *sends, uint32_t send_len,
                        uint32_t *free_stack, uint32_t max_slots, uint32_t *inflight, uint32_t sq_depth,
                        uint32_t slot_size, uint32_t max_inline, uint32_t signal_interval, uint64_t wr_id_base);
@@ -339,3 +341,12 @@ int rdmaio_setup_connect(struct rdma_cm_id *id, const uint8_t *private_data, uin
                          uint8_t initiator_depth);
 int rdmaio_setup_accept(struct rdma_cm_id *id, const uint8_t *private_data, uint32_t len,
                         uint8_t rnr_retry_count, uint8_t responder_resources, uint8_t initiator_depth);
+
+/* ---- the header framing (session.c rdmaio_rx_unframe, helper.c rdmaio_query_framing_caps) ---------- */
+#define RDMAIO_FRAME_HEADER ...
+#define RDMAIO_CONTROL_KIND ...
+#define RDMAIO_CONTROL_WORD ...
+int rdmaio_rx_unframe(struct rdmaio_wc *records, int start, int count, uint8_t *ring, uint64_t ring_len,
+                      uint32_t slot_size);
+struct rdmaio_framing_caps { int transport_type; int atomic_cap; int max_mw; int max_sge_rd; };
+int rdmaio_query_framing_caps(struct ibv_context *context, struct rdmaio_framing_caps *out);

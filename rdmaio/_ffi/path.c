@@ -80,3 +80,20 @@ int rdmaio_query_path(struct rdma_cm_id *id, struct rdmaio_path *out)
     }
     return 0;
 }
+
+int rdmaio_query_framing_caps(struct ibv_context *context, struct rdmaio_framing_caps *out)
+{
+    struct ibv_device_attr attr;
+    int rc;
+
+    if (!context || !out)
+        return -EINVAL;
+    rc = ibv_query_device(context, &attr);
+    if (rc)
+        return negative_errno(rc);
+    out->transport_type = context->device ? (int)context->device->transport_type : -1;
+    out->atomic_cap = (int)attr.atomic_cap;
+    out->max_mw = attr.max_mw;
+    out->max_sge_rd = attr.max_sge_rd;
+    return 0;
+}

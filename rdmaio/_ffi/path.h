@@ -25,4 +25,14 @@ struct rdmaio_path {
  * without a device, the first failing query's errno otherwise; *out then holds what was read before). */
 int rdmaio_query_path(struct rdma_cm_id *id, struct rdmaio_path *out);
 
+/* What the framing negotiation needs of a device (ibv_query_device and the device's transport type):
+ * 0, or the -errno of ibv_query_device. */
+struct rdmaio_framing_caps {
+    int transport_type;  /* enum ibv_transport_type: IBV_TRANSPORT_IWARP has no immediate data */
+    int atomic_cap;      /* enum ibv_atomic_cap */
+    int max_mw;
+    int max_sge_rd;      /* scatter entries of one RDMA READ */
+};
+int rdmaio_query_framing_caps(struct ibv_context *context, struct rdmaio_framing_caps *out);
+
 #endif

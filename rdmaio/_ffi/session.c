@@ -1,6 +1,9 @@
 /* The hot rules of rdmaio.protocol.session.Session in C (see session.h). Each function is an exact port of
  * the Python method's accept path: same checks, same order of updates. Any check that fails returns the
  * defer value before anything is written. No Python C-API: cffi releases the GIL around these calls. */
+#include <arpa/inet.h>
+#include <string.h>
+
 #include "session.h"
 
 #define KIND_SHIFT 28
@@ -252,4 +255,52 @@ int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, 
     }
     *consumed = i;
     return n;
+}
+
+static void unframe_reject(struct rdmaio_wc *wc)
+{
+    wc->imm_data = 0;
+    wc->flags |= IBV_WC_WITH_IMM;
+    wc->byte_len = 0;
+}
+
+int rdmaio_rx_unframe(struct rdmaio_wc *records, int start, int count, uint8_t *ring, uint64_t ring_len,
+                      uint32_t slot_size)
+{
+    int i, changed = 0;
+
+    if (start < 0 || count < 0 || !records || !ring || !slot_size)
+        return -1;
+    for (i = start; i < start + count; i++) {
+        struct rdmaio_wc *wc = &records[i];
+        uint64_t slot, off;
+        uint32_t word, n;
+
+        if (wc->status || wc->opcode != IBV_WC_RECV)
+            continue;  /* failed, a send's, or a write notice (RECV_RDMA_WITH_IMM): as they are */
+        changed++;
+        slot = wc->wr_id & 0xffffffffu;
+        off = slot * (uint64_t)slot_size;
+        if ((wc->flags & IBV_WC_WITH_IMM) || wc->byte_len < RDMAIO_FRAME_HEADER || wc->byte_len > slot_size
+            || off + slot_size > ring_len) {
+            unframe_reject(wc);
+            continue;
+        }
+        memcpy(&word, ring + off, 4);
+        word = ntohl(word);
+        n = wc->byte_len - RDMAIO_FRAME_HEADER;
+        if ((word >> KIND_SHIFT) == RDMAIO_CONTROL_KIND) {
+            if (word != RDMAIO_CONTROL_WORD) {
+                unframe_reject(wc);
+                continue;
+            }
+            wc->imm_data = 0;
+        } else {
+            wc->imm_data = word;
+            wc->flags |= IBV_WC_WITH_IMM;
+        }
+        memmove(ring + off, ring + off + RDMAIO_FRAME_HEADER, n);
+        wc->byte_len = n;
+    }
+    return changed;
 }

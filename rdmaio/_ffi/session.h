@@ -104,4 +104,20 @@ int rdmaio_session_take_slot(struct rdmaio_session *s);
 int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
                      struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop);
 
+/* The header framing's receive side (rdmaio.protocol.framing.unframe_receive is its reference model): every
+ * successful plain receive (IBV_WC_RECV) among records[start .. start+count-1] is made into what the
+ * immediate framing delivers. A frame: the header word (network order, the slot's first 4 bytes) becomes
+ * imm_data with IBV_WC_WITH_IMM, the payload moves to the slot's start, byte_len loses the header. A
+ * one-sided control message (header exactly RDMAIO_CONTROL_WORD): the same without the immediate. Anything
+ * malformed (shorter than the header, longer than a slot, a control header with other bits, a receive
+ * WITH immediate data, a slot outside the ring) becomes imm_data 0 (an unknown kind: the frame rules
+ * reject it) with IBV_WC_WITH_IMM and byte_len 0. `ring` is the receive ring's memory, `ring_len` its
+ * bytes; slot k is at k * slot_size. Returns the records changed, or -1 for a bad argument (nothing
+ * changed). */
+#define RDMAIO_FRAME_HEADER 4
+#define RDMAIO_CONTROL_KIND 9
+#define RDMAIO_CONTROL_WORD (9u << 28)
+int rdmaio_rx_unframe(struct rdmaio_wc *records, int start, int count, uint8_t *ring, uint64_t ring_len,
+                      uint32_t slot_size);
+
 #endif

@@ -10,6 +10,7 @@
  * Staging is split in two steps, txring_check() (every bound, no change) and txring_put() (cannot fail), so
  * that a caller that must account the frame between them (the session's credit take, which gives the
  * frame's immediate value) does so only once the frame is sure to be staged. */
+#include <arpa/inet.h>
 #include <string.h>
 
 #include <infiniband/verbs.h>
@@ -53,6 +54,16 @@ int rdmaio_txring_init(struct rdmaio_txring *r, struct rdmaio_send *sends, uint3
     return 0;
 }
 
+int rdmaio_txring_set_header(struct rdmaio_txring *r, uint32_t header)
+{
+    if (header != 0 && header != 4)
+        return RDMAIO_TX_BAD_ARG;
+    if (r->inflight_count || r->seq)
+        return RDMAIO_TX_BAD_ARG; /* a frame was staged already: the framing is fixed */
+    r->header = header;
+    return 0;
+}
+
 /* The inline frames' scratch area: entries * max_inline bytes, entry i's at i * max_inline. */
 int rdmaio_txring_set_scratch(struct rdmaio_txring *r, uint8_t *scratch, uint32_t entries)
 {
@@ -86,6 +97,7 @@ int rdmaio_txring_room(const struct rdmaio_txring *r, uint64_t length)
 {
     if (r->inflight_count >= r->sq_depth)
         return 0;
+    length += r->header;
     return length <= r->max_inline || r->nfree > 0;
 }
 
@@ -103,8 +115,9 @@ static void fill(struct rdmaio_txring *r, struct rdmaio_send *wr, uint32_t index
     wr->addr = addr;
     wr->length = length;
     wr->lkey = lkey;
-    wr->imm_data = imm;
-    wr->opcode = IBV_WR_SEND_WITH_IMM;
+    /* The header framing carries imm in the payload's header (written by the caller): a plain SEND. */
+    wr->imm_data = r->header ? 0 : imm;
+    wr->opcode = r->header ? IBV_WR_SEND : IBV_WR_SEND_WITH_IMM;
     wr->rkey = 0;
     wr->remote_addr = 0;
     /* Signalled every interval requests: the ring's for a frame in a slot, the send queue's otherwise. */
@@ -130,6 +143,9 @@ static int txring_check(const struct rdmaio_txring *r, uint32_t i, uint64_t leng
         return RDMAIO_TX_BAD_INDEX;
     if (r->inflight_count >= r->sq_depth)
         return RDMAIO_TX_NO_SQ;
+    if (length > UINT32_MAX - 4)
+        return RDMAIO_TX_TOO_LONG;
+    length += r->header; /* what travels: the header framing's header, then the frame */
     if (length > r->max_inline) {
         if (length > r->slot_size)
             return RDMAIO_TX_TOO_LONG;
@@ -144,23 +160,37 @@ static int txring_check(const struct rdmaio_txring *r, uint32_t i, uint64_t leng
     return 0;
 }
 
+/* Copy a frame into dest: the header framing's header (imm, network order), then the frame's bytes. */
+static void copy_frame(const struct rdmaio_txring *r, uint8_t *dest, const uint8_t *data, uint32_t length,
+                       uint32_t imm)
+{
+    if (r->header) {
+        uint32_t word = htonl(imm);
+        memcpy(dest, &word, 4);
+        dest += 4;
+    }
+    if (length)
+        memcpy(dest, data, length);
+}
+
 /* Stage a checked frame: 1 if it took a slot, 0 if it went inline (or empty). */
 static int txring_put(struct rdmaio_txring *r, uint32_t i, const uint8_t *data, uint32_t length, uint32_t imm)
 {
     struct rdmaio_send *wr = &r->sends[i];
-    if (length > r->max_inline) {
+    uint32_t wire = length + r->header; /* txring_check() bounded it */
+    if (wire > r->max_inline) {
         uint32_t slot = r->free_stack[--r->nfree];
         uint8_t *dest = r->base + (size_t)slot * r->slot_size;
-        memcpy(dest, data, length);
-        fill(r, wr, slot, (uint64_t)(uintptr_t)dest, length, r->lkeys[slot], imm, 0);
+        copy_frame(r, dest, data, length, imm);
+        fill(r, wr, slot, (uint64_t)(uintptr_t)dest, wire, r->lkeys[slot], imm, 0);
         track(r, slot);
         return 1;
     }
     uint32_t index = next_slotless(r);
-    if (length) {
+    if (wire) {
         uint8_t *dest = r->scratch + (size_t)i * r->max_inline;
-        memcpy(dest, data, length);
-        fill(r, wr, index, (uint64_t)(uintptr_t)dest, length, 0, imm, IBV_SEND_INLINE);
+        copy_frame(r, dest, data, length, imm);
+        fill(r, wr, index, (uint64_t)(uintptr_t)dest, wire, 0, imm, IBV_SEND_INLINE);
     } else {
         fill(r, wr, index, 0, 0, 0, imm, 0);
     }
@@ -233,8 +263,21 @@ int rdmaio_txring_stage_empty(struct rdmaio_txring *r, uint32_t i, uint32_t imm,
     int rc = txring_check(r, i, 0);
     if (rc)
         return rc;
-    uint32_t index = next_slotless(r);
     struct rdmaio_send *wr = &r->sends[i];
+    uint32_t index;
+    if (r->header) {
+        /* The header framing: the frame is its 4-byte header, inline or in a slot (txring_check chose). */
+        txring_put(r, i, NULL, 0, imm);
+        index = (uint32_t)(wr->wr_id & 0xffffffffu);
+        if (flags & RDMAIO_TX_EOF) {
+            wr->send_flags |= IBV_SEND_SIGNALED;
+            r->unsignaled = 0;
+            r->eof_staged = 1;
+            r->eof_index = index;
+        }
+        return 0;
+    }
+    index = next_slotless(r);
     fill(r, wr, index, 0, 0, 0, imm, 0);
     if (flags & RDMAIO_TX_EOF) {
         wr->send_flags = IBV_SEND_SIGNALED;

@@ -58,11 +58,15 @@ struct rdmaio_txring {
     uint32_t scratch_entries;
     uint32_t eof_staged;    /* the EOF frame was staged: eof_index is its wr index */
     uint32_t eof_index;
+    uint32_t header;        /* 0: SEND with immediate data; 4: the header framing (plain SEND, the frame
+                             * word in network order in the payload's first 4 bytes, the frame after it) */
 };
 
 int rdmaio_txring_init(struct rdmaio_txring *r, struct rdmaio_send *sends, uint32_t send_len,
                        uint32_t *free_stack, uint32_t max_slots, uint32_t *inflight, uint32_t sq_depth,
                        uint32_t slot_size, uint32_t max_inline, uint32_t signal_interval, uint64_t wr_id_base);
+/* The header framing (header 4) or the immediate framing (0, the default): before the first frame only. */
+int rdmaio_txring_set_header(struct rdmaio_txring *r, uint32_t header);
 int rdmaio_txring_set_scratch(struct rdmaio_txring *r, uint8_t *scratch, uint32_t entries);
 int rdmaio_txring_add_slots(struct rdmaio_txring *r, uintptr_t base, const uint32_t *lkeys, uint32_t first,
                             uint32_t count);

@@ -14,6 +14,8 @@ and the public API.
 * :mod:`~rdmaio.core.acceptor`: connection setup on the listening side: listeners, admission (backlog,
   per-source limit), pending connections and their establishment deadline, handshake, session choice.
 * :mod:`~rdmaio.core.negotiation`: the handshakes both sides of setup announce.
+* :mod:`~rdmaio.core.capabilities`: what a device offers (immediate data, atomics, windows, inline size),
+  announced in the handshake; the framing follows from both sides'.
 * :mod:`~rdmaio.core.resolver`: host names to the numeric addresses rdma_cm takes.
 * :mod:`~rdmaio.core.connection`: one connection's parts, the demultiplexing of its completions, its
   lifetime (close, failure, teardown, rdma_cm and async events).

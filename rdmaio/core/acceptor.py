@@ -21,10 +21,12 @@ it (handler or ``accept()``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable, Sized
 
 from rdmaio.core.backend import Handle
+from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
@@ -34,6 +36,7 @@ from rdmaio.core.transport import Transport
 from rdmaio.errors import HandshakeError, VerbsError
 from rdmaio.options import Options
 from rdmaio.protocol import FEATURE_GROW, Handshake, Session
+from rdmaio.protocol.framing import negotiate_framing
 from rdmaio.verbs import CMEvent, CMEventType, CMId
 
 __all__ = ["Acceptor", "PendingConnection"]
@@ -186,6 +189,20 @@ class Acceptor:
                 local_handshake(self._options, grow=bool(peer.features & FEATURE_GROW)), peer, self._options
             )
             transport = Transport(self._reactor, cm_id, self._options, handshake.initial_depth)
+            # The device's capabilities (iWARP: no immediate data) and the inline size its queue pair took:
+            # known once the transport exists.
+            device = transport.device
+            caps = DEVICE_CAPS.get(
+                (device.handle, transport.max_inline, self._options.framing)
+            ) or device_capabilities(device, transport.max_inline, self._options)
+            handshake = dataclasses.replace(handshake, caps=caps)
+            theirs = peer.caps
+            if (
+                caps.header_framing
+                or not caps.immediate
+                or (theirs is not None and (theirs.header_framing or not theirs.immediate))
+            ):
+                negotiate_framing(handshake, peer)  # refused here (HandshakeError) if they cannot agree
             # One-sided READs/atomics in flight: what we allow, capped by what the request offers (rdma_cm
             # reports the request's values from our side's point of view).
             depth = rd_atomic_depth(transport.device, self._options.max_rdma_ops)

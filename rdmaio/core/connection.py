@@ -42,6 +42,7 @@ from rdmaio.errors import (
 )
 from rdmaio.options import Options
 from rdmaio.protocol import Session
+from rdmaio.protocol.framing import CONTROL_WORD, encode_frame_header
 from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
 from rdmaio.verbs.native import lib
 
@@ -107,6 +108,9 @@ class Connection:
         qp = transport.qp
         self.qp = qp
         self.max_inline = min(transport.max_inline, options.max_inline)
+        #: The negotiated framing (rdmaio.protocol.framing): ``framing.immediate`` is false in the header
+        #: framing (a device without immediate data, or ``Options.framing = "header"`` on either side).
+        self.framing = session.framing
         self.extra: dict[str, Any] = {
             "peername": cm_id.peer_address,
             "sockname": cm_id.local_address,
@@ -117,6 +121,7 @@ class Connection:
             "options": options,
             # The largest message the peer accepts (its handshake): what send() checks against.
             "peer_max_message_size": session.peer.max_message_size,
+            "framing": session.framing.name,
         }
         # The rarer counters (and the rendezvous and one-sided engines' own); the per-message ones are
         # plain int attributes of their owner (this connection's wakeups and completions, the sender's and
@@ -156,6 +161,11 @@ class Connection:
         self._options = options
         # one-sided RDMA: its held write-notice slots go back through the receiver (repost)
         self.onesided = OneSidedEngine.for_connection(self, transport, session, options)
+        if not session.framing.immediate:
+            # The header framing: control messages are plain SENDs told apart by their header's kind, and a
+            # write notice is a plain WRITE followed by a control message (no WRITE with immediate).
+            self.onesided.operations.control_header = encode_frame_header(CONTROL_WORD)
+            self.onesided.write_notice_by_message = True
         self.rndv = RendezvousEngine.for_connection(self, transport, options)  # zero-copy (None: not used)
         self.receiver.onesided = self.onesided
         self.receiver.rndv = self.rndv

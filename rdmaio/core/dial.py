@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 
 from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
@@ -118,8 +119,15 @@ async def dial(
         event = await events.get()
         if event.event != CMEventType.ROUTE_RESOLVED:
             raise connect_error(event, f"{host} port {port}")
-        handshake = local_handshake(opts)
-        transport = Transport(reactor, cm_id, opts, handshake.initial_depth)
+        # The receives posted at first: local_handshake's initial window (a dialer always grows). The
+        # handshake comes after the transport: it announces the device's capabilities (iWARP: no immediate
+        # data) and the inline size its queue pair took.
+        transport = Transport(reactor, cm_id, opts, min(opts.initial_depth, opts.recv_depth))
+        device = transport.device
+        caps = DEVICE_CAPS.get((device.handle, transport.max_inline, opts.framing)) or device_capabilities(
+            device, transport.max_inline, opts
+        )
+        handshake = local_handshake(opts, caps=caps)
         depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
         cm_id.connect(
             handshake.encode(),
@@ -133,10 +141,11 @@ async def dial(
             raise connect_error(event, f"{host} port {port}")
         try:
             peer = Handshake.decode(event.private_data)
+            session = new_session(handshake, peer, transport)  # HandshakeError if no common framing
         except HandshakeError:
             cm_id.disconnect()
             raise
-        return Connection(reactor, cm_id, transport, new_session(handshake, peer, transport), opts)
+        return Connection(reactor, cm_id, transport, session, opts)
     except BaseException:
         if transport is not None:
             transport.close()

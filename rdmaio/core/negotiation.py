@@ -18,6 +18,7 @@ from rdmaio.protocol import (
     FEATURE_ONESIDED,
     FEATURE_RECLAIM,
     FEATURE_RNDV,
+    Capabilities,
     Handshake,
 )
 from rdmaio.protocol.reclaim import MIN_WINDOW
@@ -30,9 +31,11 @@ __all__ = ["accepting_handshake", "local_handshake"]
 _SOFTWARE_VERSION: str = getattr(sys.modules.get("rdmaio"), "__version__", "")
 
 
-def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
+def local_handshake(options: Options, *, grow: bool = True, caps: Capabilities | None = None) -> Handshake:
     """The handshake this side announces for ``options``: a growing receive window (FEATURE_GROW, starting
-    at ``options.initial_depth``) unless ``grow`` is false (a server answering a peer that cannot grow).
+    at ``options.initial_depth``) unless ``grow`` is false (a server answering a peer that cannot grow),
+    and the device's capabilities ``caps`` (:func:`rdmaio.core.capabilities.device_capabilities`) when
+    given.
 
     FEATURE_GROW is announced even when ``initial_depth`` equals ``recv_depth`` (a fixed ring): the bit also
     says this side accepts a growing peer, and a server gives a peer without it only a small fixed window
@@ -49,6 +52,7 @@ def local_handshake(options: Options, *, grow: bool = True) -> Handshake:
         | (FEATURE_RECLAIM if options.shared_receive_queue else 0),
         initial_depth=initial if grow else 0,
         software=_SOFTWARE_VERSION,
+        caps=caps,
     )
 
 

@@ -93,7 +93,8 @@ class PathInfo:
     srq: bool
     """True when this side's receives come from the device's shared receive queue."""
     features: tuple[str, ...]
-    """The features both sides announced (sorted names of :data:`FEATURE_NAMES`)."""
+    """The features both sides announced (sorted names of :data:`FEATURE_NAMES`), and ``"header-framing"``
+    when the connection uses the header framing (:mod:`rdmaio.protocol.framing`)."""
     peer_version: str | None
     """The peer's rdmaio version from its handshake; None for a peer that does not send it (rdmaio
     0.1.0 builds before the handshake carried it)."""
@@ -150,7 +151,14 @@ def path_info(connection: Connection, attributes: PathAttributes) -> PathInfo:
         recv_depth=local.recv_depth,
         rndv_threshold=connection.options.rndv_threshold if rndv is not None and session.rendezvous else 0,
         srq=connection.transport.shared is not None,
-        features=tuple(sorted(name for bit, name in FEATURE_NAMES.items() if negotiated & bit)),
+        # The header framing (no immediate data: a device is iWARP, or a side forced it) is listed as
+        # "header-framing" among the features.
+        features=tuple(
+            sorted(
+                [name for bit, name in FEATURE_NAMES.items() if negotiated & bit]
+                + ([] if session.framing.immediate else ["header-framing"])
+            )
+        ),
         peer_version=peer.software or None,
         qp_num=int(connection.extra["qp_num"]),
     )

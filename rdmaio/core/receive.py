@@ -54,6 +54,7 @@ _WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided: a receive without it is a control
 # The session rules in C (rdmaio/_ffi/session.c), bound once: each is one C call, no Python frame.
 _CDATA = ffi.CData
 _rx_frames = lib.rdmaio_rx_frames
+_rx_unframe = lib.rdmaio_rx_unframe  # the header framing: each receive made into an immediate one
 _reposted = lib.rdmaio_session_reposted
 _grow = lib.rdmaio_session_grow
 _RX_DEFER = lib.RDMAIO_RX_DEFER
@@ -160,6 +161,18 @@ class Receiver:
         # fast (its methods must see every frame) or its state is a Python object (C cannot read it).
         state = self._state = session.rules_state
         self._native: Any = state if isinstance(state, _CDATA) and state.fast else None
+        # The header framing (rdmaio.protocol.framing): every batch's receives are first made into what the
+        # immediate framing delivers (the header word as the immediate value, the payload moved to the
+        # slot's start), in C, so that everything below is the same in both framings. None: immediate.
+        # The ring's address as a plain pointer: a from_buffer object held here could be released after
+        # its memoryview by the cyclic collector (a crash); recv_view keeps the memory alive.
+        self._unframe_ring: Any = None
+        self._unframe_len = 0
+        if session.framing.header:
+            ring = ffi.from_buffer(recv_view)
+            self._unframe_ring = ffi.cast("uint8_t *", ring)
+            self._unframe_len = len(ring)
+            del ring
         self._frames = ffi.new("struct rdmaio_rx_frame[]", _RX_FRAMES)  # what C applied, per frame
         self._consumed = ffi.new("int *")
         self._stop = ffi.new("int *")
@@ -187,6 +200,12 @@ class Receiver:
         native = self._native
         if native is not None and not isinstance(records, _CDATA):
             records, start = _wc_array(records, start, count), 0
+        unframe = self._unframe_ring
+        if unframe is not None:
+            if not isinstance(records, _CDATA):
+                records, start = _wc_array(records, start, count), 0
+            if _rx_unframe(records, start, count, unframe, self._unframe_len, slot_size) < 0:
+                raise RuntimeError("rdmaio: rdmaio_rx_unframe refused its arguments")
         frames = self._frames
         consumed = self._consumed
         stop = self._stop

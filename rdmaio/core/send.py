@@ -259,9 +259,20 @@ class Sender:
         # Inline frames' bytes between staging and the post, one max_inline area per send-array entry; the
         # post copies them into the work requests. Allocated by the first inline frame.
         self._scratch_cdata: Any = None
+        # The header framing (rdmaio.protocol.framing): the C ring writes each frame's 4-byte header in
+        # front of its bytes and posts plain SENDs, so a frame's bytes fit a slot or the inline limit only
+        # without the header; even an empty control frame is 4 bytes (inline: the scratch area at once,
+        # or a slot if the device takes fewer inline bytes).
+        header = session.framing.header
+        self._inline_payload = max_inline - header  # a frame's bytes up to this travel inline
+        self._control_needs_slot = header > max_inline
+        if header:
+            _check_tx(lib.rdmaio_txring_set_header(self._tx, header))
+            if max_inline >= header:
+                self._alloc_scratch()
         # The peer's maximum message size (its handshake, fixed): a send within it needs no size check call.
         self._peer_max = session.peer.max_message_size
-        max_fragment = min(session.max_fragment, slot_size)
+        max_fragment = min(session.max_fragment, slot_size - header)
         # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
         # at the peer's maximum message size too (a peer may announce one below its slot size).
         # send() batches messages up to batch_limit (-1: the peer cannot unpack batches).
@@ -654,7 +665,7 @@ class Sender:
         tx = self._tx
         stage = _txring_stage
         from_buffer = _from_buffer
-        max_inline = self._max_inline
+        max_inline = self._inline_payload
         sq_depth = self._sq_depth
         first = count = self.staged
         nbytes = 0
@@ -710,8 +721,9 @@ class Sender:
         self.messages_sent += messages
         queue.posted_frames += count - first
         # The EOF frame once all data is out, or a CREDIT frame when one is due (or, with a shared receive
-        # queue, a RETURN or RECLAIM frame): empty, no slot.
-        if tx.inflight_count < sq_depth:
+        # queue, a RETURN or RECLAIM frame): empty, no slot (the header framing's 4 bytes: a slot only if
+        # the device takes fewer inline bytes).
+        if tx.inflight_count < sq_depth and (not self._control_needs_slot or tx.nfree or self._grow()):
             if (
                 not txq
                 and not queue.wbuf

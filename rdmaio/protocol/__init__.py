@@ -6,7 +6,9 @@ it every received ``(imm, byte_len)``. Keeping the rules here makes them testabl
 
 Wire format
 -----------
-A frame is one SEND with immediate data. The immediate value (host order) is laid out as::
+A frame is one SEND with immediate data (or, in the header framing of :mod:`rdmaio.protocol.framing`, a
+plain SEND whose first 4 payload bytes carry the same value in network byte order). The immediate value
+(host order) is laid out as::
 
     bits 31..28  kind      (FrameKind)
     bits 27..16  reserved  (must be 0)
@@ -68,6 +70,9 @@ Modules
 -------
 * :mod:`~rdmaio.protocol.handshake`: the handshake in rdma_cm private data, its limits and feature bits.
 * :mod:`~rdmaio.protocol.frames`: frame kinds and credits in immediate values; DATA_BATCH payloads.
+* :mod:`~rdmaio.protocol.framing`: the framing negotiated from both sides' device capabilities: SEND with
+  immediate data, or the header framing (the same 32-bit word in a 4-byte header of a plain SEND's payload,
+  for devices without immediate data: iWARP).
 * :mod:`~rdmaio.protocol.session`: the :class:`Session` (credits taken and granted, frames validated and
   counted, receives reposted and grown): one class, so the per-frame path makes no call of its own.
 * :mod:`~rdmaio.protocol.sessionstate`: the Session's per-frame counters as one object (``SessionState``);
@@ -114,6 +119,7 @@ from rdmaio.protocol.handshake import (
     MIN_RECV_DEPTH,
     MIN_SLOT_SIZE,
     PROTOCOL_VERSION,
+    Capabilities,
     Handshake,
 )
 from rdmaio.protocol.session import EOF, EOFType, Session, State
@@ -138,6 +144,7 @@ __all__ = [
     "MIN_SLOT_SIZE",
     "PROTOCOL_VERSION",
     "BytesLike",
+    "Capabilities",
     "EOFType",
     "FrameKind",
     "Handshake",

@@ -45,9 +45,24 @@ FLAG_SOFTWARE: Final = 0x80
 """Handshake flag (not a feature: nothing is negotiated by it): the body ends with the sender's software
 version, a length byte and up to :data:`MAX_SOFTWARE` ASCII bytes (``Handshake.software``). A peer that does
 not know the flag ignores it and the field (bytes beyond what it reads are ignored)."""
-MAX_SOFTWARE: Final = 24
+FLAG_CAPS: Final = 0x40
+"""Handshake flag (not a feature bit): the body ends with the sender's device capabilities
+(:class:`Capabilities`, 4 bytes, after the software version if both are present). Its presence also says
+the sender understands the header framing (:mod:`rdmaio.protocol.framing`). A peer that does not know the
+flag ignores it and the bytes (an older peer is taken to offer immediate data only)."""
+MAX_SOFTWARE: Final = 20
 """The most bytes of ``Handshake.software`` sent (longer versions are cut): the largest handshake, 28 bytes
-with FEATURE_GROW, stays within :data:`MAX_PRIVATE_DATA` with it."""
+with FEATURE_GROW, plus the version (1 + 20) and the capabilities (4), is 53 bytes, within
+:data:`MAX_PRIVATE_DATA`. (24 before the capabilities were added: an older peer reads either.)"""
+CAP_IMMEDIATE: Final = 0x01
+"""Capability bit: the device sends and receives SEND/RDMA WRITE with immediate data (not iWARP)."""
+CAP_ATOMICS: Final = 0x02
+"""Capability bit: the device offers RDMA atomics (``atomic_cap`` not NONE)."""
+CAP_MEMORY_WINDOWS: Final = 0x04
+"""Capability bit: the device allocates memory windows (``max_mw`` > 0)."""
+CAP_HEADER_FRAMING: Final = 0x08
+"""Capability bit: this side asks for the header framing (``Options.framing == "header"``)."""
+_KNOWN_CAPS: Final = CAP_IMMEDIATE | CAP_ATOMICS | CAP_MEMORY_WINDOWS | CAP_HEADER_FRAMING
 KNOWN_FEATURES: Final = FEATURE_BATCH | FEATURE_GROW | FEATURE_ONESIDED | FEATURE_RNDV | FEATURE_RECLAIM
 """Every feature bit this version knows; other bits of the handshake's flags byte are ignored on receipt."""
 # Header: magic, version, flags (feature bits, see KNOWN_FEATURES; unknown bits are ignored on receipt so
@@ -60,6 +75,48 @@ _BODY_V1: Final = struct.Struct("!IIQ")
 _BODY_GROW: Final = struct.Struct("!I")
 # FLAG_SOFTWARE extension, after the others: the length of the version string (its bytes follow).
 _SOFTWARE_LEN: Final = struct.Struct("!B")
+# FLAG_CAPS extension, last: capability bits, max inline bytes, READ scatter entries.
+_CAPS: Final = struct.Struct("!BHB")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What one side's device offers (announced in the handshake with :data:`FLAG_CAPS`).
+
+    ``immediate``: SEND/RDMA WRITE with immediate data (false on iWARP); ``atomics``: RDMA atomics;
+    ``memory_windows``: memory windows; ``max_inline``: inline bytes per send its queue pair takes (0..65535);
+    ``max_read_sge``: scatter entries of one RDMA READ (0..255); ``header_framing``: this side asks for
+    the header framing (``Options.framing == "header"``), whatever its device offers."""
+
+    immediate: bool = True
+    atomics: bool = True
+    memory_windows: bool = True
+    max_inline: int = 0
+    max_read_sge: int = 1
+    header_framing: bool = False
+
+    def encode(self) -> bytes:
+        """The 4 bytes of the FLAG_CAPS extension (sizes past their field are clamped)."""
+        bits = (
+            (CAP_IMMEDIATE if self.immediate else 0)
+            | (CAP_ATOMICS if self.atomics else 0)
+            | (CAP_MEMORY_WINDOWS if self.memory_windows else 0)
+            | (CAP_HEADER_FRAMING if self.header_framing else 0)
+        )
+        return _CAPS.pack(bits, min(max(self.max_inline, 0), 0xFFFF), min(max(self.max_read_sge, 0), 0xFF))
+
+    @classmethod
+    def decode(cls, data: bytes, offset: int) -> Capabilities:
+        """The capabilities at ``offset`` of ``data`` (unknown bits are ignored: later versions may add)."""
+        bits, max_inline, max_read_sge = _CAPS.unpack_from(data, offset)
+        return cls(
+            bool(bits & CAP_IMMEDIATE),
+            bool(bits & CAP_ATOMICS),
+            bool(bits & CAP_MEMORY_WINDOWS),
+            max_inline,
+            max_read_sge,
+            bool(bits & CAP_HEADER_FRAMING),
+        )
 
 
 def _check_fields(recv_depth: int, slot_size: int, max_message_size: int) -> None:
@@ -93,6 +150,9 @@ class Handshake:
     software: str = ""
     """The sender's rdmaio version (informational: :attr:`rdmaio.PathInfo.peer_version`); ``""`` when the
     peer did not send one (older versions) or sent something that is not printable ASCII."""
+    caps: Capabilities | None = None
+    """The sender's device capabilities (:data:`FLAG_CAPS`); None when not announced (an older rdmaio:
+    immediate data only, no header framing)."""
 
     def __post_init__(self) -> None:
         for name in ("recv_depth", "slot_size", "max_message_size", "version", "features", "initial_depth"):
@@ -127,6 +187,18 @@ class Handshake:
             software = self.software.encode("ascii", "replace")[:MAX_SOFTWARE]
             body += _SOFTWARE_LEN.pack(len(software)) + software
             flags |= FLAG_SOFTWARE
+        caps = self.caps
+        if caps is not None:
+            # Capabilities.encode(), inline: connection setup's Python calls are budgeted.
+            body += _CAPS.pack(
+                (CAP_IMMEDIATE if caps.immediate else 0)
+                | (CAP_ATOMICS if caps.atomics else 0)
+                | (CAP_MEMORY_WINDOWS if caps.memory_windows else 0)
+                | (CAP_HEADER_FRAMING if caps.header_framing else 0),
+                min(max(caps.max_inline, 0), 0xFFFF),
+                min(max(caps.max_read_sge, 0), 0xFF),
+            )
+            flags |= FLAG_CAPS
         return _HEADER.pack(HANDSHAKE_MAGIC, self.version, flags, len(body)) + body
 
     @classmethod
@@ -173,6 +245,7 @@ class Handshake:
             else:
                 features &= ~FEATURE_GROW  # the bit without its field: a peer that posted recv_depth
         software = ""
+        body_end = _HEADER.size + body_len
         if flags & FLAG_SOFTWARE and body_len > end:
             # From an untrusted peer, and only ever shown: kept if it fits the body, is at most
             # MAX_SOFTWARE bytes and printable ASCII, else dropped rather than failing the connection.
@@ -180,12 +253,27 @@ class Handshake:
             first = _HEADER.size + end + 1
             length = raw[first - 1]
             text = raw[first : first + length]
-            if length <= MAX_SOFTWARE and first + length <= _HEADER.size + body_len and text.isascii():
+            if length <= MAX_SOFTWARE and first + length <= body_end and text.isascii():
                 software = text.decode("ascii")
                 if not software.isprintable():
                     software = ""
+            end += 1 + length
+        caps = None
+        if flags & FLAG_CAPS and _HEADER.size + end + _CAPS.size <= body_end:
+            # Capabilities.decode(), inline (setup's Python calls are budgeted); unknown bits are ignored.
+            bits, max_inline, max_read_sge = _CAPS.unpack_from(raw, _HEADER.size + end)
+            caps = Capabilities(
+                bool(bits & CAP_IMMEDIATE),
+                bool(bits & CAP_ATOMICS),
+                bool(bits & CAP_MEMORY_WINDOWS),
+                max_inline,
+                max_read_sge,
+                bool(bits & CAP_HEADER_FRAMING),
+            )
         try:
             _check_fields(recv_depth, slot_size, max_message_size)
-            return cls(recv_depth, slot_size, max_message_size, version, features, initial_depth, software)
+            return cls(
+                recv_depth, slot_size, max_message_size, version, features, initial_depth, software, caps
+            )
         except HandshakeError as exc:
             raise HandshakeError(f"invalid handshake from the peer: {exc.message}") from None

@@ -50,6 +50,7 @@ from rdmaio.protocol.frames import (
     decode_imm,
     unpack_batch,
 )
+from rdmaio.protocol.framing import IMMEDIATE_FRAMING, Framing, negotiate_framing
 from rdmaio.protocol.handshake import FEATURE_BATCH, FEATURE_RNDV, MAX_CREDITS, Handshake
 from rdmaio.protocol.sessionstate import SessionState
 
@@ -86,6 +87,7 @@ class Session:
         "_s",
         "close_state",
         "flush_error",
+        "framing",
         "recv_outcome",
         "rules_state",
         "send_error",
@@ -108,6 +110,9 @@ class Session:
     #: the I/O layer that watches it (:meth:`CloseState.watch`), or whose send or empty read tests its
     #: ``clear`` before asking it. (An attribute: read once per connection.)
     close_state: CloseState
+    #: The framing negotiated from both handshakes (:mod:`rdmaio.protocol.framing`): in the header framing a
+    #: frame's payload is at most the peer's slot size minus the header (:attr:`max_fragment`).
+    framing: Framing
     _s: SessionState
 
     def __init__(
@@ -132,6 +137,16 @@ class Session:
             )
         self._local = local
         self._peer = peer
+        # The framing: the immediate one unless a side lacks immediate data or asks for the header framing
+        # (tested inline: connection setup's Python calls are budgeted); HandshakeError if they cannot agree.
+        mine = local.caps
+        theirs = peer.caps
+        if (mine is None or (mine.immediate and not mine.header_framing)) and (
+            theirs is None or (theirs.immediate and not theirs.header_framing)
+        ):
+            framing = self.framing = IMMEDIATE_FRAMING
+        else:
+            framing = self.framing = negotiate_framing(local, peer)
         # Every per-frame counter lives in one state object: a SessionState, or the object the I/O layer
         # injected (a C struct with the same fields, which C functions apply the hot rules to).
         s = self._s = self.rules_state = SessionState() if state is None else state
@@ -145,7 +160,7 @@ class Session:
         s.slot_size = local.slot_size
         s.local_max = local.max_message_size
         s.peer_depth = peer.recv_depth
-        s.max_fragment = peer.slot_size
+        s.max_fragment = peer.slot_size - framing.header  # the header framing's header is in the slot
         s.peer_max = peer.max_message_size
         s.batching = int(bool(local.features & peer.features & FEATURE_BATCH))
         s.rndv = int(bool(local.features & peer.features & FEATURE_RNDV))

@@ -85,6 +85,7 @@ __all__ = [
     "FakeTimer",
     "FakeTransport",
     "FakeWindow",
+    "PostedSend",
     "completion_array",
     "fake_completion",
     "fake_pair",
@@ -94,8 +95,21 @@ __all__ = [
 #: The bit of a send work request's index that marks a frame sent without a send slot (empty or inline).
 SLOTLESS = 1 << 31
 
-#: A posted chain as :class:`FakeQP` records it: one ``(wr_id, bytes, imm_data, send_flags)`` per request.
+
+class PostedSend(tuple[int, bytes, int, int]):
+    """One request of a posted chain: ``(wr_id, bytes, imm_data, send_flags)``, with its ``opcode``
+    (``IBV_WR_SEND_WITH_IMM`` in the immediate framing, ``IBV_WR_SEND`` in the header framing)."""
+
+    opcode: int
+
+
+#: A posted chain as :class:`FakeQP` records it: one ``(wr_id, bytes, imm_data, send_flags)`` per request
+#: (a :class:`PostedSend`, which also carries the opcode).
 Chain = list[tuple[int, bytes, int, int]]
+
+_EINVAL = 22
+#: The opcodes a device without immediate data (iWARP: libsiw) refuses with EINVAL.
+_IMMEDIATE_OPCODES = frozenset((int(lib.IBV_WR_SEND_WITH_IMM), int(lib.IBV_WR_RDMA_WRITE_WITH_IMM)))
 
 _RDMA_FIELDS = ("wr_id", "local_addr", "length", "lkey", "opcode", "send_flags", "imm_data", "rkey")
 
@@ -119,8 +133,19 @@ class FakeQP:
     :attr:`send_error` to make :meth:`post_sends` raise it.
     """
 
-    def __init__(self, depth: int = 8, *, qp_num: int = 0, ring: Any = None, rdma_depth: int = 16) -> None:
+    def __init__(
+        self,
+        depth: int = 8,
+        *,
+        qp_num: int = 0,
+        ring: Any = None,
+        rdma_depth: int = 16,
+        immediate: bool = True,
+    ) -> None:
         self.qp_num = qp_num
+        #: False: a device without immediate data (iWARP): a SEND or WRITE with immediate data is refused
+        #: with EINVAL at the post, as libsiw refuses it, and nothing of the chain is posted.
+        self.immediate = immediate
         # A real ``struct rdmaio_send[]``, as the queue pair's: the sender's C ring fills it.
         self.send_array: Any = ffi.new("struct rdmaio_send[]", depth)
         self.rdma_array: Any = ffi.new("struct rdmaio_rdma_op[]", rdma_depth)
@@ -146,6 +171,10 @@ class FakeQP:
         assert 0 < count <= len(self.send_array), count  # the C helper would read past the array
         chain: Chain = []
         ring = self.ring
+        if not self.immediate:
+            for wr in self.send_array[0:count]:
+                if int(wr.opcode) in _IMMEDIATE_OPCODES:
+                    raise VerbsError("ibv_post_send() [EINVAL]", errno=_EINVAL, call="ibv_post_send")
         for wr in self.send_array[0:count]:
             if ring is not None and not verbs.wr_index(wr.wr_id) & SLOTLESS:
                 index = verbs.wr_index(wr.wr_id)
@@ -160,7 +189,9 @@ class FakeQP:
                     # No slot: empty, or inline (the bytes are read at post time).
                     assert wr.length == 0 or wr.send_flags & verbs.SEND_INLINE
                 data = bytes(ffi.buffer(ffi.cast("char *", wr.addr), wr.length)) if wr.length else b""
-            chain.append((int(wr.wr_id), data, int(wr.imm_data), int(wr.send_flags)))
+            posted = PostedSend((int(wr.wr_id), data, int(wr.imm_data), int(wr.send_flags)))
+            posted.opcode = int(wr.opcode)
+            chain.append(posted)
         self.posts.append(chain)
         if self.wire is not None:
             asyncio.get_running_loop().call_soon(self.wire, chain)
@@ -178,6 +209,10 @@ class FakeQP:
     def post_rdma(self, count: int) -> None:
         """Post the first ``count`` one-sided requests of :attr:`rdma_array` with one doorbell."""
         self._check_fail()
+        if not self.immediate:
+            for i in range(count):
+                if int(self.rdma_array[i].opcode) in _IMMEDIATE_OPCODES:
+                    raise VerbsError("ibv_post_send() [EINVAL]", errno=_EINVAL, call="ibv_post_send")
         self.calls.append(count)
         for i in range(count):
             wr = self.rdma_array[i]
@@ -812,8 +847,11 @@ class FakeTransport:
     #: (``monkeypatch.setattr(FakeTransport, "made", [])``), so no test sees another's.
     made: ClassVar[list[FakeTransport]] = []
 
-    def __init__(self, qp_num: int, tag: int, *, slot_size: int = 4096, depth: int = 8) -> None:
+    def __init__(
+        self, qp_num: int, tag: int, *, slot_size: int = 4096, depth: int = 8, immediate: bool = True
+    ) -> None:
         from rdmaio.core.rings import SlotRing
+        from rdmaio.protocol.handshake import Capabilities
 
         self.slot_size = slot_size
         self.depth = depth
@@ -822,9 +860,20 @@ class FakeTransport:
         self.max_inline = 0
         self.tag = tag
         self.send_ring = SlotRing(slot_size, depth, FakeRegistrar(slot_size))
-        self.qp = FakeQP(depth, qp_num=qp_num)
+        self.qp = FakeQP(depth, qp_num=qp_num, immediate=immediate)
         self.recv_ring = SimpleNamespace(view=memoryview(bytearray(slot_size * depth)))
-        self.device = SimpleNamespace(name="fake0", handle=1)
+        # immediate=False: a device without immediate data, as iWARP's (siw): its queue pair refuses
+        # SEND/WRITE with immediate data, its capabilities (rdmaio.core.negotiation) say so, and a SEND
+        # that finds no posted receive is recorded in rnr_violations (iWARP would end the connection).
+        self.device = SimpleNamespace(
+            name="fake0" if immediate else "fakeiw0",
+            handle=1 if immediate else 2,
+            transport="InfiniBand" if immediate else "iWARP",
+            capabilities=Capabilities(
+                immediate=immediate, atomics=immediate, memory_windows=immediate, max_read_sge=1
+            ),
+        )
+        self.rnr_violations = 0
         self.cq = SimpleNamespace(handle=2)
         self.pd = None
         self.domain = SimpleNamespace(registrations=None)
@@ -879,20 +928,30 @@ def wire(sender: FakeTransport, receiver: FakeTransport) -> Callable[[Chain], No
     recv_opcode = int(verbs.WcOpcode.RECV)
     send_opcode = int(verbs.WcOpcode.SEND)
     recv_base = verbs.make_wr_id(verbs.WR_KIND_RECV, receiver.tag, 0)  # | slot
+    plain_send = int(lib.IBV_WR_SEND)
 
     def deliver(chain: Chain) -> None:
         recvs: list[tuple[int, ...]] = []
         sends = []
-        for wr_id, data, imm, flags in chain:
+        for request in chain:
+            wr_id, data, imm, flags = request
+            if not receiver.posted:
+                # No posted receive: RNR on RoCE/InfiniBand, the end of the connection on iWARP. Credits
+                # must make this impossible; the test reads the count.
+                receiver.rnr_violations += 1
+                continue
             slot = receiver.posted.popleft()  # credits guarantee one is posted (no RNR)
             assert 0 <= slot < len(receiver.recv_ring.view) // slot_size  # a slot of the receive ring
             receiver.recv_ring.view[slot * slot_size : slot * slot_size + len(data)] = data
             # struct rdmaio_wc fields in order: wr_id, status, opcode, byte_len, imm_data, flags, ...
-            recvs.append((recv_base | slot, 0, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
+            if getattr(request, "opcode", -1) == plain_send:  # the header framing: no immediate data
+                recvs.append((recv_base | slot, 0, recv_opcode, len(data), 0, 0))
+            else:
+                recvs.append((recv_base | slot, 0, recv_opcode, len(data), imm, verbs.WC_WITH_IMM))
             if flags & verbs.SEND_SIGNALED:
                 sends.append(fake_completion(wr_id, send_opcode))
         assert receiver.handler is not None and sender.handler is not None
-        if not receiver.closed:
+        if not receiver.closed and recvs:
             # one struct rdmaio_wc array, as a poll fills: the C frame rules read it
             receiver.handler(ffi.new("struct rdmaio_wc[]", recvs), 0, len(recvs))
         if sends and not sender.closed:

@@ -241,7 +241,10 @@ class NullDevice:
         # The fakes' device name; a handle of its own, so the process-wide capability cache keeps these
         # capabilities apart from other fake devices'.
         transport.device = SimpleNamespace(
-            name=transport.device.name, handle=_DEVICE_HANDLE, query_onesided_caps=lambda: caps
+            name=transport.device.name,
+            handle=_DEVICE_HANDLE,
+            query_onesided_caps=lambda: caps,
+            capabilities=transport.device.capabilities,  # the framing negotiation's (immediate data)
         )
         qp = transport.qp
         transport.domain = SimpleNamespace(registrations=_RegistrationCache())

@@ -31,6 +31,28 @@ def _skips_forbidden() -> bool:
     return os.environ.get("RDMAIO_REQUIRE_DEVICE") == "1" or bool(os.environ.get("CI"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--framing=header``: run every test in the header framing (no immediate data), as on iWARP."""
+    parser.addoption(
+        "--framing",
+        choices=("auto", "header"),
+        default=None,
+        help="the default of Options.framing for the whole run (and the peer processes it starts)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Apply ``--framing``: it becomes ``RDMAIO_FRAMING`` (Options.framing's default, read when an Options
+    is made, here and in every process a test starts), and the package's default Options is made again."""
+    framing = config.getoption("--framing")
+    if framing is None:
+        return
+    os.environ["RDMAIO_FRAMING"] = framing
+    import rdmaio.options
+
+    rdmaio.options._DEFAULTS = rdmaio.options.Options()
+
+
 # Under the test host or in CI a skipped test (or a module skipped at collection) is a failed one.
 pytest_runtest_makereport, pytest_make_collect_report = skip_hooks(_skips_forbidden, SKIP_PREFIX)
 

@@ -47,8 +47,11 @@ from rdmaio.protocol import (
     pack_batch_into,
     unpack_batch,
 )
+from rdmaio.protocol.framing import encode_frame_header, unframe_receive
+from rdmaio.protocol.handshake import Capabilities
 from rdmaio.protocol.rendezvous import DESCRIPTOR_SIZE, Descriptor
 from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
+from rdmaio.verbs import WC_WITH_IMM
 
 HEADER = struct.Struct("!4sBBH")
 BODY = struct.Struct("!IIQ")
@@ -1257,8 +1260,19 @@ class Side:
         self.session.on_recv_reposted(n)
 
     def deliver(self, value: int, payload: bytes) -> None:
-        # The no-RNR property: every frame finds a posted receive.
+        # The no-RNR property: every frame finds a posted receive (on iWARP, which has no RNR retry, a SEND
+        # without one ends the connection).
         assert self.session.posted > 0, "RNR: frame arrived with no receive posted"
+        if self.session.framing.header:
+            # The header framing: the frame travels as a plain SEND, its word in a 4-byte header before the
+            # payload; the whole must fit the receive slot, and the receive side unframes it.
+            wire = encode_frame_header(value) + payload
+            slot_size = self.session.local.slot_size
+            assert len(wire) <= slot_size, "a header-framed frame overflows the receive slot"
+            slot = bytearray(slot_size)
+            slot[: len(wire)] = wire
+            flags, value, n = unframe_receive(0, len(wire), slot)
+            assert flags == WC_WITH_IMM and bytes(slot[:n]) == payload
         kind = self.session.on_frame(value, len(payload))
         if kind is FrameKind.EOF:
             assert not self.got_eof
@@ -1420,6 +1434,7 @@ def run_simulation(
     initial: tuple[int, int] = (0, 0),
     rndv_min: tuple[int, int] = (0, 0),
     engine: str = "python",
+    header: tuple[bool, bool] = (False, False),
 ) -> tuple[Side, Side]:
     """Run both sides to quiescence under a random schedule and check delivery, liveness and quiet.
 
@@ -1427,6 +1442,8 @@ def run_simulation(
     to that many small whole messages as DATA_BATCH frames. A side with ``initial > 0`` announces
     FEATURE_GROW: it posts ``initial`` receives at first and grows to ``depths[i]`` at random moments.
     ``engine="c"`` runs both sessions on a C state with the C rules wherever they exist (NativeSession).
+    A side with ``header`` true asks for the header framing (both then use it: every frame travels as a
+    plain SEND with a 4-byte header, which must fit the peer's slot with the frame).
     """
     session_class = NativeSession if engine == "c" else Session
     weights = {name: 1.0 for name in (*ACTION_NAMES, *RNDV_ACTIONS)} | (weights or {})
@@ -1440,6 +1457,7 @@ def run_simulation(
             | (FEATURE_GROW if initial[i] else 0)
             | (FEATURE_RNDV if any(rndv_min) else 0),
             initial_depth=initial[i],
+            caps=Capabilities(header_framing=header[i]) if any(header) else None,
         )
         for i in range(2)
     ]
@@ -1662,6 +1680,7 @@ def test_idle_quiescence_leaves_both_sides_ready_to_send() -> None:
     weights=WEIGHTS,
     batch_max=st.tuples(st.sampled_from([0, 3]), st.sampled_from([0, 3])),
     writer=st.sampled_from([0, 1]),
+    header=st.sampled_from([(False, False), (True, True), (True, False), (False, True)]),
     data=st.data(),
 )
 def test_simulation_two_way_backpressure(
@@ -1674,6 +1693,7 @@ def test_simulation_two_way_backpressure(
     weights: dict[str, float],
     batch_max: tuple[int, int],
     writer: int,
+    header: tuple[bool, bool],
     data: st.DataObject,
     engine: str,
 ) -> None:
@@ -1697,12 +1717,14 @@ def test_simulation_two_way_backpressure(
         limits=limits,
         apps=apps,
         engine=engine,
+        header=header,
     )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(8))
-def test_simulation_two_way_backpressure_large(seed: int, engine: str) -> None:
+@pytest.mark.parametrize("header", [(False, False), (True, False)], ids=["immediate", "header"])
+def test_simulation_two_way_backpressure_large(seed: int, engine: str, header: tuple[bool, bool]) -> None:
     """Two-way backpressure at small scale: the reader has much to send, the writer-first side holds slots."""
     rnd = random.Random(seed)
     sizes = ([rnd.randrange(1, 300) for _ in range(30)], [rnd.randrange(1, 300) for _ in range(200)])
@@ -1719,6 +1741,7 @@ def test_simulation_two_way_backpressure_large(seed: int, engine: str) -> None:
         apps=("random", "write_first"),
         batch_max=((0, 0), (4, 4))[seed % 2],
         engine=engine,
+        header=header,
     )
 
 

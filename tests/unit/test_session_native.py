@@ -30,6 +30,8 @@ from rdmaio.protocol import (
     Session,
 )
 from rdmaio.protocol.frames import pack_batch_into
+from rdmaio.protocol.framing import CONTROL_WORD, unframe_receive
+from rdmaio.protocol.handshake import Capabilities
 from rdmaio.protocol.reclaim import ReclaimSession
 from rdmaio.protocol.sessionstate import STATE_FIELDS, SessionState
 from rdmaio.protocol.shared_session import SharedSession
@@ -39,6 +41,7 @@ _RECV = int(verbs.WcOpcode.RECV)
 _RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)
 _SEND = int(verbs.WcOpcode.SEND)
 _WITH_IMM = verbs.WC_WITH_IMM
+_WC_FIELDS = ("wr_id", "status", "opcode", "byte_len", "imm_data", "flags")
 
 
 class NativeSession(Session):
@@ -339,6 +342,8 @@ def _send_now(session: Session, length: int, native: bool) -> tuple[int, int]:
     )
     scratch = ffi.new("uint8_t[]", _SEND_NOW_INLINE)
     assert lib.rdmaio_txring_set_scratch(tx, scratch, 1) == 0
+    header = session.framing.header
+    assert lib.rdmaio_txring_set_header(tx, header) == 0
     data = bytes(range(256)) * 2
     rc: int = lib.rdmaio_txring_send_now(tx, session.rules_state, data, length)
     if rc == lib.RDMAIO_TX_SESSION:
@@ -351,10 +356,16 @@ def _send_now(session: Session, length: int, native: bool) -> tuple[int, int]:
     # The frame is in entry 0: its bytes inline, its immediate value the take's; a finished chain of one
     # entry in a one-entry send queue is signalled (it leaves the sender short of entries).
     wr = sends[0]
-    assert tx.inflight_count == 1 and wr.length == length
-    assert bytes(ffi.buffer(ffi.cast("char *", wr.addr), length)) == data[:length]
+    assert tx.inflight_count == 1 and wr.length == length + header
+    sent = bytes(ffi.buffer(ffi.cast("char *", wr.addr), length + header))
+    assert sent[header:] == data[:length]
     if rc == 1:
         assert wr.send_flags & verbs.SEND_SIGNALED
+    if header:
+        # The header framing: a plain SEND, the immediate value as the payload's first 4 bytes.
+        assert wr.opcode == lib.IBV_WR_SEND and wr.imm_data == 0
+        return rc, int.from_bytes(sent[:header], "big")
+    assert wr.opcode == lib.IBV_WR_SEND_WITH_IMM
     return rc, int(wr.imm_data)
 
 
@@ -367,22 +378,70 @@ def _receive(session: Session, rows: list[tuple[int, int, str]], native: bool) -
     """Apply received completions as Receiver.on_batch does: the Python rules frame by frame, or C's
     rdmaio_rx_frames with the Python Session for what it defers. Returns what happened, in order."""
     opcodes = {"recv": _RECV, "send": _SEND, "failed": _RECV, "write": _RECV_RDMA_IMM, "ctl": _RECV}
-    records = ffi.new(
-        "struct rdmaio_wc[]",
-        [
-            (
-                verbs.make_wr_id(verbs.WR_KIND_RECV, 1, i),
-                5 if what == "failed" else 0,
-                opcodes[what],
-                n,
-                imm,
-                0 if what == "ctl" else _WITH_IMM,
-            )
-            for i, (imm, n, what) in enumerate(rows)
-        ]
-        or [(0, 0, 0, 0, 0, 0)],
-    )
+    header = session.framing.header
     seen: list[Any] = []
+    if header:
+        # The header framing: each receive's word travels in its slot's first 4 bytes and the completion
+        # has no immediate data (a write notice keeps its own); C's rdmaio_rx_unframe or the Python
+        # reference (unframe_receive) turns them back first. Both must agree, record and slot bytes.
+        # Slots of at most 4 KiB: a row's byte_len may be anything (up to 2**32 - 1); one longer than the
+        # slot is rejected by the unframing either way, and only a slot's bytes are written.
+        slot_size = min(max([n for _imm, n, _what in rows] + [0]), 4096) + header + 8
+        ring = bytearray(slot_size * max(len(rows), 1))
+        table = []
+        for i, (imm, n, what) in enumerate(rows):
+            word = CONTROL_WORD if what == "ctl" else imm
+            fill = min(n, slot_size - header)
+            ring[i * slot_size : i * slot_size + header + fill] = word.to_bytes(4, "big") + bytes(
+                (i + k) & 0xFF for k in range(fill)
+            )
+            plain = what in ("recv", "ctl", "failed")
+            table.append(
+                (
+                    verbs.make_wr_id(verbs.WR_KIND_RECV, 1, i),
+                    5 if what == "failed" else 0,
+                    opcodes[what],
+                    min(n + header, 0xFFFF_FFFF) if plain else n,
+                    0 if plain else imm,
+                    0 if plain else _WITH_IMM,
+                )
+            )
+        records = ffi.new("struct rdmaio_wc[]", table or [(0, 0, 0, 0, 0, 0)])
+        if native:
+            ring_c = ffi.from_buffer(ring)
+            seen.append(
+                ("unframed", lib.rdmaio_rx_unframe(records, 0, len(rows), ring_c, len(ring), slot_size))
+            )
+        else:
+            changed = 0
+            for i in range(len(rows)):
+                wc = records[i]
+                if wc.status or wc.opcode != _RECV:
+                    continue
+                changed += 1
+                slot = memoryview(ring)[i * slot_size : (i + 1) * slot_size]
+                wc.flags, wc.imm_data, wc.byte_len = unframe_receive(wc.flags, wc.byte_len, slot)
+            seen.append(("unframed", changed))
+        seen.append(("ring", bytes(ring)))
+        seen.append(
+            ("records", [tuple(int(getattr(records[i], f)) for f in _WC_FIELDS) for i in range(len(rows))])
+        )
+    else:
+        records = ffi.new(
+            "struct rdmaio_wc[]",
+            [
+                (
+                    verbs.make_wr_id(verbs.WR_KIND_RECV, 1, i),
+                    5 if what == "failed" else 0,
+                    opcodes[what],
+                    n,
+                    imm,
+                    0 if what == "ctl" else _WITH_IMM,
+                )
+                for i, (imm, n, what) in enumerate(rows)
+            ]
+            or [(0, 0, 0, 0, 0, 0)],
+        )
 
     def apply(kind: int, length: int) -> None:
         seen.append(int(kind))
@@ -472,14 +531,28 @@ def _apply(session: Session, peer: Session, op: tuple[Any, ...], native: bool) -
     return _outcome(session.mark_closed)
 
 
-def _handshake(depth: int, initial: int, slot: int, max_message: int, features: int) -> Handshake:
+def _handshake(
+    depth: int, initial: int, slot: int, max_message: int, features: int, caps: Capabilities | None = None
+) -> Handshake:
     return Handshake(
         depth,
         slot,
         max_message,
         features=features | (FEATURE_GROW if initial < depth else 0),
         initial_depth=initial,
+        caps=caps,
     )
+
+
+#: The capabilities each side announces: none (an older rdmaio: the immediate framing), the immediate
+#: framing, the header framing forced by one side or both, a device without immediate data (iWARP).
+_FRAMINGS = {
+    "none": (None, None),
+    "immediate": (Capabilities(), Capabilities()),
+    "header-both": (Capabilities(header_framing=True), Capabilities(header_framing=True)),
+    "header-mixed": (Capabilities(header_framing=True), Capabilities()),
+    "iwarp-peer": (Capabilities(), Capabilities(immediate=False, atomics=False, memory_windows=False)),
+}
 
 
 _FEATURES = st.sampled_from([0, FEATURE_BATCH, FEATURE_RNDV, FEATURE_BATCH | FEATURE_RNDV])
@@ -494,6 +567,7 @@ _FEATURES = st.sampled_from([0, FEATURE_BATCH, FEATURE_RNDV, FEATURE_BATCH | FEA
     features=st.tuples(_FEATURES, _FEATURES),
     threshold=st.one_of(st.none(), st.integers(2, 3)),
     ops=_OPS,
+    framing=st.sampled_from(sorted(_FRAMINGS)),
 )
 def test_c_rules_match_the_python_session(
     depths: tuple[int, int],
@@ -503,9 +577,11 @@ def test_c_rules_match_the_python_session(
     features: tuple[int, int],
     threshold: int | None,
     ops: list[tuple[Any, ...]],
+    framing: str,
 ) -> None:
+    caps = _FRAMINGS[framing]
     hs = [
-        _handshake(depths[i], max(4, depths[i] - initial[i]), slots[i], max_message[i], features[i])
+        _handshake(depths[i], max(4, depths[i] - initial[i]), slots[i], max_message[i], features[i], caps[i])
         for i in range(2)
     ]
     reference, native = (
@@ -514,6 +590,9 @@ def test_c_rules_match_the_python_session(
     )
     # Each gets its own peer (the same one twice) so that valid frames follow the peer's own rules.
     peers = Session(hs[1], hs[0]), Session(hs[1], hs[0])
+    assert reference.framing == native.framing
+    assert reference.framing.header == peers[0].framing.header  # both sides agree
+    assert reference.framing.immediate == (framing in ("none", "immediate"))
     assert fields(reference) == fields(native)
     for step, op in enumerate(ops):
         expected = _apply(reference, peers[0], op, native=False)

@@ -205,6 +205,10 @@ class OperationEngine:
     :attr:`closed` (the state every part checks, set by :meth:`close`), :attr:`on_other_completion`.
     """
 
+    #: Bytes in front of every control message's payload: empty in the immediate framing; the header
+    #: framing's control-message header (rdmaio.protocol.framing.CONTROL_WORD), set by the connection, there.
+    control_header: bytes = b""
+
     def __init__(
         self,
         io: Backend,
@@ -1104,7 +1108,7 @@ class OperationEngine:
     def queue_send(self, payload: bytes) -> None:
         """Queue a SEND without immediate data of ``payload`` (a one-sided control message, a few bytes):
         posted in call order once an op slot and a send credit are free (it consumes a peer receive)."""
-        self._pending_sends.append(payload)
+        self._pending_sends.append(self.control_header + payload)
         self.waiting_for_credit += 1
         self.pump()
 
