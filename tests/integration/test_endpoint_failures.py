@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -368,8 +369,8 @@ def test_max_message_size_enforced_both_sides(
 
                 @classmethod
                 def decode(cls, data: bytes | bytearray | memoryview) -> Handshake:
-                    real = Handshake.decode(data)
-                    return Handshake(real.recv_depth, real.slot_size, 2**40)
+                    # everything the server announced (its capabilities too) but the message size limit
+                    return dataclasses.replace(Handshake.decode(data), max_message_size=2**40)
 
             monkeypatch.setattr(rdmaio.core.dial, "Handshake", LyingHandshake)
             ep = await rdmaio.connect(rdma_addr, port, timeout=10)

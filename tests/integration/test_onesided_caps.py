@@ -111,6 +111,7 @@ def test_an_exporter_without_atomics_refuses_them_and_its_keys_say_so(
     arun(main())
 
 
+@pytest.mark.requires_atomics  # the exporter needs atomics; the importer turns them off
 def test_an_importer_without_atomics_refuses_them_before_posting(arun: Runner[Any], rdma_addr: str) -> None:
     """The client's device has no atomics (forced); the server's has and grants them: the client's
     atomics raise FeatureNotSupportedError naming its device, nothing reaches the NIC, the connection goes
@@ -141,6 +142,7 @@ def test_an_importer_without_atomics_refuses_them_before_posting(arun: Runner[An
     arun(main())
 
 
+@pytest.mark.requires_atomics
 def test_atomics_work_by_default(arun: Runner[Any], rdma_addr: str) -> None:
     """The control: the same calls with the device's atomics (rxe has them)."""
 
