@@ -42,6 +42,10 @@ echo "== one-sided key-value store: compare_swap / fetch_add / rdma_write puts, 
 "$PY" examples/onesided_kv.py "$ADDR" --clients 4
 echo "== key scope: a key exported to client A is refused by the NIC on client B's connection (type 2 memory windows) =="
 "$PY" examples/key_scope.py "$ADDR"
+echo "== capabilities: the framing and path a connection uses, RDMA WRITE/READ, fetch_add (atomics on rxe) =="
+"$PY" examples/capabilities.py "$ADDR"
+echo "== the same with the header framing forced (what iWARP devices, which have no immediate data, use) =="
+"$PY" examples/capabilities.py "$ADDR" --framing header --uvloop
 echo "== zero-copy: large messages by rendezvous (RDMA READ into the receiver's buffer), SHA-256 checked =="
 "$PY" examples/zerocopy_transfer.py "$ADDR" --sizes 64K,1M,16M
 echo "== shared receive queue: 20 connections' echoes on one SRQ, credits lent from what it holds =="

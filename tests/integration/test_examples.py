@@ -96,3 +96,27 @@ def test_shared_receive_queue_example(rdma_addr: str) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "10 connections x 60 messages echoed over one shared receive queue, SHA-256 ok" in result.stdout
+
+
+@pytest.mark.parametrize("framing", ["auto", "header"])
+@pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])
+def test_capabilities_example(rdma_addr: str, loop_flag: list[str], framing: str, provider: str) -> None:
+    """The framing and path a connection uses, an echo, RDMA WRITE and READ on an export, and fetch_add:
+    done where both devices have atomics, refused up front (FeatureNotSupportedError) where they do not."""
+    result = run_example(str(EXAMPLES / "capabilities.py"), rdma_addr, "--framing", framing, *loop_flag)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    header = framing == "header" or provider != "rxe"  # siw and other iWARP devices: no immediate data
+    assert (
+        f"client: framing {'header' if header else 'immediate'} (immediate data: {'no' if header else 'yes'})"
+        in out
+    )
+    assert "client: echoed b'hello over RDMA'" in out, out
+    assert "client: RDMA READ gives back b'written by RDMA WRITE'" in out, out
+    assert "server: the buffer now starts with b'written by RDMA WRITE'" in out, out
+    if provider == "rxe":
+        assert "client: fetch_add returned 0 (both devices have atomics)" in out, out
+    else:
+        assert (
+            "server: no atomics here" in out and "client: fetch_add refused before anything was sent" in out
+        )
