@@ -60,6 +60,10 @@ NOT_RUN: list[tuple[str, str]] = [
         ".venv/bin/python -m bench --from-json",
         "re-prints reports/bench.json, which the benchmark run above it writes",
     ),
+    (
+        "python -m rdmaio.testing.host --provider siw",
+        "boots a Soft-iWARP test host of its own (tools/dev test runs the siw suites as a job of its own)",
+    ),
     ("apt-get install", "installs system packages (root, network)"),
     ("sudo apt-get install", "installs system packages (root, network)"),
     ("pip install rdmaio", "installs from PyPI (network): rdmaio, rdmaio[dask]"),
