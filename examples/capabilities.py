@@ -45,8 +45,9 @@ async def main(host: str, framing: str) -> int:
     async with server:
         ep = await rdmaio.connect(host, PORT, timeout=10, options={"framing": framing})
         async with ep:
-            chosen = ep.get_extra_info("framing")
-            print(f"client: framing {chosen.name} (immediate data: {'yes' if chosen.immediate else 'no'})")
+            framing_used = ep.get_extra_info("framing")  # "immediate" or "header"
+            immediate = framing_used == "immediate"
+            print(f"client: framing {framing_used} (immediate data: {'yes' if immediate else 'no'})")
             print(ep.get_extra_info("rdma").describe())
             await ep.send(b"hello over RDMA")
             print(f"client: echoed {await ep.recv()!r}")

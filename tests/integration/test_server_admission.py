@@ -276,12 +276,12 @@ def test_peers_that_cannot_be_reclaimed_get_the_reserve_of_the_srq(
     server_options = rdmaio.Options(shared_receive_queue=True, srq_max_buffers=64)
     original = rdmaio.core.dial.local_handshake
 
-    def handshake_for(options: rdmaio.Options, *, grow: bool = True) -> Handshake:
+    def handshake_for(options: rdmaio.Options, *, grow: bool = True, caps: Any = None) -> Handshake:
         if options.initial_depth == options.recv_depth:  # the "fixed ring" clients: no FEATURE_GROW
-            handshake = original(options, grow=False)
+            handshake = original(options, grow=False, caps=caps)
             assert not handshake.features & FEATURE_GROW
             return handshake
-        return original(options, grow=grow)
+        return original(options, grow=grow, caps=caps)
 
     monkeypatch.setattr(rdmaio.core.dial, "local_handshake", handshake_for)
     fixed = rdmaio.Options(initial_depth=32, recv_depth=32)
@@ -344,8 +344,8 @@ def test_a_peer_that_never_answers_reclaim_is_failed_and_its_lease_reclaimed(
     )
     original = rdmaio.core.dial.local_handshake
 
-    def reclaiming(options: rdmaio.Options, *, grow: bool = True) -> Handshake:
-        handshake = original(options, grow=grow)
+    def reclaiming(options: rdmaio.Options, *, grow: bool = True, caps: Any = None) -> Handshake:
+        handshake = original(options, grow=grow, caps=caps)
         return dataclasses.replace(handshake, features=handshake.features | FEATURE_RECLAIM)
 
     silent = rdmaio.Options(slot_size=8192, recv_depth=32, send_depth=32, batch_limit=0)
