@@ -431,21 +431,14 @@ class Exporter:
         """
         self._credits.on_slot_used()
         if opcode == _WC_RECV_RDMA_WITH_IMM:
-            self._notices.append(WriteNotice(byte_len, imm))
-            self._stats["write_notices"] += 1
-            if self._notice_waiter is not None:
-                self._notice_waiter.set()
-            if len(self._notices) > self.notice_limit and self._repost is not None and slot >= 0:
-                self._held_slots.append(slot)
-                self._stats["write_notice_slots_held"] += 1
-                return False
-            return True
+            return self._queue_notice(WriteNotice(byte_len, imm), slot)
         if byte_len != _CONTROL.size:
             raise ProtocolError(f"one-sided control message of {byte_len} bytes (expected {_CONTROL.size})")
         version, kind, key_id = _CONTROL.unpack(payload[: _CONTROL.size])
         if version == KEY_VERSION and kind == CTL_WRITE_NOTICE:
             # A write notice without immediate data: the peer's WRITE before it on this queue pair is
             # placed (RC order). Queued as one with immediate data is.
+            self._stats["write_notices_by_message"] += 1
             return self._queue_notice(WriteNotice(key_id >> 32, key_id & 0xFFFF_FFFF), slot)
         if version == KEY_VERSION and kind >= CTL_FIRST_EXTERNAL and self.control_handler is not None:
             # The rendezvous engine's handler (rdmaio.core.rendezvous): raises if the kind is unknown.
@@ -466,11 +459,10 @@ class Exporter:
         return True
 
     def _queue_notice(self, notice: WriteNotice, slot: int) -> bool:
-        """Queue a write notice that came as a control message (as :meth:`on_recv` queues one with
-        immediate data, holding its receive beyond ``notice_limit``); whether to repost ``slot`` now."""
+        """Queue a write notice (with immediate data, or as a control message), holding its receive beyond
+        ``notice_limit`` queued ones; whether to repost ``slot`` now."""
         self._notices.append(notice)
         self._stats["write_notices"] += 1
-        self._stats["write_notices_by_message"] += 1
         if self._notice_waiter is not None:
             self._notice_waiter.set()
         if len(self._notices) > self.notice_limit and self._repost is not None and slot >= 0:
