@@ -199,7 +199,7 @@ def unsupported(provider: Provider | None, contender: str, workload: Workload) -
         if contender == "ib_atomic_bw":
             return f"{where}: ib_atomic_bw's fetch-and-add cannot be posted"
         if contender.startswith("rdmaio-"):
-            return f"{where}: rdmaio raises FeatureNotSupportedError for {workload} before posting anything"
+            return f"{where}: rdmaio's fetch_add and fetch_add_many raise FeatureNotSupportedError up front"
     return None
 
 
