@@ -64,6 +64,7 @@ __all__ = [
     "harness_env",
     "main",
     "plan_runs",
+    "planned_skips",
     "skipped_lines",
 ]
 
@@ -150,6 +151,17 @@ def drop_skipped(runs: Sequence[Run], skips: Sequence[Skip]) -> list[Run]:
         )
         if left:
             out.append(Run(run.contender, left, run.size, run.rep, run.amount))
+    return out
+
+
+def planned_skips(skips: Sequence[Skip], planned: Sequence[Run]) -> list[Skip]:
+    """``skips`` narrowed to the measurements ``planned`` holds (the filters may have left some out)."""
+    wanted = {(run.contender, w) for run in planned for w in run.workloads}
+    out: list[Skip] = []
+    for skip in skips:
+        kinds = tuple(w for w in skip.workloads if (skip.contender, w) in wanted)
+        if kinds:
+            out.append(Skip(skip.contender, kinds, skip.reason))
     return out
 
 
@@ -762,6 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_counts=memory_counts,
     )
     planned = plan_runs(contenders, workloads, sizes, budget, memory_counts)
+    skips = planned_skips(skips, planned)
     runs = drop_skipped(planned, skips)
     if not planned:
         parser.error("the filters leave nothing to run")

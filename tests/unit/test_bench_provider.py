@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import bench.driver
-from bench.driver import Run, drop_skipped, plan_runs, skipped_lines
+from bench.driver import Run, drop_skipped, plan_runs, planned_skips, skipped_lines
 from bench.driver import main as bench_main
 from bench.external import ExternalConfig, perftest_command, run_external
 from bench.model import CONTENDERS, ONESIDED_WORKLOADS, QUICK, Figure, Sample, Workload
@@ -157,6 +157,21 @@ def test_the_plan_drops_only_the_skipped_measurements() -> None:
     assert drop_skipped([both], skips) == [Run("rdmaio-asyncio", (Workload.RDMA_READ,), 8, 0, 10)]
 
 
+def test_only_what_the_filters_planned_is_said_to_be_left_out() -> None:
+    skips = plan_skips(SIW, ["ib_atomic_bw", "rdmaio-asyncio"], list(ONESIDED_WORKLOADS), OFFERED)
+    # --sizes 64K: the 8 B fetch-and-add is not planned, so nothing is left out because of the device.
+    assert (
+        planned_skips(
+            skips, plan_runs(["ib_atomic_bw", "rdmaio-asyncio"], list(ONESIDED_WORKLOADS), [65536], QUICK)
+        )
+        == []
+    )
+    only_many = plan_runs(["rdmaio-asyncio"], [Workload.FETCH_ADD_MANY], None, QUICK)
+    assert [(s.contender, s.workloads) for s in planned_skips(skips, only_many)] == [
+        ("rdmaio-asyncio", (Workload.FETCH_ADD_MANY,))
+    ]
+
+
 def test_the_report_records_the_provider_and_what_was_not_run() -> None:
     skips = plan_skips(SIW, ["ib_atomic_bw", "ib_read_bw"], list(ONESIDED_WORKLOADS), OFFERED)
     skipped = [s.to_json() for s in skips]
@@ -208,7 +223,7 @@ def test_cli_on_siw_skips_the_atomics_and_writes_why(
     # The TCP stream runs; the atomics are left out, said in the progress, after the table, in the JSON.
     out = tmp_path / "bench.json"
     args = ["--quick", "--contenders", "tcp-asyncio,ib_atomic_bw", "--only", "stream,fetch_add"]
-    args += ["--sizes", "64", "--host", "127.0.0.1", "--time-cap", "0.3", "--progress", "plain"]
+    args += ["--sizes", "64,8", "--host", "127.0.0.1", "--time-cap", "0.3", "--progress", "plain"]
     assert bench_main([*args, "--json", str(out)]) == 0
     captured = capsys.readouterr()
     assert "bench: device siw0 (address 198.18.0.1 on dum0): provider siw, transport iWARP" in captured.err
