@@ -20,7 +20,7 @@ from pathlib import Path
 
 import dask.config
 
-__all__ = ["is_loopback", "is_wildcard", "rdma_host", "sysfs_ipv4_addresses"]
+__all__ = ["interface_ipv4", "is_loopback", "is_wildcard", "rdma_host", "sysfs_ipv4_addresses"]
 
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
 SYSFS_NET = Path("/sys/class/net")
