@@ -1,4 +1,4 @@
-"""Fault injection on the test host's pair topology: netem, link state, rxe devices, peer processes."""
+"""Fault injection on the test host's pair topology: netem, link state, RDMA devices, peer processes."""
 
 from __future__ import annotations
 
@@ -107,15 +107,22 @@ def rdma_devices() -> set[str]:
         return set()
 
 
+def provider() -> str:
+    """The software provider of the pair's devices (``RDMAIO_TEST_PROVIDER``; rxe unless the test host
+    says otherwise)."""
+    return os.environ.get("RDMAIO_TEST_PROVIDER", "rxe")
+
+
 def restore(pair: Pair) -> None:
-    """Undo what a test may have done: netem off, links up, deleted rxe devices added again."""
+    """Undo what a test may have done: netem off, links up, deleted devices added again (of the provider
+    under test, ``RDMAIO_TEST_PROVIDER``: rxe or siw)."""
     clear_netem(pair)
     for node in pair.nodes:
         set_link(node.netdev, True)
     present = rdma_devices()
     for node in pair.nodes:
         if node.device not in present:
-            sh("rdma", "link", "add", node.device, "type", "rxe", "netdev", node.netdev)
+            sh("rdma", "link", "add", node.device, "type", provider(), "netdev", node.netdev)
     for node in pair.nodes:
         state = f"/sys/class/infiniband/{node.device}/ports/1/state"
         deadline = time.monotonic() + 30

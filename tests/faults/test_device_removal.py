@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netfault import Pair
+from netfault import Pair, provider
 from rdma_state import open_fds, rdma_resources
 
 import rdmaio
@@ -205,7 +205,7 @@ async def _removal(pair: Pair) -> dict[str, Any]:
     assert old_domain.closed and reactor.devices_removed == 1
 
     # The server keeps serving: on rxe0 at once, on rxe1 once it is back (a fresh Domain).
-    add_rc, _ = await _run("rdma", "link", "add", pair.b.device, "type", "rxe", "netdev", pair.b.netdev)
+    add_rc, _ = await _run("rdma", "link", "add", pair.b.device, "type", provider(), "netdev", pair.b.netdev)
     assert add_rc == 0
     await _wait_active(pair.b.device)
     ep_c = await rdmaio.connect(pair.b.addr, port, local_addr=(pair.a.addr, 0), options=OPTS, timeout=30)

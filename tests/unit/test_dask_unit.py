@@ -618,6 +618,36 @@ def test_sysfs_addresses_and_rdma_host(tmp_path: Path, monkeypatch: pytest.Monke
         addressing.rdma_host()
 
 
+def test_iwarp_ports_take_the_address_of_the_interface_with_their_mac(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # siw (and iWARP NICs) fill the GID table with the port's MAC address, no IPv4 address: the RDMA host
+    # is the address of the network interface with that MAC address (siw0 on dum0 in the test host).
+    infiniband, net = tmp_path / "infiniband", tmp_path / "net"
+    zero = "0000:0000:0000:0000:0000:0000:0000:0000"
+    _fake_sysfs(infiniband, {"siw0": ["5254:0012:3456:0000:0000:0000:0000:0000", zero]}, state="4: ACTIVE")
+    (infiniband / "siw0" / "node_type").write_text("4: RNIC\n")
+    for netdev, mac in {
+        "eth0": "52:54:00:aa:bb:cc",
+        "dum0": "52:54:00:12:34:56",
+        "dum1": "52:54:00:12:34:56",
+    }.items():
+        (net / netdev).mkdir(parents=True)
+        (net / netdev / "address").write_text(mac + "\n")
+    real_lookup = getattr(addressing, "interface_ipv4", None)
+    addresses = {"eth0": "10.0.2.15", "dum0": "198.18.0.1", "dum1": None}
+    monkeypatch.setattr(addressing, "interface_ipv4", addresses.get, raising=False)
+    monkeypatch.setattr(addressing, "SYSFS_NET", net, raising=False)
+    assert addressing.sysfs_ipv4_addresses(infiniband) == ["198.18.0.1"]
+    monkeypatch.setattr(addressing, "SYSFS_INFINIBAND", infiniband)
+    with dask.config.set({"distributed.comm.rdma.host": None}):
+        assert addressing.rdma_host() == "198.18.0.1"
+    # the same GID on a RoCE device (no RNIC node type) is a link-local GID, not a MAC: no address from it
+    (infiniband / "siw0" / "node_type").write_text("1: CA\n")
+    assert addressing.sysfs_ipv4_addresses(infiniband) == []
+    assert real_lookup is not None and real_lookup("lo") == "127.0.0.1"  # the real lookup (an ioctl)
+
+
 def test_backend_address_handling() -> None:
     backend = RDMABackend()
     assert backend.get_address_host("198.18.0.1:8786") == "198.18.0.1"
