@@ -342,7 +342,7 @@ def test_write_with_imm_gives_notices_and_uses_credits(rdma_addr: str) -> None:
     asyncio.run(main())
 
 
-def test_unconsumed_write_notices_stop_the_writer(rdma_addr: str) -> None:
+def test_unconsumed_write_notices_stop_the_writer(arun: Runner[Any], rdma_addr: str) -> None:
     """Options.max_write_notices: past it, notices hold their receive, so the writer's credits run out and
     its writes with imm wait; consuming the notices lets every write through, in order, none lost."""
     limit, depth = 4, 8
@@ -385,7 +385,7 @@ def test_unconsumed_write_notices_stop_the_writer(rdma_addr: str) -> None:
             await imp.send(b"still alive")  # the credits all came back
             assert await exp.recv() == b"still alive"
 
-    asyncio.run(main())
+    arun(main())
 
 
 def test_a_server_without_the_onesided_feature(rdma_addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
