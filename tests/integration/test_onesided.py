@@ -22,6 +22,7 @@ import trio
 from loops import Runner, arun  # arun is a fixture used by name
 from peer_process import peer_process, wait_ready
 from rdma_state import rdma_resources
+from traffic import refused_write
 
 import rdmaio
 from rdmaio._ffi import lib
@@ -284,22 +285,6 @@ def test_every_local_check_leaves_the_connection_usable(rdma_addr: str) -> None:
             assert buf[:2] == b"ok" and int.from_bytes(buf[3080:3088], sys.byteorder) == 5
 
     asyncio.run(main())
-
-
-async def refused_write(
-    imp: rdmaio.Endpoint, key: RemoteKey, offset: int, data: bytes, provider: str
-) -> None:
-    """A write the exporter's NIC refuses. On RoCE the refusal is the write's own completion
-    (RemoteAccessError). On iWARP an RDMA WRITE completes once sent, with no acknowledgement from the
-    responder: the refusal is a TERMINATE that ends the connection, which the next operation sees."""
-    if provider == "rxe":
-        with pytest.raises(rdmaio.RemoteAccessError):
-            await imp.rdma_write(key, offset, data)
-        return
-    with contextlib.suppress(rdmaio.RemoteAccessError):
-        await imp.rdma_write(key, offset, data)
-    with pytest.raises((rdmaio.EndpointClosedError, ConnectionError, rdmaio.RemoteAccessError)):
-        await imp.rdma_read(key, 0, 8)
 
 
 def test_nic_enforces_bounds_for_a_peer_that_skips_the_checks(rdma_addr: str, provider: str) -> None:
