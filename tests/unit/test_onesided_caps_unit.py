@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
+from ctest import build_and_run
 from test_onesided_unit import RECV, RECV_RDMA_WITH_IMM, Rig, key, settle
 
 import rdmaio
@@ -682,27 +684,8 @@ int main(void)
 """
 
 
-def test_no_read_is_posted_with_more_than_one_scatter_entry(tmp_path: Any) -> None:
-    out = _build_and_run_with_onesided(tmp_path, READ_SGE_HARNESS)
+def test_no_read_is_posted_with_more_than_one_scatter_entry(tmp_path: Path) -> None:
+    out = build_and_run(tmp_path, "reads", READ_SGE_HARNESS, ["helper.c", "onesided.c"])
     # 16 + 100 + 1 + 16 READs, each with exactly one scatter entry of its own length (never 0 entries
     # for a non-empty READ, never 2): siw's limit of one READ scatter entry holds on every path.
     assert out.strip() == "doorbell=16 batch=100 serial=0 wave=0 reads=133 max_sge=1 empty_sge=0", out
-
-
-def _build_and_run_with_onesided(work: Any, source: str) -> str:
-    """Build ``source`` with the C helper and its one-sided part (test_helper_c's way), run it."""
-    import shutil
-    import subprocess
-
-    from ctest import FFI_DIR
-
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
-    (work / "reads.c").write_text(source)
-    binary = work / "reads"
-    command = [gcc, "-std=gnu11", "-Wall", "-Werror", "-I", str(FFI_DIR), str(work / "reads.c")]
-    command += [str(FFI_DIR / "helper.c"), str(FFI_DIR / "onesided.c"), "-o", str(binary)]
-    built = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert built.returncode == 0, built.stderr
-    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
