@@ -5,6 +5,9 @@ pair): another connection of the same process, sharing the protection domain, is
 grants and for rendezvous buffers alike. Calls collected for a doorbell when a REVOKE arrives fail with
 ``RemoteKeyRevokedError`` instead of reaching the NIC after the REVOKE_ACK. The importer's memory of
 revoked key ids stays bounded.
+
+The tests of scoping by windows need them (``requires_memory_windows``: deselected on iWARP, where a
+connection has a protection domain of its own instead, which test_onesided_caps covers).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def forged(addr: int, rkey: int, length: int, bits: int = ACCESS_READ | ACCESS_W
     return RemoteKey(addr, rkey, length, bits, 1)
 
 
+@pytest.mark.requires_memory_windows
 def test_a_grant_works_through_its_own_connection_only(arun: Runner[Any], rdma_addr: str) -> None:
     """Client B (and B2) read and write with client A's address and rkey: B's NIC gets a remote access
     error, A's memory stays as it was, and A's own access still works."""
@@ -68,6 +72,7 @@ def test_a_grant_works_through_its_own_connection_only(arun: Runner[Any], rdma_a
     arun(main())
 
 
+@pytest.mark.requires_memory_windows
 def test_a_domain_scoped_grant_is_what_the_caller_asked_for(rdma_addr: str) -> None:
     """scope="domain" keeps the process-wide grant, by name: another connection can use it."""
 
@@ -83,6 +88,7 @@ def test_a_domain_scoped_grant_is_what_the_caller_asked_for(rdma_addr: str) -> N
     asyncio.run(main())
 
 
+@pytest.mark.requires_memory_windows
 def test_a_rendezvous_buffer_is_readable_through_its_connection_only(
     arun: Runner[Any], rdma_addr: str
 ) -> None:
