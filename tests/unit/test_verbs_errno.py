@@ -16,8 +16,8 @@ import pytest
 
 import rdmaio
 from rdmaio._ffi import ffi
-from rdmaio.errors import VerbsError
 from rdmaio.core.dial import IWARP_BACKLOG_RESET, connect_error
+from rdmaio.errors import VerbsError
 from rdmaio.verbs import CMEvent, CMEventType, _base, cm, qp
 from rdmaio.verbs import srq as srq_module
 from rdmaio.verbs._base import make_sockaddr
