@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from fake_machine import DUM0_IPV4, LDCONFIG, RELEASE, fake_system, rdma_core_root, write
 
 from rdmaio.cli import doctor
 from rdmaio.cli.checks import (
@@ -35,16 +36,9 @@ from rdmaio.cli.system import PortState, System
 from rdmaio.verbs import DeviceInfo, PortInfo
 
 REPO = Path(__file__).resolve().parents[2]
-RELEASE = "6.1.0-test"
 GID_V4 = "0000:0000:0000:0000:0000:ffff:c612:0001"  # ::ffff:198.18.0.1
 GID_LINK_LOCAL = "fe80:0000:0000:0000:b4f2:1cff:fe11:2233"
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
-
-
-def write(root: Path, path: str, text: str) -> None:
-    target = root / path.lstrip("/")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
 
 
 def healthy_root(root: Path) -> Path:
@@ -57,25 +51,8 @@ def healthy_root(root: Path) -> Path:
         if kind:
             write(root, f"{port}/gid_attrs/types/{i}", kind + "\n")
             write(root, f"{port}/gid_attrs/ndevs/{i}", "dum0\n")
-    write(root, "/proc/modules", "rdma_rxe 139264 0 - Live 0x0\nrdma_ucm 32768 0 - Live 0x0\n")
-    (root / "sys/module/ib_uverbs").mkdir(parents=True)  # built in: /sys/module only
-    write(root, f"/lib/modules/{RELEASE}/modules.dep", "kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.xz:\n")
-    write(root, "/dev/infiniband/rdma_cm", "")
-    write(root, "/dev/infiniband/uverbs0", "")
-    write(root, "/etc/libibverbs.d/rxe.driver", "driver rxe\n")
-    write(root, "/etc/libibverbs.d/mlx5.driver", "driver mlx5\n")
-    for lib in ("libibverbs.so.1.14.44.0", "librdmacm.so.1.3.44.0"):
-        write(root, f"/usr/lib/{lib}", "")
-        (root / "usr/lib" / lib.split(".so")[0]).with_suffix(".so.1").symlink_to(lib)
-    write(root, "/proc/self/status", "Name:\tpython\nCapEff:\t0000000000000000\n")
-    return root
-
-
-LDCONFIG = (
-    "42 libs found in cache `/etc/ld.so.cache'\n"
-    "\tlibibverbs.so.1 (libc6,x86-64) => /usr/lib/libibverbs.so.1\n"
-    "\tlibrdmacm.so.1 (libc6,x86-64) => /usr/lib/librdmacm.so.1\n"
-)
+    modules = "rdma_rxe 139264 0 - Live 0x0\nrdma_ucm 32768 0 - Live 0x0\n"
+    return rdma_core_root(root, modules=modules, drivers=("rxe", "mlx5"))
 
 
 def port_info(mtu: int = 1024) -> PortInfo:
@@ -86,41 +63,19 @@ def device_info(mtu: int = 1024) -> DeviceInfo:
     return DeviceInfo("rxe0", "0.0.0", 1048560, 1048576, 1, 1, 1, 1 << 40, 32, (port_info(mtu),))
 
 
-def fake_system(root: Path, **overrides: object) -> System:
+def rxe_system(root: Path, **overrides: object) -> System:
+    """The machine of ``healthy_root`` (or another root) with rxe0 as its one device."""
     outputs = {
         ("ldconfig", "-p"): LDCONFIG,
         ("rdma", "system"): "netns shared copy-on-fork on\n",
-        (
-            "ip",
-            "-4",
-            "-o",
-            "addr",
-            "show",
-            "dev",
-            "dum0",
-        ): "3: dum0    inet 198.18.0.1/24 scope global dum0\n",
+        **DUM0_IPV4,
     }
-
-    def run(args: Sequence[str]) -> str | None:
-        return outputs.get(tuple(args))
-
-    fields: dict[str, object] = {
-        "root": root,
-        "run": run,
-        "release": RELEASE,
-        "memlock": lambda: (8 << 30, 8 << 30),
-        "list_devices": lambda: [device_info()],
-        "import_extension": lambda: None,
-        "access": lambda path: True,
-        "loopback": lambda addr, timeout: 0.002,
-    }
-    fields.update(overrides)
-    return System(**fields)  # type: ignore[arg-type]
+    return fake_system(root, outputs, lambda: [device_info()], **overrides)
 
 
 @pytest.fixture
 def healthy(tmp_path: Path) -> System:
-    return fake_system(healthy_root(tmp_path))
+    return rxe_system(healthy_root(tmp_path))
 
 
 def by_name(results: Sequence[CheckResult]) -> dict[str, CheckResult]:
@@ -150,7 +105,7 @@ def test_json_output(healthy: System, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_no_rdma_at_all_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    system = fake_system(tmp_path, run=lambda args: None, list_devices=lambda: pytest.fail("not called"))
+    system = rxe_system(tmp_path, run=lambda args: None, list_devices=lambda: pytest.fail("not called"))
     assert doctor.main([], system=system) == 1
     out = capsys.readouterr().out
     found = by_name(doctor.run_checks(system))
@@ -187,7 +142,7 @@ def test_driver_installed_not_loaded_suggests_soft_roce(healthy: System) -> None
 
 
 def test_dev_nodes_missing_or_not_writable(healthy: System) -> None:
-    denied = fake_system(healthy.root, access=lambda path: path.name != "uverbs0")
+    denied = rxe_system(healthy.root, access=lambda path: path.name != "uverbs0")
     result = check_dev_nodes(denied)
     assert (
         result.verdict is Verdict.FAIL
@@ -229,33 +184,33 @@ def test_roce_v2_ipv4_only_from_mapped_roce_v2_gids() -> None:
 
 
 def test_small_mtu_warns(healthy: System) -> None:
-    system = fake_system(healthy.root, list_devices=lambda: [device_info(mtu=256)])
+    system = rxe_system(healthy.root, list_devices=lambda: [device_info(mtu=256)])
     result = check_mtu(system)
     assert result.verdict is Verdict.WARN
     assert "ip link set dev NETDEV mtu 1500" in (result.fix or "")
-    broken = fake_system(healthy.root, list_devices=lambda: (_ for _ in ()).throw(OSError("no provider")))
+    broken = rxe_system(healthy.root, list_devices=lambda: (_ for _ in ()).throw(OSError("no provider")))
     assert check_mtu(broken).verdict is Verdict.SKIP
 
 
 def test_memlock(healthy: System) -> None:
     per_conn = 4 << 20  # (32 + 32) * 64 KiB
-    low = check_memlock(fake_system(healthy.root, memlock=lambda: (64 << 10, 64 << 10)))
+    low = check_memlock(rxe_system(healthy.root, memlock=lambda: (64 << 10, 64 << 10)))
     assert low.verdict is Verdict.FAIL
     assert low.summary.startswith("ulimit -l 64 KiB: room for 0 connection(s)")
     assert low.fix is not None and low.fix.startswith("ulimit -l 64 ")
-    some = check_memlock(fake_system(healthy.root, memlock=lambda: (8 << 20, resource.RLIM_INFINITY)))
+    some = check_memlock(rxe_system(healthy.root, memlock=lambda: (8 << 20, resource.RLIM_INFINITY)))
     assert some.verdict is Verdict.WARN and (some.fix or "").startswith("ulimit -l unlimited ")
     assert some.data["per_connection"] == per_conn
-    unlimited = fake_system(healthy.root, memlock=lambda: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    unlimited = rxe_system(healthy.root, memlock=lambda: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert check_memlock(unlimited).verdict is Verdict.OK
     write(healthy.root, "/proc/self/status", "CapEff:\t000001ffffffffff\n")  # root: CAP_IPC_LOCK
-    capable = check_memlock(fake_system(healthy.root, memlock=lambda: (64 << 10, 64 << 10)))
+    capable = check_memlock(rxe_system(healthy.root, memlock=lambda: (64 << 10, 64 << 10)))
     assert capable.verdict is Verdict.OK and "CAP_IPC_LOCK" in capable.summary
 
 
 def test_netns_modes(healthy: System) -> None:
     def with_output(text: str | None) -> System:
-        return fake_system(healthy.root, run=lambda args: text)
+        return rxe_system(healthy.root, run=lambda args: text)
 
     assert (
         check_netns(with_output("netns shared privileged-qkey off copy-on-fork on\n")).verdict is Verdict.OK
@@ -269,19 +224,19 @@ def test_loopback_failure_and_timeout(healthy: System) -> None:
     def refuse(addr: str, timeout: float) -> float:
         raise ConnectionRefusedError("refused")
 
-    result = check_loopback(fake_system(healthy.root, loopback=refuse))
+    result = check_loopback(rxe_system(healthy.root, loopback=refuse))
     assert result.verdict is Verdict.FAIL
     assert result.summary == "rxe0 198.18.0.1: ConnectionRefusedError: refused"
 
     def hang(addr: str, timeout: float) -> float:
         raise TimeoutError
 
-    result = check_loopback(fake_system(healthy.root, loopback=hang), timeout=3)
+    result = check_loopback(rxe_system(healthy.root, loopback=hang), timeout=3)
     assert result.summary == "rxe0 198.18.0.1: no echo within 3 s"
 
 
 def test_libraries_and_providers_missing(tmp_path: Path) -> None:
-    system = fake_system(tmp_path, run=lambda args: "0 libs found\n")
+    system = rxe_system(tmp_path, run=lambda args: "0 libs found\n")
     libs = check_libraries(system)
     assert libs.verdict is Verdict.FAIL
     assert libs.fix is not None and "apt-get install libibverbs1 librdmacm1" in libs.fix

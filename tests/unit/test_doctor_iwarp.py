@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from fake_machine import DUM0_IPV4, LDCONFIG, fake_system, rdma_core_root, write
 
 from rdmaio.cli import doctor
 from rdmaio.cli.checks import CHECKS, Verdict, check_features, check_gids, check_loopback
 from rdmaio.cli.system import LoopbackTime, System, parse_devinfo, transport_of
 from rdmaio.verbs import DeviceInfo, PortInfo
 
-RELEASE = "6.1.0-test"
 SIW_GID = "c2ff:ea7a:94db:0000:0000:0000:0000:0000"  # what siw0 showed in the test host: from the MAC
 RXE_GID_V4 = "0000:0000:0000:0000:0000:ffff:c612:0001"
 
@@ -43,12 +43,6 @@ DEVINFO_RXE = """hca_id:\trxe0
 """
 
 
-def write(root: Path, path: str, text: str) -> None:
-    target = root / path.lstrip("/")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-
-
 def siw_root(root: Path) -> Path:
     """A machine with siw0 on dum0 (198.18.0.1), as the test host sets it up with --provider siw."""
     write(root, "/sys/class/infiniband/siw0/node_type", "4: RNIC\n")
@@ -56,53 +50,25 @@ def siw_root(root: Path) -> Path:
     write(root, f"{port}/state", "4: ACTIVE\n")
     write(root, f"{port}/link_layer", "Ethernet\n")
     write(root, f"{port}/gids/0", SIW_GID + "\n")  # iWARP: no gid_attrs types/ndevs to read
-    write(root, "/proc/modules", "siw 188416 0 - Live 0x0\nrdma_ucm 32768 0 - Live 0x0\n")
-    (root / "sys/module/ib_uverbs").mkdir(parents=True)
-    write(root, f"/lib/modules/{RELEASE}/modules.dep", "kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.xz:\n")
-    write(root, "/dev/infiniband/rdma_cm", "")
-    write(root, "/dev/infiniband/uverbs0", "")
-    write(root, "/etc/libibverbs.d/siw.driver", "driver siw\n")
-    for lib in ("libibverbs.so.1.14.44.0", "librdmacm.so.1.3.44.0"):
-        write(root, f"/usr/lib/{lib}", "")
-        (root / "usr/lib" / lib.split(".so")[0]).with_suffix(".so.1").symlink_to(lib)
-    write(root, "/proc/self/status", "Name:\tpython\nCapEff:\t0000000000000000\n")
-    return root
+    modules = "siw 188416 0 - Live 0x0\nrdma_ucm 32768 0 - Live 0x0\n"
+    return rdma_core_root(root, modules=modules, drivers=("siw",))
 
 
 def siw_system(
     root: Path, *, addresses: bool = True, devinfo: str | None = DEVINFO_SIW, **overrides: object
 ) -> System:
+    """The machine of ``siw_root`` with siw0 as its one device; ``addresses=False`` leaves dum0 without an
+    IPv4 address, ``devinfo`` is what ``ibv_devinfo -v`` prints."""
     outputs = {
-        ("ldconfig", "-p"): (
-            "\tlibibverbs.so.1 (libc6,x86-64) => /usr/lib/libibverbs.so.1\n"
-            "\tlibrdmacm.so.1 (libc6,x86-64) => /usr/lib/librdmacm.so.1\n"
-        ),
+        ("ldconfig", "-p"): LDCONFIG,
         ("rdma", "system"): "netns shared copy-on-fork on\n",
         ("rdma", "link", "show"): "link siw0/1 state ACTIVE physical_state LINK_UP netdev dum0 \n",
         ("ibv_devinfo", "-v"): devinfo,
+        **(DUM0_IPV4 if addresses else {}),
     }
-    if addresses:
-        outputs[("ip", "-4", "-o", "addr", "show", "dev", "dum0")] = (
-            "3: dum0    inet 198.18.0.1/24 scope global dum0\n"
-        )
     port = PortInfo(1, "ACTIVE", True, 1024, 1024, "Ethernet", 1, 0xFFFFFFFF)
     info = DeviceInfo("siw0", "0.0.0", 102400, 32768, 102400, 3276800, 1024000, 1 << 63, 6, (port,))
-
-    def run(args: Sequence[str]) -> str | None:
-        return outputs.get(tuple(args))
-
-    fields: dict[str, object] = {
-        "root": root,
-        "run": run,
-        "release": RELEASE,
-        "memlock": lambda: (8 << 30, 8 << 30),
-        "list_devices": lambda: [info],
-        "import_extension": lambda: None,
-        "access": lambda path: True,
-        "loopback": lambda addr, timeout: 0.002,
-    }
-    fields.update(overrides)
-    return System(**fields)  # type: ignore[arg-type]
+    return fake_system(root, outputs, lambda: [info], **overrides)
 
 
 @pytest.fixture

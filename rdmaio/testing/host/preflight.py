@@ -71,14 +71,7 @@ def _dpkg_installed(package: str) -> bool | None:
     """True/False from dpkg, None when this is not a dpkg system."""
     if shutil.which("dpkg-query") is None:
         return None
-    done = subprocess.run(
-        ["dpkg-query", "-W", "-f=${Status}", package],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-    return done.returncode == 0 and done.stdout.strip().endswith(" installed")
+    return siw.dpkg_version(package) is not None
 
 
 def _package_present(package: str, files: Sequence[str]) -> bool:
