@@ -14,8 +14,10 @@ The public :func:`rdmaio.connect` wraps it with its timeout and the Endpoint.
 from __future__ import annotations
 
 import collections
+import errno
 
 from rdmaio.core.backend import Backend, Waiter
+from rdmaio.core.blocking_connect import ConnectInThread
 from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import local_handshake
@@ -32,12 +34,19 @@ from rdmaio.errors import (
 )
 from rdmaio.options import Options
 from rdmaio.protocol import Handshake
-from rdmaio.verbs import CMEvent, CMEventType
+from rdmaio.verbs import CMEvent, CMEventType, CMId
 
-__all__ = ["CMEventQueue", "connect_error", "dial"]
+__all__ = ["IWARP_BACKLOG_RESET", "CMEventQueue", "connect_error", "dial"]
 
 # rdma_cm reports "no listener on that port" as REJECTED with IB CM reason 8 (invalid service id).
 _REJECT_NO_LISTENER = 8
+# On iWARP the iw_cm reports a refused TCP/MPA connect as REJECTED with a negative errno: -ECONNREFUSED
+# (nobody listens, or the listener's MPA reject) and -ECONNRESET (the listener's kernel reset it before
+# handing it to the application: its listen backlog, the kernel TCP one, is full).
+_IWARP_REFUSED = -errno.ECONNREFUSED
+_IWARP_RESET = -errno.ECONNRESET
+IWARP_BACKLOG_RESET = "reset before it was accepted: the listener's kernel backlog is full"
+"""What the error says of a connection an iWARP listener's kernel reset before rdmaio saw it."""
 
 
 class CMEventQueue:
@@ -67,12 +76,26 @@ class CMEventQueue:
 
 def connect_error(event: CMEvent, where: str) -> Exception:
     """The typed error of an rdma_cm event that ends a connection attempt to ``where`` (a description of
-    the peer): refused (no listener, or rejected), address or route not resolved, or unreachable."""
+    the peer): refused (no listener, rejected, or on iWARP reset by the listener's kernel backlog: every
+    one a :class:`~rdmaio.ConnectionRefusedError`), address or route not resolved, or unreachable."""
     name = event.event.name
     if event.event == CMEventType.REJECTED:
         if event.status == _REJECT_NO_LISTENER:
             return ConnectionRefusedError(
                 f"connection refused by {where}: no listener on that port", errno=111, call="rdma_connect"
+            )
+        if event.status == _IWARP_RESET:
+            return ConnectionRefusedError(
+                f"connection to {where} {IWARP_BACKLOG_RESET} (iWARP, status {event.status})",
+                errno=111,
+                call="rdma_connect",
+            )
+        if event.status == _IWARP_REFUSED:
+            return ConnectionRefusedError(
+                f"connection refused by {where}: no listener on that port, or the listener rejected it "
+                f"(iWARP, status {event.status})",
+                errno=111,
+                call="rdma_connect",
             )
         return ConnectionRefusedError(
             f"connection rejected by {where} (status {event.status})", errno=111, call="rdma_connect"
@@ -109,6 +132,7 @@ async def dial(
         src = (await resolve_host(local_addr[0], local_addr[1]), local_addr[1])
     events = CMEventQueue(reactor.backend)
     cm_id = reactor.create_id(events.put)
+    handed_off = False  # an iWARP connect's thread releases the id once its call returns
     transport: Transport | None = None
     try:
         cm_id.resolve_addr(address, port, src=src, timeout_ms=opts.cm_timeout_ms)
@@ -129,13 +153,34 @@ async def dial(
         )
         handshake = local_handshake(opts, caps=caps)
         depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
-        cm_id.connect(
-            handshake.encode(),
-            retry_count=opts.retry_count,
-            rnr_retry_count=opts.rnr_retry_count,
-            responder_resources=depth,
-            initiator_depth=depth,
-        )
+        if caps.immediate or hasattr(device, "capabilities"):  # not iWARP (or a test's fake device)
+            cm_id.connect(
+                handshake.encode(),
+                retry_count=opts.retry_count,
+                rnr_retry_count=opts.rnr_retry_count,
+                responder_resources=depth,
+                initiator_depth=depth,
+            )
+        else:
+            # iWARP: rdma_connect runs the kernel's TCP connect and may block for minutes (blocking_connect)
+            encoded, created = handshake.encode(), transport
+            in_thread = ConnectInThread(
+                reactor.backend,
+                lambda: cm_id.connect(
+                    encoded,
+                    retry_count=opts.retry_count,
+                    rnr_retry_count=opts.rnr_retry_count,
+                    responder_resources=depth,
+                    initiator_depth=depth,
+                ),
+            )
+            try:
+                await in_thread.wait()
+            except BaseException:
+                if not in_thread.done:  # stopped waiting: the call still uses the id; release after it
+                    in_thread.release_when_done(lambda: _release(reactor, cm_id, created))
+                    handed_off = True
+                raise
         event = await events.get()
         if event.event != CMEventType.ESTABLISHED:
             raise connect_error(event, f"{host} port {port}")
@@ -147,7 +192,13 @@ async def dial(
             raise
         return Connection(reactor, cm_id, transport, session, opts)
     except BaseException:
-        if transport is not None:
-            transport.close()
-        reactor.release_id(cm_id)
+        if not handed_off:
+            _release(reactor, cm_id, transport)
         raise
+
+
+def _release(reactor: Reactor, cm_id: CMId, transport: Transport | None) -> None:
+    """Release what a failed or cancelled dial created."""
+    if transport is not None:
+        transport.close()
+    reactor.release_id(cm_id)
