@@ -11,8 +11,6 @@ and the public API.
   teardown order.
 * :mod:`~rdmaio.core.dial`: connection setup on the connecting side: resolve, resources, depths,
   handshake, session choice, to a started Connection.
-* :mod:`~rdmaio.core.blocking_connect`: iWARP's ``rdma_connect`` (a blocking kernel TCP connect) in a thread,
-  so that it never stalls the loop.
 * :mod:`~rdmaio.core.acceptor`: connection setup on the listening side: listeners, admission (backlog,
   per-source limit), pending connections and their establishment deadline, handshake, session choice.
 * :mod:`~rdmaio.core.negotiation`: the handshakes both sides of setup announce.

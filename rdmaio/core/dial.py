@@ -17,7 +17,6 @@ import collections
 import errno
 
 from rdmaio.core.backend import Backend, Waiter
-from rdmaio.core.blocking_connect import ConnectInThread
 from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import local_handshake
@@ -34,7 +33,7 @@ from rdmaio.errors import (
 )
 from rdmaio.options import Options
 from rdmaio.protocol import Handshake
-from rdmaio.verbs import CMEvent, CMEventType, CMId
+from rdmaio.verbs import CMEvent, CMEventType
 
 __all__ = ["IWARP_BACKLOG_RESET", "CMEventQueue", "connect_error", "dial"]
 
@@ -132,7 +131,6 @@ async def dial(
         src = (await resolve_host(local_addr[0], local_addr[1]), local_addr[1])
     events = CMEventQueue(reactor.backend)
     cm_id = reactor.create_id(events.put)
-    handed_off = False  # an iWARP connect's thread releases the id once its call returns
     transport: Transport | None = None
     try:
         cm_id.resolve_addr(address, port, src=src, timeout_ms=opts.cm_timeout_ms)
@@ -153,34 +151,13 @@ async def dial(
         )
         handshake = local_handshake(opts, caps=caps)
         depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
-        if caps.immediate or hasattr(device, "capabilities"):  # not iWARP (or a test's fake device)
-            cm_id.connect(
-                handshake.encode(),
-                retry_count=opts.retry_count,
-                rnr_retry_count=opts.rnr_retry_count,
-                responder_resources=depth,
-                initiator_depth=depth,
-            )
-        else:
-            # iWARP: rdma_connect runs the kernel's TCP connect and may block for minutes (blocking_connect)
-            encoded, created = handshake.encode(), transport
-            in_thread = ConnectInThread(
-                reactor.backend,
-                lambda: cm_id.connect(
-                    encoded,
-                    retry_count=opts.retry_count,
-                    rnr_retry_count=opts.rnr_retry_count,
-                    responder_resources=depth,
-                    initiator_depth=depth,
-                ),
-            )
-            try:
-                await in_thread.wait()
-            except BaseException:
-                if not in_thread.done:  # stopped waiting: the call still uses the id; release after it
-                    in_thread.release_when_done(lambda: _release(reactor, cm_id, created))
-                    handed_off = True
-                raise
+        cm_id.connect(
+            handshake.encode(),
+            retry_count=opts.retry_count,
+            rnr_retry_count=opts.rnr_retry_count,
+            responder_resources=depth,
+            initiator_depth=depth,
+        )
         event = await events.get()
         if event.event != CMEventType.ESTABLISHED:
             raise connect_error(event, f"{host} port {port}")
@@ -192,13 +169,7 @@ async def dial(
             raise
         return Connection(reactor, cm_id, transport, session, opts)
     except BaseException:
-        if not handed_off:
-            _release(reactor, cm_id, transport)
+        if transport is not None:
+            transport.close()
+        reactor.release_id(cm_id)
         raise
-
-
-def _release(reactor: Reactor, cm_id: CMId, transport: Transport | None) -> None:
-    """Release what a failed or cancelled dial created."""
-    if transport is not None:
-        transport.close()
-    reactor.release_id(cm_id)
