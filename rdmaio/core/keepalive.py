@@ -168,7 +168,8 @@ class Keepalive:
         if self._stopped:
             return
         self._stopped = True
-        self._cancel_deadline()
+        if self._deadline_timer is not None:  # tested inline: stop() is on every connection's teardown
+            self._cancel_deadline()
         if self._started and self._interval is not None:
             self._timers.discard(self, self._interval)
 
