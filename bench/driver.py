@@ -53,9 +53,20 @@ from bench.model import (
 from bench.onesided import measure_onesided
 from bench.peers import loop_factory, measure, measure_memory, server_main
 from bench.plot import PlotError, check_plot_target, plot_figures
+from bench.provider import Provider, Skip, detect_provider, plan_skips
 from bench.report import build_report, render_markdown, render_table, validate_report
 
-__all__ = ["REPO_ROOT", "Run", "build_parser", "harness_env", "main", "plan_runs"]
+__all__ = [
+    "REPO_ROOT",
+    "Run",
+    "build_parser",
+    "drop_skipped",
+    "harness_env",
+    "main",
+    "plan_runs",
+    "planned_skips",
+    "skipped_lines",
+]
 
 DEFAULT_HOST = "198.18.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +137,42 @@ def plan_runs(
                 for size in wanted(workload):
                     runs.append(Run(name, (workload,), size, rep, budget.amount(workload, size)))
     return runs
+
+
+def drop_skipped(runs: Sequence[Run], skips: Sequence[Skip]) -> list[Run]:
+    """``runs`` without the measurements ``skips`` leave out (a run that measures several workloads
+    keeps the others)."""
+    out: list[Run] = []
+    for run in runs:
+        left = tuple(
+            w
+            for w in run.workloads
+            if not any(s.contender == run.contender and w in s.workloads for s in skips)
+        )
+        if left:
+            out.append(Run(run.contender, left, run.size, run.rep, run.amount))
+    return out
+
+
+def planned_skips(skips: Sequence[Skip], planned: Sequence[Run]) -> list[Skip]:
+    """``skips`` narrowed to the measurements ``planned`` holds (the filters may have left some out)."""
+    wanted = {(run.contender, w) for run in planned for w in run.workloads}
+    out: list[Skip] = []
+    for skip in skips:
+        kinds = tuple(w for w in skip.workloads if (skip.contender, w) in wanted)
+        if kinds:
+            out.append(Skip(skip.contender, kinds, skip.reason))
+    return out
+
+
+def skipped_lines(skipped: Sequence[dict[str, Any]]) -> str:
+    """The text printed after the tables for the report's ``meta.skipped`` (empty when nothing was)."""
+    if not skipped:
+        return ""
+    lines = ["", "Not run on this device (the device cannot do it; no figure was made up):"]
+    for item in skipped:
+        lines.append(f"  {item['contender']} {', '.join(item['workloads'])}: {item['reason']}")
+    return "\n".join(lines) + "\n"
 
 
 # --- the peer server process -------------------------------------------------------------------------
@@ -246,6 +293,7 @@ class Settings:
     profile_dir: Path | None
     drain_every: int = 1
     memory_counts: tuple[int, ...] = MEMORY_COUNTS
+    provider: Provider | None = None
 
 
 Progress = Callable[[str], None]
@@ -309,6 +357,7 @@ class Bench:
             port_base=settings.port_base,
             rstream_mode=settings.rstream_mode,
             setup_seconds=settings.budget.setup_seconds,
+            provider=settings.provider,
         )
         self._server: PeerServer | None = None
         self._phase: str | None = None
@@ -666,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(render_markdown(figures, list(doc["contenders"]), reps, meta=doc["meta"]), end="")
         else:
             print(render_table(figures, list(doc["contenders"]), reps), end="")
+            print(skipped_lines(doc["meta"].get("skipped") or []), end="")
         return _plot(args.plot, figures, list(doc["contenders"]), _stderr_progress)
 
     try:
@@ -706,7 +756,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--drain-every must be at least 1")
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
+    # The device decides perftest's connection flags and what cannot run at all (no atomics on iWARP).
+    provider = detect_provider(args.host, args.device)
+    skips = plan_skips(provider, contenders, workloads, {c: CONTENDERS[c].workloads for c in contenders})
     settings = Settings(
+        provider=provider,
         contenders=contenders,
         workloads=workloads,
         sizes=sizes,
@@ -719,14 +773,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         drain_every=args.drain_every,
         memory_counts=memory_counts,
     )
-    runs = plan_runs(contenders, workloads, sizes, budget, memory_counts)
-    if not runs:
+    planned = plan_runs(contenders, workloads, sizes, budget, memory_counts)
+    skips = planned_skips(skips, planned)
+    runs = drop_skipped(planned, skips)
+    if not planned:
         parser.error("the filters leave nothing to run")
+    if not runs:
+        parser.error(
+            "nothing the filters leave can run on this device: " + "; ".join(s.line() for s in skips)
+        )
     display = make_display(live={"auto": None, "live": True, "plain": False}[args.progress])
     display.message(
         f"{len(runs)} measurements ({budget.name} budgets, {budget.reps} repetition(s), time cap "
         f"{budget.time_cap:g} s) on {args.host}" + (f" / {args.device}" if args.device else "")
     )
+    display.message(provider.describe())
+    for skip in skips:
+        display.message(skip.line())
     if args.profile is not None:
         display.message("profiling is on: the Python contenders' figures are slowed down by cProfile")
     bench = Bench(settings, display.message, display.started)
@@ -743,6 +806,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     provenance = _git_state()
     render = render_markdown if args.markdown else render_table
     print(render(figures, contenders, budget.reps), end="", flush=True)
+    skipped = [skip.to_json() for skip in skips]
+    print(skipped_lines(skipped), end="", flush=True)
     if args.json is not None:
         meta = {
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -751,6 +816,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reps": budget.reps,
             "host": args.host,
             "device": args.device,
+            "provider": provider.to_json(),
+            "skipped": skipped,
             "rstream_mode": args.rstream_mode,
             "drain_every": args.drain_every,
             "budget": budget.to_json(),

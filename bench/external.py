@@ -38,6 +38,7 @@ from bench.parsers import (
     parse_cm_setup,
     parse_rstream,
 )
+from bench.provider import Provider, perftest_transport_args
 
 __all__ = [
     "CM_SETUP_SOURCE",
@@ -153,6 +154,9 @@ class ExternalConfig:
     """rstream ``-T`` option: ``b`` (blocking calls) or ``n`` (its default, non-blocking spinning)."""
     setup_seconds: float = 10.0
     """Seconds after which ``cm_setup``'s client stops (the same as the Python setup loop's)."""
+    provider: Provider | None = None
+    """The device's provider and transport (:func:`bench.provider.detect_provider`): perftest's
+    connection flags depend on the transport."""
     _ports: Iterator[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -308,9 +312,13 @@ def run_pair(
         server.stop(0.0)
 
 
-def perftest_command(tool: str, size: int, iters: int, port: int, device: str | None) -> list[str]:
-    """Arguments of a perftest run (server form; the client appends the server address)."""
-    cmd = [tool, "-R", "-F", *perftest_args(tool, size), "-n", str(iters), "-p", str(port)]
+def perftest_command(
+    tool: str, size: int, iters: int, port: int, device: str | None, provider: Provider | None = None
+) -> list[str]:
+    """Arguments of a perftest run (server form; the client appends the server address); the connection
+    flags are those of ``provider``'s transport (:func:`bench.provider.perftest_transport_args`)."""
+    cmd = [tool, *perftest_transport_args(provider), "-F", *perftest_args(tool, size)]
+    cmd += ["-n", str(iters), "-p", str(port)]
     if device:
         cmd += ["-d", device]
     return cmd
@@ -371,7 +379,7 @@ def run_external(
             )
             marker = _CM_SETUP_READY
         else:
-            base = perftest_command(tool, size, amount, port, config.device)
+            base = perftest_command(tool, size, amount, port, config.device, config.provider)
             server_cmd, client_cmd = base, [*base, config.host]
             marker = _PERFTEST_READY
         before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -245,6 +245,7 @@ async def _measure(
         depth = ATOMIC_LANES * ATOMIC_BATCH
     ep = await rdmaio.connect(host, port, timeout=CONNECT_TIMEOUT, options={"max_rdma_ops": depth})
     rtts: list[int] = []
+    framing = ep.get_extra_info("framing")
     try:
         await ep.send(json.dumps({"workload": str(workload), "size": size}).encode())
         key = rdmaio.RemoteKey.from_bytes(await ep.recv())
@@ -285,6 +286,7 @@ async def _measure(
             ),
         )
     sample.rdmaio = rdmaio_stats(client_stats, ack.get("stats", {}), done)
+    sample.note = f"{sample.note}; {framing} framing"
     return sample
 
 

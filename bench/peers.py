@@ -480,6 +480,7 @@ async def _rdmaio_measure(
     host: str, port: int, workload: Workload, size: int, count: int, cap: float, drain_every: int
 ) -> Sample:
     ep = await rdmaio.connect(host, port, timeout=CONNECT_TIMEOUT)
+    framing = ep.get_extra_info("framing")  # "header" where a device has no immediate data (iWARP)
     try:
         await ep.send(json.dumps({"workload": str(workload), "size": size}).encode())
         payload = bytes(size)
@@ -536,6 +537,7 @@ async def _rdmaio_measure(
         cpu = cpu_client + ack["cpu_s"] if "cpu_s" in ack else None
         sample = _throughput_sample(workload, size, done, seconds, capped, cpu)
     sample.rdmaio = rdmaio_stats(client_stats, ack.get("stats", {}), done)
+    sample.note = "; ".join(n for n in (sample.note, f"{framing} framing") if n)
     return sample
 
 

@@ -478,6 +478,14 @@ def build_report(
             "status": state,
             "errors": errors,
         }
+        # Measurements the device cannot make (bench.provider): left out, each with its reason.
+        skipped = [
+            f"{', '.join(item['workloads'])}: {item['reason']}"
+            for item in meta.get("skipped") or ()
+            if item.get("contender") == name
+        ]
+        if skipped:
+            status[name]["skipped"] = skipped
     return {
         "schema": SCHEMA,
         "meta": dict(meta),
@@ -912,6 +920,7 @@ def render_markdown(
             f"Measured {meta.get('created', 'at an unknown time')} at {where}, "
             f"{meta.get('mode', '?')} budgets, {meta.get('reps', reps)} repetition(s), "
             f"{meta.get('cpus', '?')} CPUs, kernel {meta.get('kernel', '?')}, with `{command}`."
+            + _provider_sentence(meta.get("provider"))
         )
         lines.append("")
     for block in summary_blocks(figures, contenders, reps, workloads):
@@ -926,4 +935,23 @@ def render_markdown(
         else:
             lines.extend(f"- {_md_cell(item)}" for item in block.items)
         lines.append("")
+    skipped = meta.get("skipped") if meta is not None else None
+    if skipped:
+        lines.append("**Not run on this device**")
+        lines.append("")
+        for item in skipped:
+            what = f"{item['contender']} {', '.join(item['workloads'])}"
+            lines.append(f"- {_md_cell(what)}: {_md_cell(item['reason'])}")
+        lines.append("")
     return "\n".join(lines)
+
+
+def _provider_sentence(provider: Any) -> str:
+    """The sentence naming the device, provider, transport and rdmaio's framing of a report's
+    ``meta.provider`` (empty without one)."""
+    if not isinstance(provider, Mapping) or not provider.get("device"):
+        return ""
+    return (
+        f" Device {provider['device']}: provider {provider.get('provider', '?')}, transport "
+        f"{provider.get('transport', '?')}, rdmaio's {provider.get('framing', '?')} framing."
+    )

@@ -357,8 +357,11 @@ class Endpoint:
 
         ``data`` is copied first, so it may be reused at once. With ``imm`` (an unsigned 32-bit value) the
         write carries immediate data and the peer gets a :class:`~rdmaio.WriteNotice` from
-        :meth:`wait_write_notice`; such a write uses a send credit, like a message. A cancelled call may
-        still perform the write.
+        :meth:`wait_write_notice`; such a write uses a send credit, like a message. Where the connection has
+        no immediate data (iWARP, ``Options(framing="header")``) the notice is a message sent after the
+        WRITE, and the call returns once the WRITE completed and the notice took its send credit. A
+        cancelled call may still perform the write, and without immediate data it may do so without
+        sending its notice.
         """
         self._conn.check_fork()
         await self._onesided.write(key, offset, data, imm)

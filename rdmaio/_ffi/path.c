@@ -78,6 +78,17 @@ int rdmaio_query_path(struct rdma_cm_id *id, struct rdmaio_path *out)
             break;
         }
     }
+    /* iWARP has no GRH and its rdma_cm route may hold no GID (the active side's is all zeros): the GID
+     * such a device uses is its port's one entry, the netdev's MAC-based GID (siw, cxgb4 and irdma have a
+     * table of one) */
+    if (out->sgid_index < 0 && out->transport_type == IBV_TRANSPORT_IWARP && port_attr.gid_tbl_len > 0) {
+        memset(&entry, 0, sizeof(entry));
+        if (ibv_query_gid_ex(id->verbs, id->port_num, 0, &entry, 0) == 0) {
+            memcpy(out->sgid, entry.gid.raw, sizeof(out->sgid));
+            out->sgid_index = 0;
+            out->gid_type = (int32_t)entry.gid_type;
+        }
+    }
     return 0;
 }
 

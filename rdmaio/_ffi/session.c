@@ -2,6 +2,7 @@
  * the Python method's accept path: same checks, same order of updates. Any check that fails returns the
  * defer value before anything is written. No Python C-API: cffi releases the GIL around these calls. */
 #include <arpa/inet.h>
+#include <limits.h>
 #include <string.h>
 
 #include "session.h"
@@ -216,14 +217,15 @@ int rdmaio_session_take_slot(struct rdmaio_session *s)
     return 0;
 }
 
-int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
-                     struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop)
+/* rdmaio_rx_frames() and rdmaio_rx_run() in one: the frames go to out[] (struct) or packed[] (one word). */
+static int rx_apply(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
+                    struct rdmaio_rx_frame *out, uint32_t *packed, int max_out, int *consumed, int *stop)
 {
     int i, n = 0, kind;
 
     *consumed = 0;
     *stop = RDMAIO_RX_DONE;
-    if (start < 0 || count <= 0)
+    if (start < 0 || count <= 0 || start > INT_MAX - count)
         return 0;
     for (i = 0; i < count; i++) {
         const struct rdmaio_wc *wc = &records[start + i];
@@ -237,14 +239,24 @@ int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, 
             *stop = RDMAIO_RX_MORE;
             break;
         }
+        uint32_t slot = (uint32_t)(wc->wr_id & 0xffffffffu);
+        if (packed && slot > RDMAIO_RX_SLOT_MAX) {
+            *stop = RDMAIO_RX_DEFER;  /* does not fit the packed word: the Python rules take it */
+            break;
+        }
         kind = rdmaio_session_on_frame(s, wc->imm_data, wc->byte_len);
         if (!kind) {
             *stop = RDMAIO_RX_DEFER;
             break;
         }
-        out[n].kind = (uint32_t)kind;
-        out[n].slot = (uint32_t)(wc->wr_id & 0xffffffffu);
-        out[n].length = wc->byte_len;
+        if (packed) {
+            packed[2 * n] = (uint32_t)kind << RDMAIO_RX_KIND_SHIFT | slot;
+            packed[2 * n + 1] = wc->byte_len;
+        } else {
+            out[n].kind = (uint32_t)kind;
+            out[n].slot = slot;
+            out[n].length = wc->byte_len;
+        }
         n++;
         if (kind == RDMAIO_FRAME_BATCH) {
             i++;
@@ -255,6 +267,25 @@ int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, 
     }
     *consumed = i;
     return n;
+}
+
+int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
+                     struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop)
+{
+    return rx_apply(s, records, start, count, out, NULL, max_out, consumed, stop);
+}
+
+int rdmaio_rx_run(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
+                  uint32_t *packed, int max_out)
+{
+    int consumed, stop, n;
+
+    if (!s || !records || !packed || max_out < 0 || max_out > RDMAIO_RX_RUN_MAX_OUT)
+        return -1;
+    if (count > RDMAIO_RX_RUN_MAX)
+        count = RDMAIO_RX_RUN_MAX;  /* the rest is the caller's next call */
+    n = rx_apply(s, records, start, count, NULL, packed, max_out, &consumed, &stop);
+    return n | consumed << RDMAIO_RX_CONSUMED_SHIFT | stop << RDMAIO_RX_STOP_SHIFT;
 }
 
 static void unframe_reject(struct rdmaio_wc *wc)

@@ -104,6 +104,23 @@ int rdmaio_session_take_slot(struct rdmaio_session *s);
 int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
                      struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop);
 
+/* rdmaio_rx_frames() with everything it tells in small plain integers (below 2**30: one digit of a Python
+ * int), so that the receiver reads no struct field: frame k is packed[2k] = kind << RDMAIO_RX_KIND_SHIFT |
+ * slot and packed[2k + 1] = length (a receive whose slot is above RDMAIO_RX_SLOT_MAX is deferred, as one C
+ * does not apply; packed holds 2 * max_out words), and the return value is frames | consumed <<
+ * RDMAIO_RX_CONSUMED_SHIFT | stop << RDMAIO_RX_STOP_SHIFT; -1 (nothing changed) for no session, records or
+ * packed array, or max_out outside [0, RDMAIO_RX_RUN_MAX_OUT]. At most RDMAIO_RX_RUN_MAX records are looked
+ * at (the caller calls again for the rest). The same rules and records as rdmaio_rx_frames(): the two share
+ * their code. */
+#define RDMAIO_RX_KIND_SHIFT 24
+#define RDMAIO_RX_SLOT_MAX 0xffffffu
+#define RDMAIO_RX_RUN_MAX_OUT 511
+#define RDMAIO_RX_RUN_MAX 0xffff
+#define RDMAIO_RX_CONSUMED_SHIFT 9
+#define RDMAIO_RX_STOP_SHIFT 25
+int rdmaio_rx_run(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
+                  uint32_t *packed, int max_out);
+
 /* The header framing's receive side (rdmaio.protocol.framing.unframe_receive is its reference model): every
  * successful plain receive (IBV_WC_RECV) among records[start .. start+count-1] is made into what the
  * immediate framing delivers. A frame: the header word (network order, the slot's first 4 bytes) becomes

@@ -14,6 +14,7 @@ The public :func:`rdmaio.connect` wraps it with its timeout and the Endpoint.
 from __future__ import annotations
 
 import collections
+import errno
 
 from rdmaio.core.backend import Backend, Waiter
 from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
@@ -34,10 +35,17 @@ from rdmaio.options import Options
 from rdmaio.protocol import Handshake
 from rdmaio.verbs import CMEvent, CMEventType
 
-__all__ = ["CMEventQueue", "connect_error", "dial"]
+__all__ = ["IWARP_BACKLOG_RESET", "CMEventQueue", "connect_error", "dial"]
 
 # rdma_cm reports "no listener on that port" as REJECTED with IB CM reason 8 (invalid service id).
 _REJECT_NO_LISTENER = 8
+# On iWARP the iw_cm reports a refused TCP/MPA connect as REJECTED with a negative errno: -ECONNREFUSED
+# (nobody listens, or the listener's MPA reject) and -ECONNRESET (the listener's kernel reset it before
+# handing it to the application: its listen backlog, the kernel TCP one, is full).
+_IWARP_REFUSED = -errno.ECONNREFUSED
+_IWARP_RESET = -errno.ECONNRESET
+IWARP_BACKLOG_RESET = "reset before it was accepted: the listener's kernel backlog is full"
+"""What the error says of a connection an iWARP listener's kernel reset before rdmaio saw it."""
 
 
 class CMEventQueue:
@@ -67,12 +75,26 @@ class CMEventQueue:
 
 def connect_error(event: CMEvent, where: str) -> Exception:
     """The typed error of an rdma_cm event that ends a connection attempt to ``where`` (a description of
-    the peer): refused (no listener, or rejected), address or route not resolved, or unreachable."""
+    the peer): refused (no listener, rejected, or on iWARP reset by the listener's kernel backlog: every
+    one a :class:`~rdmaio.ConnectionRefusedError`), address or route not resolved, or unreachable."""
     name = event.event.name
     if event.event == CMEventType.REJECTED:
         if event.status == _REJECT_NO_LISTENER:
             return ConnectionRefusedError(
                 f"connection refused by {where}: no listener on that port", errno=111, call="rdma_connect"
+            )
+        if event.status == _IWARP_RESET:
+            return ConnectionRefusedError(
+                f"connection to {where} {IWARP_BACKLOG_RESET} (iWARP, status {event.status})",
+                errno=111,
+                call="rdma_connect",
+            )
+        if event.status == _IWARP_REFUSED:
+            return ConnectionRefusedError(
+                f"connection refused by {where}: no listener on that port, or the listener rejected it "
+                f"(iWARP, status {event.status})",
+                errno=111,
+                call="rdma_connect",
             )
         return ConnectionRefusedError(
             f"connection rejected by {where} (status {event.status})", errno=111, call="rdma_connect"

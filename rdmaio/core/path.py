@@ -27,12 +27,13 @@ from rdmaio.protocol import (
     FEATURE_RECLAIM,
     FEATURE_RNDV,
 )
+from rdmaio.verbs.neighbour import iwarp_gid
 from rdmaio.verbs.path import PathAttributes, transport_name
 
 if TYPE_CHECKING:
     from rdmaio.core.connection import Connection
 
-__all__ = ["FEATURE_NAMES", "PathInfo", "format_gid", "path_info", "query_connection_path"]
+__all__ = ["FEATURE_NAMES", "PathInfo", "format_gid", "iwarp_gids", "path_info", "query_connection_path"]
 
 FEATURE_NAMES: dict[int, str] = {
     FEATURE_BATCH: "batch",
@@ -68,9 +69,11 @@ class PathInfo:
     """The port's link layer: ``"InfiniBand"`` or ``"Ethernet"`` (``"unknown"`` if the device says
     neither)."""
     local_gid: str
-    """The local GID the connection uses, as an IPv6 address (:func:`format_gid`)."""
+    """The local GID the connection uses, as an IPv6 address (:func:`format_gid`). On iWARP: the device's
+    MAC-based GID (the netdev's MAC, then zeros: ``ceba:f7cc:83aa::``), its port's one GID entry."""
     remote_gid: str
-    """The peer's GID, as an IPv6 address."""
+    """The peer's GID, as an IPv6 address. On iWARP: the peer device's MAC-based GID, from the MAC this
+    host knows for the peer's IP address (``::`` when it knows none)."""
     gid_type: str
     """The type of the local GID entry: ``"IB"``, ``"RoCE v1"``, ``"RoCE v2"`` (``""`` if unknown)."""
     gid_index: int
@@ -128,20 +131,42 @@ class PathInfo:
         )
 
 
+_NO_GID = bytes(16)
+
+
+def iwarp_gids(attributes: PathAttributes, local_ip: str | None, peer_ip: str | None) -> tuple[bytes, bytes]:
+    """The local and remote GID of an iWARP connection: what the device read where it knew it, else the
+    MAC-based GID of the netdev behind each side's IP address (:func:`rdmaio.verbs.neighbour.iwarp_gid`).
+    iWARP's connection manager leaves the peer's GID (and on the connecting side its own) all zeros: the
+    connection runs over TCP, whose addresses are all it knows. System calls (netlink): only on request."""
+    local_gid, remote_gid = attributes.local_gid, attributes.remote_gid
+    if local_gid == _NO_GID and local_ip is not None:
+        local_gid = iwarp_gid(local_ip) or local_gid
+    if remote_gid == _NO_GID and peer_ip is not None:
+        remote_gid = iwarp_gid(peer_ip) or remote_gid
+    return local_gid, remote_gid
+
+
 def path_info(connection: Connection, attributes: PathAttributes) -> PathInfo:
     """The record of ``connection`` from the ``attributes`` its cm id's
-    :meth:`~rdmaio.verbs.CMId.query_path` read (the rest comes from the connection: no system call)."""
+    :meth:`~rdmaio.verbs.CMId.query_path` read (the rest comes from the connection; on iWARP the GIDs
+    rdma_cm does not know come from :func:`iwarp_gids`)."""
     session = connection.session
     local, peer = session.local, session.peer
     negotiated = local.features & peer.features
     rndv = connection.rndv
+    local_gid, remote_gid = attributes.local_gid, attributes.remote_gid
+    if attributes.iwarp:
+        local_gid, remote_gid = iwarp_gids(
+            attributes, _ip_of(connection.extra.get("sockname")), _ip_of(connection.extra.get("peername"))
+        )
     return PathInfo(
         device=str(connection.extra["device"]),
         port=attributes.port or int(connection.extra["port"]),
         transport=transport_name(attributes.link_layer, attributes.iwarp, attributes.gid_type),
         link_layer=attributes.link_layer,
-        local_gid=format_gid(attributes.local_gid),
-        remote_gid=format_gid(attributes.remote_gid),
+        local_gid=format_gid(local_gid),
+        remote_gid=format_gid(remote_gid),
         gid_type=attributes.gid_type,
         gid_index=attributes.gid_index,
         active_mtu=attributes.active_mtu,
@@ -162,6 +187,11 @@ def path_info(connection: Connection, attributes: PathAttributes) -> PathInfo:
         peer_version=peer.software or None,
         qp_num=int(connection.extra["qp_num"]),
     )
+
+
+def _ip_of(address: Any) -> str | None:
+    """The host part of a ``(host, port)`` address, or None."""
+    return str(address[0]) if isinstance(address, tuple) and address else None
 
 
 def query_connection_path(connection: Connection) -> PathInfo:

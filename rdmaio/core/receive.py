@@ -17,7 +17,7 @@ placeholders until pulled by :mod:`rdmaio.core.rendezvous`.
 completion records (``wr_id``, ``status``, ``opcode``, ``byte_len``, ``imm_data``, ``flags``) of one
 connection's group, the receive ring's memory, the session's credit counters and the receive buffer; it
 copies each frame out of its slot (one copy), re-posts the slots in one chained post and wakes the reader.
-The frame rules themselves run in C on the session's C state (``rdmaio_rx_frames`` in
+The frame rules themselves run in C on the session's C state (``rdmaio_rx_run`` in
 rdmaio/_ffi/session.c); what C leaves (EOF, RNDV, one-sided receives, extension frames, violations) goes to
 the Python :class:`~rdmaio.protocol.Session`, in CQ order.
 """
@@ -53,12 +53,21 @@ _RECV_RDMA_IMM = int(verbs.WcOpcode.RECV_RDMA_WITH_IMM)  # one-sided: a write no
 _WC_WITH_IMM = verbs.WC_WITH_IMM  # one-sided: a receive without it is a control message
 # The session rules in C (rdmaio/_ffi/session.c), bound once: each is one C call, no Python frame.
 _CDATA = ffi.CData
-_rx_frames = lib.rdmaio_rx_frames
+# The frames of a run of records in small plain integers (no struct field to read, no big int): the return
+# value is frames | consumed << _RX_CONSUMED_SHIFT | stop << _RX_STOP_SHIFT; frame k is two words,
+# kind << _RX_KIND_SHIFT | slot and its length.
+_rx_run = lib.rdmaio_rx_run
+_RX_FRAMES_MASK = (1 << lib.RDMAIO_RX_CONSUMED_SHIFT) - 1
+_RX_CONSUMED_MASK = lib.RDMAIO_RX_RUN_MAX
+_RX_CONSUMED_SHIFT = lib.RDMAIO_RX_CONSUMED_SHIFT
+_RX_STOP_SHIFT = lib.RDMAIO_RX_STOP_SHIFT
+_RX_KIND_SHIFT = lib.RDMAIO_RX_KIND_SHIFT
+_RX_SLOT_MASK = lib.RDMAIO_RX_SLOT_MAX
 _rx_unframe = lib.rdmaio_rx_unframe  # the header framing: each receive made into an immediate one
 _reposted = lib.rdmaio_session_reposted
 _grow = lib.rdmaio_session_grow
 _RX_DEFER = lib.RDMAIO_RX_DEFER
-_RX_FRAMES = 256  # frames one rdmaio_rx_frames call describes at most (it is called again for more)
+_RX_FRAMES = 256  # frames one rdmaio_rx_run call describes at most (it is called again for more)
 _WC_FIELDS = ("wr_id", "status", "opcode", "byte_len", "imm_data", "flags", "vendor_err", "qp_num")
 
 
@@ -173,9 +182,7 @@ class Receiver:
             self._unframe_ring = ffi.cast("uint8_t *", ring)
             self._unframe_len = len(ring)
             del ring
-        self._frames = ffi.new("struct rdmaio_rx_frame[]", _RX_FRAMES)  # what C applied, per frame
-        self._consumed = ffi.new("int *")
-        self._stop = ffi.new("int *")
+        self._frames = ffi.new("uint32_t[]", 2 * _RX_FRAMES)  # what C applied: two words per frame
 
     # --- completions (the connection hands each batch's receives here) ------------------------------
 
@@ -185,7 +192,7 @@ class Receiver:
         chained post), grow the window when the peer is credit-bound, and wake the reader.
 
         With a C session state, the frame rules run in C over the run of records
-        (``rdmaio_rx_frames``), which stops at the first record it leaves to the session's Python methods
+        (``rdmaio_rx_run``), which stops at the first record it leaves to the session's Python methods
         (a one-sided receive, EOF, RNDV, an extension's frame, any frame that breaks a rule): that one is
         handled here, then C goes on with the rest, so the frames are applied in CQ order. ``records`` is
         the poll's ``struct rdmaio_wc`` array; any other sequence of records is copied into one first."""
@@ -207,25 +214,28 @@ class Receiver:
             if _rx_unframe(records, start, count, unframe, self._unframe_len, slot_size) < 0:
                 raise RuntimeError("rdmaio: rdmaio_rx_unframe refused its arguments")
         frames = self._frames
-        consumed = self._consumed
-        stop = self._stop
         i = start
         end = start + count
         while i < end:
             if native is not None:
                 # C applies the frames it can (state changed in C), up to the first it must leave to us.
-                n = _rx_frames(native, records, i, end - i, frames, _RX_FRAMES, consumed, stop)
-                i += consumed[0]
-                python = stop[0] == _RX_DEFER  # records[i]: the session's Python methods apply it
+                run = _rx_run(native, records, i, end - i, frames, _RX_FRAMES)
+                if run < 0:
+                    raise RuntimeError("rdmaio: rdmaio_rx_run refused its arguments")
+                n = run & _RX_FRAMES_MASK
+                i += run >> _RX_CONSUMED_SHIFT & _RX_CONSUMED_MASK
+                python = (
+                    run >> _RX_STOP_SHIFT == _RX_DEFER
+                )  # records[i]: the session's Python methods apply it
             else:
                 n = 0
                 python = True
             for j in range(n + python):
                 if j < n:
-                    frame = frames[j]
-                    kind = frame.kind
-                    slot = frame.slot
-                    length = frame.length
+                    slot = frames[2 * j]
+                    kind = slot >> _RX_KIND_SHIFT
+                    slot &= _RX_SLOT_MASK
+                    length = frames[2 * j + 1]
                     off = slot * slot_size
                 else:
                     wc = records[i]
@@ -286,14 +296,15 @@ class Receiver:
             self._transport.post_receives(repost)
             if native is None or _reposted(native, len(repost)):
                 session.on_recv_reposted(len(repost))  # the Python rule (or its error)
-        state = self._state  # the session's own fields: no property call
-        if (
-            data_frames
-            and state.recv_max > state.recv_depth
-            and not rxbuf.held
-            and (data_frames > state.threshold or self._big_frames > state.threshold)
-        ):
-            self._grow_receives()
+        if data_frames and not rxbuf.held:
+            # The session's own fields (no property call), the threshold first: it alone rules out most
+            # batches, and each field read is a C struct's.
+            state = self._state
+            threshold = state.threshold
+            if (
+                data_frames > threshold or self._big_frames > threshold
+            ) and state.recv_max > state.recv_depth:
+                self._grow_receives()
         if got_data:
             # wake_reader(), inline: keep the two the same.
             waiter = self._waiter

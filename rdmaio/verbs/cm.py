@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdmaio._ffi import ffi, lib
+from rdmaio.errors import AddressError, UnreachableError, VerbsError
 from rdmaio.errors import ConnectionRefusedError as RefusedError
-from rdmaio.errors import VerbsError
 from rdmaio.verbs import _base
 from rdmaio.verbs._base import _check, _check_ptr, _Resource, make_sockaddr, sockaddr_to_tuple
 from rdmaio.verbs.cq import CompletionQueue
@@ -27,6 +27,27 @@ from rdmaio.verbs.srq import SharedReceiveQueue
 class ConnectRefusedError(RefusedError, VerbsError):
     """``rdma_connect`` itself was refused (``ECONNREFUSED``): :class:`rdmaio.ConnectionRefusedError`, and
     still the :class:`~rdmaio.errors.VerbsError` of the failed call it always was."""
+
+
+class ConnectUnreachableError(UnreachableError, VerbsError):
+    """``rdma_connect`` itself found no way to the peer (``ETIMEDOUT``, ``EHOSTUNREACH``, ``ENETUNREACH``,
+    ``EHOSTDOWN``, ``ENETDOWN``): :class:`rdmaio.UnreachableError`, and still the
+    :class:`~rdmaio.errors.VerbsError` of the failed call."""
+
+
+class ConnectAddressError(AddressError, VerbsError):
+    """``rdma_connect`` itself could not use the local address (``EADDRNOTAVAIL``, ``EADDRINUSE``):
+    :class:`rdmaio.AddressError`, and still the :class:`~rdmaio.errors.VerbsError` of the failed call."""
+
+
+# iWARP connects over the kernel's TCP inside rdma_connect: these errnos are TCP's verdict on the peer or
+# on the local address, the same failures a RoCE connect reports later as UNREACHABLE/ADDR_ERROR events.
+UNREACHABLE_ERRNOS: frozenset[int] = frozenset(
+    {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
+)
+"""Errnos of a synchronous ``rdma_connect`` that mean the peer cannot be reached."""
+LOCAL_ADDRESS_ERRNOS: frozenset[int] = frozenset({errno.EADDRNOTAVAIL, errno.EADDRINUSE})
+"""Errnos of a synchronous ``rdma_connect`` that mean the local address cannot be used."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +319,10 @@ class CMId(_Resource):
 
         Raises :class:`~rdmaio.ConnectionRefusedError` when the call itself is refused: iWARP connects over
         TCP, so a port without a listener fails here at once (``ECONNREFUSED``) instead of as a later
-        ``REJECTED`` event as on InfiniBand and RoCE."""
+        ``REJECTED`` event as on InfiniBand and RoCE. Likewise :class:`~rdmaio.UnreachableError` when TCP
+        finds no way to the peer (:data:`UNREACHABLE_ERRNOS`: a later ``UNREACHABLE`` event elsewhere) and
+        :class:`~rdmaio.AddressError` when the local address cannot be used (:data:`LOCAL_ADDRESS_ERRNOS`).
+        Each is also the call's :class:`~rdmaio.errors.VerbsError`."""
         if self.closed or self._generation != _base._generation:  # inline: no call when usable
             self._check_usable()
         if len(private_data) > 255:
@@ -313,20 +337,33 @@ class CMId(_Resource):
             initiator_depth,
         )
         if rc < 0:
-            if -rc == errno.ECONNREFUSED:
-                raise self._refused()
-            raise VerbsError.from_errno("rdma_connect", -rc)
+            raise self._connect_failed(-rc)
 
-    def _refused(self) -> ConnectRefusedError:
+    def _connect_failed(self, err: int) -> VerbsError:
+        """The typed error of ``rdma_connect`` failing at once with ``err``."""
+        if err == errno.ECONNREFUSED:
+            return ConnectRefusedError(
+                f"connection refused by {self._peer_words()}: no listener on that port",
+                errno=err,
+                call="rdma_connect",
+            )
+        if err in UNREACHABLE_ERRNOS:
+            return ConnectUnreachableError(
+                f"{self._peer_words()} unreachable: {os.strerror(err)}", errno=err, call="rdma_connect"
+            )
+        if err in LOCAL_ADDRESS_ERRNOS:
+            return ConnectAddressError(
+                f"cannot connect to {self._peer_words()} from this address: {os.strerror(err)}",
+                errno=err,
+                call="rdma_connect",
+            )
+        return VerbsError.from_errno("rdma_connect", err)
+
+    def _peer_words(self) -> str:
         peer = None
         with contextlib.suppress(Exception):  # only for the message: the id may know no peer
             peer = self.peer_address
-        where = f"{peer[0]} port {peer[1]}" if peer else "the peer"
-        return ConnectRefusedError(
-            f"connection refused by {where}: no listener on that port",
-            errno=errno.ECONNREFUSED,
-            call="rdma_connect",
-        )
+        return f"{peer[0]} port {peer[1]}" if peer else "the peer"
 
     def accept(
         self,

@@ -10,14 +10,19 @@ regions. How many receives may be lent to peers as credits is :mod:`rdmaio.proto
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
-from rdmaio.verbs._base import _check, _check_ptr, _Resource
+from rdmaio.verbs._base import _check, _check_ptr, _errno_of, _Resource
 from rdmaio.verbs.memory import ProtectionDomain
 
-__all__ = ["SharedReceiveQueue"]
+__all__ = ["QUERY_UNSUPPORTED_ERRNOS", "SharedReceiveQueue"]
+
+QUERY_UNSUPPORTED_ERRNOS: frozenset[int] = frozenset({errno.EOPNOTSUPP, errno.ENOSYS})
+"""What ``ibv_query_srq`` returns on a device that does not implement it (Soft-iWARP: ``EOPNOTSUPP``):
+:meth:`SharedReceiveQueue.query` then answers from what the queue was created and armed with."""
 
 
 class SharedReceiveQueue(_Resource):
@@ -44,6 +49,14 @@ class SharedReceiveQueue(_Resource):
         """The SRQ's address: ``AsyncEvent.obj`` of its events (``IBV_EVENT_SRQ_LIMIT_REACHED``)."""
         self.max_wr: int = int(init.attr.max_wr)
         self._slots = ffi.new("uint32_t[]", max(self.max_wr, 1))
+        self.max_sge: int = int(init.attr.max_sge)
+        """Scatter entries per receive, as granted at creation."""
+        self.armed_limit: int = limit
+        """The low watermark last armed through this object (at creation or :meth:`arm_limit`); the device
+        disarms it when ``IBV_EVENT_SRQ_LIMIT_REACHED`` fires, which only :meth:`query` on a device that
+        implements ``ibv_query_srq`` sees."""
+        self.query_supported: bool | None = None
+        """Whether the device answers ``ibv_query_srq`` (None: not asked yet)."""
 
     def post_ring_slots(
         self, lkeys: Any, addr: int, slot_size: int, slots: list[int], wr_id_base: int = 0
@@ -70,12 +83,25 @@ class SharedReceiveQueue(_Resource):
         attr = ffi.new("struct ibv_srq_attr *")
         attr.srq_limit = limit
         _check(lib.ibv_modify_srq(self._ptr, attr, lib.IBV_SRQ_LIMIT), "ibv_modify_srq", f"limit {limit}")
+        self.armed_limit = limit
 
     def query(self) -> tuple[int, int, int]:
-        """``(max_wr, max_sge, srq_limit)`` as the device holds them (``srq_limit`` 0: not armed)."""
+        """``(max_wr, max_sge, srq_limit)`` as the device holds them (``srq_limit`` 0: not armed).
+
+        A device that does not implement ``ibv_query_srq`` (:data:`QUERY_UNSUPPORTED_ERRNOS`; Soft-iWARP)
+        gets the values the queue was created with and the limit last armed through this object
+        (:attr:`armed_limit`), and :attr:`query_supported` turns False; any other failure raises
+        :class:`~rdmaio.errors.VerbsError`."""
         self._check_usable()
+        if self.query_supported is False:  # asked before: the device answers nothing, no call
+            return self.max_wr, self.max_sge, self.armed_limit
         attr = ffi.new("struct ibv_srq_attr *")
-        _check(lib.ibv_query_srq(self._ptr, attr), "ibv_query_srq")
+        rc = lib.ibv_query_srq(self._ptr, attr)
+        if rc != 0 and (-rc if rc < -1 else _errno_of(rc)) in QUERY_UNSUPPORTED_ERRNOS:
+            self.query_supported = False
+            return self.max_wr, self.max_sge, self.armed_limit
+        _check(rc, "ibv_query_srq")
+        self.query_supported = True
         return int(attr.max_wr), int(attr.max_sge), int(attr.srq_limit)
 
     def _destroy(self) -> None:

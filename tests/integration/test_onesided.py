@@ -22,6 +22,7 @@ import trio
 from loops import Runner, arun  # arun is a fixture used by name
 from peer_process import peer_process, wait_ready
 from rdma_state import rdma_resources
+from traffic import refused_write
 
 import rdmaio
 from rdmaio._ffi import lib
@@ -286,22 +287,6 @@ def test_every_local_check_leaves_the_connection_usable(rdma_addr: str) -> None:
     asyncio.run(main())
 
 
-async def refused_write(
-    imp: rdmaio.Endpoint, key: RemoteKey, offset: int, data: bytes, provider: str
-) -> None:
-    """A write the exporter's NIC refuses. On RoCE the refusal is the write's own completion
-    (RemoteAccessError). On iWARP an RDMA WRITE completes once sent, with no acknowledgement from the
-    responder: the refusal is a TERMINATE that ends the connection, which the next operation sees."""
-    if provider == "rxe":
-        with pytest.raises(rdmaio.RemoteAccessError):
-            await imp.rdma_write(key, offset, data)
-        return
-    with contextlib.suppress(rdmaio.RemoteAccessError):
-        await imp.rdma_write(key, offset, data)
-    with pytest.raises((rdmaio.EndpointClosedError, ConnectionError, rdmaio.RemoteAccessError)):
-        await imp.rdma_read(key, 0, 8)
-
-
 def test_nic_enforces_bounds_for_a_peer_that_skips_the_checks(rdma_addr: str, provider: str) -> None:
     """A forged key (longer than the grant) passes our local checks; the exporter's NIC refuses it and its
     memory outside the grant is untouched. That remote access error ends the connection."""
@@ -342,7 +327,7 @@ def test_write_with_imm_gives_notices_and_uses_credits(rdma_addr: str) -> None:
     asyncio.run(main())
 
 
-def test_unconsumed_write_notices_stop_the_writer(rdma_addr: str) -> None:
+def test_unconsumed_write_notices_stop_the_writer(arun: Runner[Any], rdma_addr: str) -> None:
     """Options.max_write_notices: past it, notices hold their receive, so the writer's credits run out and
     its writes with imm wait; consuming the notices lets every write through, in order, none lost."""
     limit, depth = 4, 8
@@ -385,7 +370,7 @@ def test_unconsumed_write_notices_stop_the_writer(rdma_addr: str) -> None:
             await imp.send(b"still alive")  # the credits all came back
             assert await exp.recv() == b"still alive"
 
-    asyncio.run(main())
+    arun(main())
 
 
 def test_a_server_without_the_onesided_feature(rdma_addr: str, monkeypatch: pytest.MonkeyPatch) -> None:

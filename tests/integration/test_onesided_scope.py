@@ -5,6 +5,9 @@ pair): another connection of the same process, sharing the protection domain, is
 grants and for rendezvous buffers alike. Calls collected for a doorbell when a REVOKE arrives fail with
 ``RemoteKeyRevokedError`` instead of reaching the NIC after the REVOKE_ACK. The importer's memory of
 revoked key ids stays bounded.
+
+The tests of scoping by windows need them (``requires_memory_windows``: deselected on iWARP, where a
+connection has a protection domain of its own instead, which test_onesided_caps covers).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 from loops import Runner, arun  # arun is a fixture used by name
 from rdma_state import rdma_resources
+from traffic import ping, server_and_clients, share
 
 import rdmaio
 from rdmaio.core.onesided import ACCESS_READ, ACCESS_WRITE, RemoteKey
@@ -27,50 +31,12 @@ from rdmaio.core.onesided.exporter import CTL_REVOKE
 __all__ = ["arun"]
 
 
-@asynccontextmanager
-async def server_and_clients(
-    addr: str, clients: int, **options: Any
-) -> AsyncIterator[tuple[list[rdmaio.Endpoint], list[rdmaio.Endpoint]]]:
-    """``clients`` connections to one server on this loop: (the server's endpoints, the clients'), in
-    connection order. Every server-side queue pair shares the loop's protection domain."""
-    accepted: asyncio.Queue[rdmaio.Endpoint] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def handler(ep: rdmaio.Endpoint) -> None:
-        await accepted.put(ep)
-        await done.wait()
-
-    opts = rdmaio.Options(**options) if options else None
-    server = await rdmaio.serve(handler, addr, 0, options=opts)
-    served: list[rdmaio.Endpoint] = []
-    connected: list[rdmaio.Endpoint] = []
-    async with server:
-        try:
-            for _ in range(clients):
-                connected.append(await rdmaio.connect(addr, server.addresses[0][1], timeout=30, options=opts))
-                served.append(await asyncio.wait_for(accepted.get(), 30))
-            yield served, connected
-        finally:
-            for ep in connected + served:
-                ep.abort()
-            done.set()
-
-
-async def share(exporter: rdmaio.Endpoint, importer: rdmaio.Endpoint, key: rdmaio.RemoteKey) -> RemoteKey:
-    await exporter.send(bytes(key))
-    return rdmaio.RemoteKey.from_bytes(await importer.recv())
-
-
 def forged(addr: int, rkey: int, length: int, bits: int = ACCESS_READ | ACCESS_WRITE) -> RemoteKey:
     """What a client that learnt (or guessed) another connection's address and rkey would use."""
     return RemoteKey(addr, rkey, length, bits, 1)
 
 
-async def ping(a: rdmaio.Endpoint, b: rdmaio.Endpoint) -> None:
-    await a.send(b"ping")
-    assert await asyncio.wait_for(b.recv(), 30) == b"ping"
-
-
+@pytest.mark.requires_memory_windows
 def test_a_grant_works_through_its_own_connection_only(arun: Runner[Any], rdma_addr: str) -> None:
     """Client B (and B2) read and write with client A's address and rkey: B's NIC gets a remote access
     error, A's memory stays as it was, and A's own access still works."""
@@ -106,6 +72,7 @@ def test_a_grant_works_through_its_own_connection_only(arun: Runner[Any], rdma_a
     arun(main())
 
 
+@pytest.mark.requires_memory_windows
 def test_a_domain_scoped_grant_is_what_the_caller_asked_for(rdma_addr: str) -> None:
     """scope="domain" keeps the process-wide grant, by name: another connection can use it."""
 
@@ -121,6 +88,7 @@ def test_a_domain_scoped_grant_is_what_the_caller_asked_for(rdma_addr: str) -> N
     asyncio.run(main())
 
 
+@pytest.mark.requires_memory_windows
 def test_a_rendezvous_buffer_is_readable_through_its_connection_only(
     arun: Runner[Any], rdma_addr: str
 ) -> None:
@@ -220,7 +188,7 @@ def test_revoking_ids_never_issued_stops_at_the_bound(arun: Runner[Any], rdma_ad
     importer's memory."""
 
     async def main() -> None:
-        async with server_and_clients(rdma_addr, 1, max_revoked_key_ranges=32) as ((exp,), (imp,)):
+        async with server_and_clients(rdma_addr, 1, {"max_revoked_key_ranges": 32}) as ((exp,), (imp,)):
             # A hostile exporter: REVOKEs for random ids it never issued (its engine made to send them).
             engine = exp._conn.onesided
             rng = random.Random(7)

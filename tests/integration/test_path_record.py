@@ -32,11 +32,23 @@ def tool(*args: str) -> str:
     return subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
 
 
-def sysfs_gid(device: str, port: int, index: int) -> tuple[ipaddress.IPv6Address, str]:
-    """The GID at ``index`` of the port's table and its type, as the kernel shows them."""
+def sysfs_gid(device: str, port: int, index: int, transport: str) -> tuple[ipaddress.IPv6Address, str]:
+    """The GID at ``index`` of the port's table and its type, as the kernel shows them. The record must name
+    a real entry on every transport (an index of -1 is no entry: it fails here, never reads ``gids/-1``).
+    On iWARP the entry is also checked to be what an iWARP device uses: its netdev's MAC (``rdma link``
+    names the netdev, sysfs its address) followed by ten zero bytes."""
     base = SYSFS / device / "ports" / str(port)
+    assert 0 <= index < len(list((base / "gids").iterdir())), (index, device, port)
     gid = ipaddress.IPv6Address((base / "gids" / str(index)).read_text().strip())
     gid_type = (base / "gid_attrs" / "types" / str(index)).read_text().strip()
+    if transport == "iWARP":
+        link = tool("rdma", "link", "show", f"{device}/{port}")
+        netdev = re.search(r"\bnetdev (\S+)", link)
+        assert netdev is not None, link
+        mac = bytes.fromhex(
+            (Path("/sys/class/net") / netdev[1] / "address").read_text().strip().replace(":", "")
+        )
+        assert gid.packed == mac + bytes(10), (str(gid), mac.hex(":"))
     return gid, gid_type
 
 
@@ -57,7 +69,7 @@ def check_against_the_system(path: PathInfo) -> None:
         expected_type = "IB/RoCE v1"
     assert 0 < path.path_mtu <= path.active_mtu
     # the local GID is the one at gid_index, of the type the record names (sysfs names v1 "IB/RoCE v1")
-    gid, gid_type = sysfs_gid(path.device, path.port, path.gid_index)
+    gid, gid_type = sysfs_gid(path.device, path.port, path.gid_index, path.transport)
     assert ipaddress.IPv6Address(path.local_gid) == gid
     assert gid_type == expected_type, (gid_type, path)
 

@@ -180,6 +180,7 @@ def async_events(ctx: verbs.DeviceContext, timeout: float) -> list[verbs.AsyncEv
     return seen
 
 
+@pytest.mark.requires_immediate  # the clients number their messages in immediate data
 def test_two_qps_receive_from_one_srq_and_the_limit_event_arrives(
     pair_of_clients: tuple[Server, list[Client], EventChannel],
 ) -> None:
@@ -223,6 +224,7 @@ def test_two_qps_receive_from_one_srq_and_the_limit_event_arrives(
     assert [e for e in async_events(server.ctx, 10.0) if e.event_type == verbs.EVENT_SRQ_LIMIT_REACHED]
 
 
+@pytest.mark.requires_immediate  # and RNR, which iWARP does not have (a SEND to an empty queue ends the QP)
 def test_send_to_an_empty_srq_fails_with_rnr_when_rnr_retry_is_finite(
     pair_of_clients: tuple[Server, list[Client], EventChannel],
 ) -> None:
@@ -271,3 +273,30 @@ def test_closing_the_srq_closes_its_qps_first_and_leaks_nothing(rdma_addr: str) 
     for kind in ("qp", "cq", "mr", "cm_id", "pd"):
         assert after.get(kind, 0) == before.get(kind, 0), (kind, before, after)
     assert srq_count() == srqs_before
+
+
+def test_srq_query_answers_where_the_device_does_not(rdma_addr: str, provider: str) -> None:
+    """``SharedReceiveQueue.query`` on every device: Soft-iWARP does not implement ``ibv_query_srq``
+    (EOPNOTSUPP), and the queue then answers what it was created and armed with. Before: VerbsError
+    ``ibv_query_srq() [ENOTSUP]`` on siw."""
+    with EventChannel() as channel:
+        cm_id = CMId(channel)
+        cm_id.resolve_addr(rdma_addr, 4791)
+        Events(channel).wait(cm_id.handle, CMEventType.ADDR_RESOLVED)
+        ctx = cm_id.device()
+        assert ctx is not None
+        pd = verbs.ProtectionDomain(ctx)
+        srq = verbs.SharedReceiveQueue(pd, 8, limit=2)
+        try:
+            max_wr, max_sge, limit = srq.query()
+            assert max_wr >= 8 and max_sge >= 1 and limit == 2
+            srq.arm_limit(3)
+            assert srq.query()[2] == 3
+            # rxe answers from the device, siw (ibv_query_srq: EOPNOTSUPP) from what was asked
+            assert srq.query_supported is (provider != "siw"), provider
+            if not srq.query_supported:
+                assert (max_wr, max_sge) == (srq.max_wr, 1)
+        finally:
+            srq.close()
+            pd.close()
+            cm_id.close()

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
+from ctest import build_and_run
 from test_onesided_unit import RECV, RECV_RDMA_WITH_IMM, Rig, key, settle
 
 import rdmaio
@@ -352,6 +354,171 @@ def test_write_notices_by_message_between_two_real_engines(arun: Run) -> None:
     arun(main())
 
 
+class _Nic:
+    """Completes what the engine posts on a Rig, as the NIC would: every RDMA WRITE, and the SENDs of the
+    notices too when ``sends`` is set (the exporter gives credits). Keeps each SEND's bytes, read when
+    first seen (its staging slot is reused once it completed), with its place among the requests."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.completed: set[int] = set()
+        self.sends: dict[int, bytes] = {}
+
+    def run(self, *, sends: bool) -> None:
+        for index, wr in enumerate(self.rig.qp.posted):
+            if wr["opcode"] == lib.IBV_WR_SEND and index not in self.sends:
+                self.sends[index] = bytes(ffi.buffer(ffi.cast("char *", wr["local_addr"]), wr["length"]))
+            if index in self.completed or (wr["opcode"] == lib.IBV_WR_SEND and not sends):
+                continue
+            self.completed.add(index)
+            self.rig.complete(index)
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-writer", "many-writers"])
+def test_write_notices_by_message_hold_the_writer_back_while_the_peer_withholds_credits(
+    arun: Run, concurrent: bool
+) -> None:
+    """A peer that grants no credit (it stops consuming notices) must not make us queue notices without
+    bound: as with a WRITE with immediate data, the writer waits until its notice took a credit, and the
+    notices waiting for one hold op slots (at most max_ops of them). Given credits, every notice goes out,
+    each after its WRITE, in order, none lost."""
+
+    async def main() -> None:
+        max_ops, total = 4, 24
+        rig = Rig(max_ops=max_ops, credits=1)  # one credit: the reserve, never ours to take
+        rig.engine.write_notice_by_message = True
+        ops = rig.engine.operations
+        done: list[int] = []
+
+        async def write(i: int) -> None:
+            await rig.engine.write(key(), i * 8, i.to_bytes(8, "little"), imm=i)
+            done.append(i)
+
+        async def one_writer() -> None:
+            for i in range(total):
+                await write(i)
+
+        tasks = (
+            [asyncio.ensure_future(write(i)) for i in range(total)]
+            if concurrent
+            else [asyncio.ensure_future(one_writer())]
+        )
+        nic = _Nic(rig)
+        for _ in range(20):  # the NIC completes every WRITE it is given; no credit comes
+            await settle()
+            nic.run(sends=False)
+        waiting = ops.waiting_for_credit
+        assert len(done) < total and not all(t.done() for t in tasks), (len(done), waiting)
+        assert 0 < waiting <= max_ops and ops.in_flight <= max_ops
+        assert len(ops._pending_sends) + len(ops._credit_queue) == waiting  # nothing queued outside
+        assert nic.sends == {}
+        # Credits come back (the exporter consumes its notices): every write goes through.
+        rig.credits.credits = 10 * total
+        rig.engine.pump()
+        for _ in range(50):
+            nic.run(sends=True)
+            await settle()
+            if all(t.done() for t in tasks):
+                break
+        for task in tasks:
+            await task
+        nic.run(sends=True)
+        assert sorted(done) == list(range(total)) and ops.waiting_for_credit == 0
+        values = [struct.unpack("!BB6xQ", sent)[2] for _, sent in sorted(nic.sends.items())]
+        if not concurrent:
+            assert values == [8 << 32 | i for i in range(total)]
+        assert sorted(values) == [8 << 32 | i for i in range(total)]
+        # Each notice is posted after the WRITE of its bytes.
+        posted = rig.qp.posted
+        writes = {
+            wr["remote_addr"]: n for n, wr in enumerate(posted) if wr["opcode"] == lib.IBV_WR_RDMA_WRITE
+        }
+        for n, sent in nic.sends.items():
+            i = struct.unpack("!BB6xQ", sent)[2] & 0xFFFF_FFFF
+            assert writes[0x10000 + i * 8] < n
+        assert rig.engine.statistics()["rdma_ops_pending"] == 0
+        assert sorted(ops._free_staging) == list(range(max_ops))
+
+    arun(main())
+
+
+def test_a_writer_waiting_for_its_notices_credit_fails_with_the_connection(arun: Run) -> None:
+    """The connection ends while writers wait for their notices' credits (and for op slots behind them):
+    each raises the connection's typed error; nothing stays queued."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=2, credits=1)
+        rig.engine.write_notice_by_message = True
+        ops = rig.engine.operations
+        writers = [
+            asyncio.ensure_future(rig.engine.write(key(), i * 8, b"12345678", imm=i)) for i in range(5)
+        ]
+        nic = _Nic(rig)
+        for _ in range(10):
+            await settle()
+            nic.run(sends=False)
+        assert not any(w.done() for w in writers) and ops.waiting_for_credit == 2
+        rig.engine.close(rdmaio.ConnectionResetError("peer closed the connection"))
+        for writer in writers:
+            with pytest.raises(rdmaio.ConnectionResetError):
+                await writer
+        assert ops.waiting_for_credit == 0 and not ops._credit_queue and not ops._pending_sends
+
+    arun(main())
+
+
+def test_a_cancelled_write_with_a_notice_frees_its_staging_only_after_the_nic_is_done(arun: Run) -> None:
+    """One op slot (max_ops 1): the WRITE is posted, then its notice waits for the slot the WRITE holds.
+    Cancelled there, the writer leaves the WRITE's staging slot to its completion (the NIC may still read
+    it: no other call may reuse it before); cancelled while its notice waits for a credit, the notice stays
+    queued, holding its op slot, and goes out once a credit comes (as a cancelled WRITE with immediate
+    data does)."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=1, credits=1)
+        rig.engine.write_notice_by_message = True
+        ops = rig.engine.operations
+        first = asyncio.ensure_future(rig.engine.write(key(), 0, b"first", imm=1))
+        await settle()
+        assert [wr["opcode"] for wr in rig.qp.posted] == [lib.IBV_WR_RDMA_WRITE]
+        assert ops._free_staging == []  # the posted WRITE's slot
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert ops._free_staging == []  # still the NIC's
+        second = asyncio.ensure_future(rig.engine.write(key(), 8, b"second", imm=2))
+        await settle()
+        assert len(rig.qp.posted) == 1  # nothing may take the slot yet
+        rig.complete(0)  # the first WRITE completes: its slot comes back, the second goes on
+        await settle()
+        assert [wr["opcode"] for wr in rig.qp.posted] == [lib.IBV_WR_RDMA_WRITE] * 2
+        rig.complete(1)
+        await settle()
+        # The second's notice holds the one op slot and waits for a credit.
+        assert ops.waiting_for_credit == 1 and ops.in_flight == 1 and not second.done()
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert ops.waiting_for_credit == 1 and ops.in_flight == 1  # still queued, still bounded
+        rig.credits.credits = 3
+        rig.engine.pump()
+        send = rig.qp.posted[-1]
+        assert send["opcode"] == lib.IBV_WR_SEND
+        assert bytes(ffi.buffer(ffi.cast("char *", send["local_addr"]), send["length"])) == notice_message(
+            6, 2
+        )
+        assert ops._free_staging == []  # the SEND's slot, until its completion
+        rig.complete(2)
+        assert ops._free_staging == [0] and ops.in_flight == 0
+        await rig.engine.write(key(), 0, b"", imm=3)  # the engine goes on
+        send = rig.qp.posted[-1]
+        assert bytes(ffi.buffer(ffi.cast("char *", send["local_addr"]), send["length"])) == notice_message(
+            0, 3
+        )
+
+    arun(main())
+
+
 # --- no memory windows: a protection domain per connection ---------------------------------------------
 
 
@@ -517,27 +684,8 @@ int main(void)
 """
 
 
-def test_no_read_is_posted_with_more_than_one_scatter_entry(tmp_path: Any) -> None:
-    out = _build_and_run_with_onesided(tmp_path, READ_SGE_HARNESS)
+def test_no_read_is_posted_with_more_than_one_scatter_entry(tmp_path: Path) -> None:
+    out = build_and_run(tmp_path, "reads", READ_SGE_HARNESS, ["helper.c", "onesided.c"])
     # 16 + 100 + 1 + 16 READs, each with exactly one scatter entry of its own length (never 0 entries
     # for a non-empty READ, never 2): siw's limit of one READ scatter entry holds on every path.
     assert out.strip() == "doorbell=16 batch=100 serial=0 wave=0 reads=133 max_sge=1 empty_sge=0", out
-
-
-def _build_and_run_with_onesided(work: Any, source: str) -> str:
-    """Build ``source`` with the C helper and its one-sided part (test_helper_c's way), run it."""
-    import shutil
-    import subprocess
-
-    from ctest import FFI_DIR
-
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is needed to build the C helper (tools/dev setup installs it)")
-    (work / "reads.c").write_text(source)
-    binary = work / "reads"
-    command = [gcc, "-std=gnu11", "-Wall", "-Werror", "-I", str(FFI_DIR), str(work / "reads.c")]
-    command += [str(FFI_DIR / "helper.c"), str(FFI_DIR / "onesided.c"), "-o", str(binary)]
-    built = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert built.returncode == 0, built.stderr
-    return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout

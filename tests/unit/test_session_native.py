@@ -170,6 +170,119 @@ def _rx(
     return [(out[j].kind, out[j].slot, out[j].length) for j in range(n)], consumed[0], stop[0]
 
 
+def _rx_run(
+    state: Any, records: Any, start: int, count: int, max_out: int = 64
+) -> tuple[list[tuple[int, int, int]], int, int]:
+    """``_rx`` through ``rdmaio_rx_run`` (the receiver's call): the packed words decoded to the triple."""
+    out = ffi.new("uint32_t[]", 2 * max(max_out, 1))
+    run = lib.rdmaio_rx_run(state, records, start, count, out, max_out)
+    assert run >= 0
+    assert run < 1 << 30  # one digit of a Python int: the receiver's bit operations stay cheap
+    n = run & ((1 << lib.RDMAIO_RX_CONSUMED_SHIFT) - 1)
+    consumed = run >> lib.RDMAIO_RX_CONSUMED_SHIFT & lib.RDMAIO_RX_RUN_MAX
+    frames = [
+        (out[2 * j] >> lib.RDMAIO_RX_KIND_SHIFT, out[2 * j] & lib.RDMAIO_RX_SLOT_MAX, out[2 * j + 1])
+        for j in range(n)
+    ]
+    return frames, consumed, run >> lib.RDMAIO_RX_STOP_SHIFT
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from(
+                ["end", "more", "batch", "eof", "credit", "garbage", "write", "ctl", "send", "failed"]
+            ),
+            st.integers(4, 64),
+            st.sampled_from([0, 1, 5, lib.RDMAIO_RX_SLOT_MAX, lib.RDMAIO_RX_SLOT_MAX + 1, 0xFFFF_FFFF]),
+        ),
+        max_size=12,
+    ),
+    max_out=st.integers(0, 4),
+    start=st.integers(0, 3),
+)
+def test_rx_run_applies_what_rx_frames_applies(
+    rows: list[tuple[str, int, int]], max_out: int, start: int
+) -> None:
+    """The receiver's packed call and the struct one share their code: from the same state and records, the
+    same frames, records consumed, stop and state, except that a slot the packed word cannot hold is left to
+    the Python rules (consumed, changed nothing)."""
+    hs = Handshake(8, 64, 1 << 20, features=FEATURE_BATCH)
+    peer = Session(hs, hs)
+    twins = NativeSession(hs, hs), NativeSession(hs, hs)
+    table = []
+    for what, n, slot in rows:
+        wr_id = verbs.make_wr_id(verbs.WR_KIND_RECV, 1, 0) | slot
+        imm, flags, opcode, status = 0, _WITH_IMM, _RECV, 0
+        if what in ("end", "more"):
+            imm = peer.take_data_frame(what == "end", n) if peer.can_send_data() else 0
+        elif what == "batch":
+            ok = peer.can_send_data() and not peer.rules_state.send_in_message
+            imm = peer.take_batch_frame(n, 1) if ok else 0
+        elif what == "eof":
+            imm = int(FrameKind.EOF) << 28
+        elif what == "credit":
+            imm = int(FrameKind.CREDIT) << 28 | 1
+        elif what == "garbage":
+            imm = 0x0FFF_0000
+        elif what == "write":
+            opcode = _RECV_RDMA_IMM
+        elif what == "ctl":
+            flags = 0
+        elif what == "send":
+            opcode = _SEND
+        else:
+            status = 5
+        table.append((wr_id, status, opcode, n, imm, flags))
+    records = ffi.new("struct rdmaio_wc[]", table or [(0, 0, 0, 0, 0, 0)])
+    count = max(len(rows) - start, 0)
+    expected = _rx(twins[0].rules_state, records, start, count, max_out)
+    got = _rx_run(twins[1].rules_state, records, start, count, max_out)
+    # The first receive the struct call applied whose slot the packed word cannot hold, if any.
+    too_big = [
+        i
+        for i in range(start, start + expected[1])
+        if records[i].wr_id & 0xFFFF_FFFF > lib.RDMAIO_RX_SLOT_MAX
+        and records[i].status == 0
+        and records[i].opcode == _RECV
+        and records[i].flags & _WITH_IMM
+    ]
+    if not too_big:
+        assert got == expected
+        assert fields(twins[1]) == fields(twins[0])
+        return
+    # The packed call stops there, before the rules see it (deferred: the Python rules take it), with what
+    # the struct call applied before it: the same as a struct call over the records up to it.
+    prefix = NativeSession(hs, hs)
+    assert got == (
+        _rx(prefix.rules_state, records, start, too_big[0] - start, max_out)[0],
+        too_big[0] - start,
+        lib.RDMAIO_RX_DEFER,
+    )
+    assert fields(twins[1]) == fields(prefix)
+
+
+def test_rx_run_refuses_bad_arguments_and_changes_nothing() -> None:
+    hs = Handshake(8, 64, 1 << 20)
+    peer, me = Session(hs, hs), NativeSession(hs, hs)
+    records = _records([(0, peer.take_data_frame(True, 3), 3)])
+    out = ffi.new("uint32_t[]", 2 * (lib.RDMAIO_RX_RUN_MAX_OUT + 1))
+    before = fields(me)
+    assert lib.rdmaio_rx_run(ffi.NULL, records, 0, 1, out, 1) == -1
+    assert lib.rdmaio_rx_run(me.rules_state, ffi.NULL, 0, 1, out, 1) == -1
+    assert lib.rdmaio_rx_run(me.rules_state, records, 0, 1, ffi.NULL, 1) == -1
+    assert lib.rdmaio_rx_run(me.rules_state, records, 0, 1, out, -1) == -1
+    assert lib.rdmaio_rx_run(me.rules_state, records, 0, 1, out, lib.RDMAIO_RX_RUN_MAX_OUT + 1) == -1
+    assert lib.rdmaio_rx_run(me.rules_state, records, -1, 1, out, 1) == 0  # nothing consumed
+    assert fields(me) == before
+    assert _rx_run(me.rules_state, records, 0, 1) == (
+        [(int(FrameKind.DATA_END), 0, 3)],
+        1,
+        lib.RDMAIO_RX_DONE,
+    )
+
+
 def test_rx_frames_applies_a_run_and_stops_at_what_it_leaves_to_python() -> None:
     hs = Handshake(8, 64, 1 << 20, features=FEATURE_BATCH)
     peer, me = Session(hs, hs), NativeSession(hs, hs)
@@ -376,7 +489,8 @@ def _batch_payload(length: int) -> bytes:
 
 def _receive(session: Session, rows: list[tuple[int, int, str]], native: bool) -> list[Any]:
     """Apply received completions as Receiver.on_batch does: the Python rules frame by frame, or C's
-    rdmaio_rx_frames with the Python Session for what it defers. Returns what happened, in order."""
+    rdmaio_rx_run / rdmaio_rx_frames (in turn) with the Python Session for what they defer. Returns what
+    happened, in order."""
     opcodes = {"recv": _RECV, "send": _SEND, "failed": _RECV, "write": _RECV_RDMA_IMM, "ctl": _RECV}
     header = session.framing.header
     seen: list[Any] = []
@@ -459,9 +573,13 @@ def _receive(session: Session, rows: list[tuple[int, int, str]], native: bool) -
 
     try:
         i = 0
+        packed = False
         while i < len(rows):
             if native:
-                frames, consumed, stop = _rx(session.rules_state, records, i, len(rows) - i, max_out=3)
+                # The receiver's packed call and the struct one in turn: both must match the Python rules.
+                packed = not packed
+                call = _rx_run if packed else _rx
+                frames, consumed, stop = call(session.rules_state, records, i, len(rows) - i, max_out=3)
                 for kind, _slot, length in frames:
                     apply(kind, length)
                 i += consumed

@@ -246,7 +246,7 @@ class OneSidedEngine:
             register_read_grant=register_read_grant,
         )
         operations.on_other_completion = exporter.on_bind_completion
-        operations.send_notice = exporter.send_write_notice
+        operations.notice_message = exporter.write_notice_message
         batches = BatchCalls(operations)
         self.operations = operations
         self.exporter = exporter

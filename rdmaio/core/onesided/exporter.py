@@ -471,10 +471,12 @@ class Exporter:
             return False
         return True
 
-    def send_write_notice(self, length: int, imm: int) -> None:
-        """Queue the control message of a write notice of ``length`` bytes with value ``imm`` (the writer's
-        side of a write without immediate data; see ``OperationEngine.write_notice_by_message``)."""
-        self.send_control_message(CTL_WRITE_NOTICE, (length & 0xFFFF_FFFF) << 32 | imm)
+    @staticmethod
+    def write_notice_message(length: int, imm: int) -> bytes:
+        """The control message of a write notice of ``length`` bytes with value ``imm`` (the writer's side
+        of a write without immediate data, which the operation engine sends as an op of its own; see
+        ``OperationEngine.write_notice_by_message``)."""
+        return _CONTROL.pack(KEY_VERSION, CTL_WRITE_NOTICE, (length & 0xFFFF_FFFF) << 32 | imm)
 
     async def wait_write_notice(self) -> WriteNotice:
         """The next write notice; raises the connection's error once none is left and it failed."""

@@ -269,12 +269,15 @@ class OperationEngine:
         """This side's device (named in the errors of what it lacks)."""
         self.write_notice_by_message = write_notice_by_message
         """A write with a notice (``imm=``) is an RDMA WRITE followed by a control message carrying the
-        notice (:attr:`send_notice`), not a WRITE with immediate data: for a connection whose framing has
-        no immediate data (iWARP devices have none). Both go out on this queue pair in that order, and RC
-        places the WRITE's data before the SEND is delivered, so the peer sees the notice after the data."""
-        self.send_notice: Callable[[int, int], None] | None = None
-        """Queues the control message of a write notice (``length``, ``imm``): the exporter's, set by the
-        engine that composes both."""
+        notice (:attr:`notice_message`), not a WRITE with immediate data: for a connection whose framing
+        has no immediate data (iWARP devices have none). Both go out on this queue pair in that order, and
+        RC places the WRITE's data before the SEND is delivered, so the peer sees the notice after the data.
+        The notice is an op of its own that waits for a send credit, as a WRITE with immediate data does,
+        and its writer waits until it has taken one: a peer that withholds credits holds the writers back,
+        and at most ``max_ops`` notices wait (each holds an op slot)."""
+        self.notice_message: Callable[[int, int], bytes] | None = None
+        """The control message of a write notice (``length``, ``imm``): the exporter's, set by the engine
+        that composes both."""
         # The access bit an atomic's serial path tests a key for: none on a device without atomics, so
         # such calls take the general path, which raises FeatureNotSupportedError (no Python call more).
         self._atomic_bit = ACCESS_ATOMIC if atomics else 0
@@ -553,16 +556,16 @@ class OperationEngine:
 
     async def _write_then_notice(self, key: RemoteKey, offset: int, view: memoryview, imm: int) -> None:
         """A write with a notice where there is no immediate data: an RDMA WRITE (none when ``view`` is
-        empty), then the notice as a control message queued once the WRITE is posted (it follows it on
-        this queue pair: RC delivers it after the WRITE's data is placed). A WRITE that fails to post, or
-        whose key the peer revoked before the doorbell rang, sends no notice. Returns when the WRITE
-        completed (as a WRITE with immediate data does); the notice goes out after a send credit."""
-        send_notice = self.send_notice
-        assert send_notice is not None
+        empty), then the notice as a control message once the WRITE is posted (it follows it on this queue
+        pair: RC delivers it after the WRITE's data is placed). A WRITE that fails to post, or whose key
+        the peer revoked before the doorbell rang, sends no notice. Returns when the WRITE completed (as a
+        WRITE with immediate data does) and its notice took its send credit (see :meth:`_send_notice`)."""
+        notice_message = self.notice_message
+        assert notice_message is not None
         length = view.nbytes
         if not length:
             self.raise_if_failed()
-            send_notice(0, imm)
+            await self._send_notice(notice_message(0, imm))
             return
         op = self._start_now(key, _WR_WRITE, length) or await self.start(key, _WR_WRITE, length)
         assert op.buffer is not None
@@ -570,11 +573,55 @@ class OperationEngine:
         self._post(op, key.addr + offset, key.rkey)
         if not op.posted and not op.done:
             self._ring()  # collected for this iteration's doorbell: post it now, before the notice
-        if op.posted and self.error is None:
-            send_notice(length, imm)
-        if self._must_await(op):
-            await self.finish(op)
-        self.release(op)
+        if not op.posted or self.error is not None or (op.done and op.error is not None):
+            # It never went (its error is raised), or the connection failed meanwhile: no notice.
+            if self._must_await(op):
+                await self.finish(op)
+            self.release(op)
+            self.raise_if_failed()
+            return
+        if op.done:
+            self.release(op)  # completed at its post
+        else:
+            # Its completion frees its staging slot: the notice may need that slot (max_ops 1), and a
+            # writer cancelled from here on leaves it to the completion (the NIC may still read it).
+            op.orphan = True
+        await self._send_notice(notice_message(length, imm))
+        await self._wait(op)
+        if op.error is not None:
+            raise op.error
+
+    async def _send_notice(self, message: bytes) -> None:
+        """Send the control message of a write notice as an op: it waits for an op slot and a staging slot
+        (:meth:`start`), then for a send credit in the queue of writes with immediate data; returns once
+        it took its credit and is posted. So a peer that withholds credits holds the writer back, and the
+        notices waiting for a credit are bounded by ``max_ops``. Cancelled while it waits for its credit,
+        the notice stays queued (holding its op slot) and goes out later, as a cancelled WRITE with
+        immediate data does; its completion (or the teardown) frees its staging slot. Raises the
+        connection's error if it fails or closes first."""
+        op = await self.start(None, _WR_SEND, len(message) + len(self.control_header))
+        assert op.buffer is not None
+        op.buffer[:] = self.control_header + message
+        addr, lkey = self._local_of(op)
+        op.wr = (addr, lkey, 0, 0, 0, 0, 0)
+        self._credit_queue.append(op)
+        self.waiting_for_credit += 1
+        self.pump()
+        if not op.posted and not op.done:
+            try:
+                await self._wait(op)  # woken by pump() at its post, or by its failure
+            except BaseException:
+                if op.done:
+                    self.release(op)
+                else:
+                    op.orphan = True  # posted later or flushed: its completion frees its memory
+                raise
+        if op.done:
+            self.release(op)
+            if op.error is not None:
+                raise op.error
+        else:
+            op.orphan = True  # posted: its completion frees its staging slot
 
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomic fetch-and-add on a u64; see ``Endpoint.fetch_add``."""
@@ -780,11 +827,12 @@ class OperationEngine:
     # --- slots and memory -----------------------------------------------------------------------------------
 
     async def start(
-        self, key: RemoteKey, opcode: int, length: int, *, staging: bool = True, count: int = 1
+        self, key: RemoteKey | None, opcode: int, length: int, *, staging: bool = True, count: int = 1
     ) -> Op:
         """Wait for ``count`` op slots (at most ``max_ops`` work requests in flight: the send queue has
         room for that many), then give the op its local memory (a staging slot or a pooled large buffer,
-        unless ``staging`` is False). A staging slot stays taken until its op is released, which may be
+        unless ``staging`` is False). ``key`` is None for a request that reaches no remote memory (a write
+        notice's control message). A staging slot stays taken until its op is released, which may be
         after its completion gave its op slot back (the caller has not resumed yet): an op that needs one
         also waits for a free staging slot."""
         self.raise_if_failed()
@@ -814,6 +862,8 @@ class OperationEngine:
             if self.in_flight + count <= self.max_ops and (self._free_staging or not slot):
                 break
             woken = True
+        if key is None:
+            return self._new_op(None, opcode, length, staging, count)
         # Re-checked after the wait: a REVOKE may have arrived meanwhile.
         if key.key_id < self.revoked_ids.top and key.key_id in self.revoked_ids:
             self._wake_slot_waiter()
@@ -1113,7 +1163,8 @@ class OperationEngine:
         self.pump()
 
     def pump(self) -> None:
-        """Post what waits for a credit: control messages first, then writes with immediate data.
+        """Post what waits for a credit: control messages first, then writes with immediate data and write
+        notices (in call order).
 
         Called after every batch of completions (credits may have arrived) and when something is queued.
         """
@@ -1147,6 +1198,15 @@ class OperationEngine:
                 continue
             credits.take_slot()
             self._post_now(op)
+            if op.opcode == _WR_SEND:
+                # A write notice's control message: its writer waits for this post, not the completion.
+                self._stats["control_sent"] += 1
+                waiter, op.waiter = op.waiter, None
+                if waiter is not None and not op.done:
+                    if not self._futures:
+                        waiter.set()
+                    elif not waiter.done():
+                        waiter.set_result(None)
 
     # --- completion -----------------------------------------------------------------------------------------
 
