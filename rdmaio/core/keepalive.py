@@ -18,12 +18,12 @@ as soon as the local TCP stack took it, and there is no RC retry counter (``ack_
 zero-length RDMA READ (:meth:`rdmaio.verbs.QueuePair.post_empty_read`), whose completion needs the peer's
 response, and gives the outstanding probe a deadline equal to the retry budget the options describe
 (:func:`retry_budget`): unanswered by then, the connection fails with
-:class:`~rdmaio.ConnectionResetError` ("retry budget exceeded"), the same path a failed work request takes,
-so the bound of :func:`detection_bound` holds there too. A connection whose traffic stalls (a peer gone
-mid-stream stops returning credits and, on iWARP, TCP stops taking data) makes no progress, so the idle
-probe goes out and the same deadline applies. On InfiniBand and RoCE the probe stays a WRITE with no
-deadline: the RC retry counter fails it, and real devices may wait longer per timeout than nominal, so a
-deadline there could fire before the transport's own verdict.
+:class:`~rdmaio.ConnectionResetError` ("keepalive probe unanswered within the retry budget"), the same
+path a failed work request takes, so the bound of :func:`detection_bound` holds there too. A connection
+whose traffic stalls (a peer gone mid-stream stops returning credits and, on iWARP, TCP stops taking
+data) makes no progress, so the idle probe goes out and the same deadline applies. On InfiniBand and
+RoCE the probe stays a WRITE with no deadline: the RC retry counter fails it, and real devices may wait
+longer per timeout than nominal, so a deadline there could fire before the transport's own verdict.
 
 A busy connection sends no probe (its traffic is the probe: unacknowledged sends are retransmitted and
 time out the same way), and an idle one sends at most one per interval, one at a time.
