@@ -92,9 +92,10 @@ class Options:
     default, derived from the path's packet lifetime."""
     keepalive_interval: float | None = 10.0
     """Seconds without any completion or post after which an idle connection probes its peer with a
-    zero-length RDMA WRITE (:mod:`rdmaio.core.keepalive`); None turns keepalive off. A peer that vanished is
-    detected within ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (23.8 s
-    with the defaults). A busy connection sends no probes."""
+    zero-length RDMA WRITE (a READ on iWARP, :mod:`rdmaio.core.keepalive`); None turns keepalive off. A
+    peer that vanished is detected within
+    ``2 * keepalive_interval + (retry_count + 1) * 4.096 us * 2**ack_timeout`` (23.8 s with the defaults). A
+    busy connection sends no probes."""
     shared_receive_queue: bool = False
     """Take receives from one shared receive queue per device and loop instead of a receive
     ring per connection: idle connections pin no receive buffers of their own, and credits are lent from

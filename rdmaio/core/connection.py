@@ -26,7 +26,7 @@ from typing import Any
 
 from rdmaio import verbs
 from rdmaio.core.backend import Event, Handle
-from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive
+from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive, retry_budget
 from rdmaio.core.metrics import connection_failed, fold_connection, register_connection
 from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine
 from rdmaio.core.reactor import Reactor
@@ -197,13 +197,22 @@ class Connection:
         this = weakref.ref(self)  # no connection <-> keepalive cycle (the keepalive is ours)
         # The tag routes the probe's completion back here through the shared CQ.
         keepalive_wr_id = make_wr_id(KEEPALIVE_WR_KIND, transport.tag or 0, 0)
+        # iWARP (what this side announced: no immediate data is the iWARP transport's mark) completes a
+        # WRITE without the peer and has no retry counter: probe with a READ, under the retry budget as
+        # deadline (rdmaio.core.keepalive). Elsewhere the WRITE probe, failed by the QP's retry counter.
+        # Session.local's attribute, read without the property: connection setup's Python calls are budgeted.
+        local_caps = self.session._local.caps
+        iwarp = local_caps is not None and not local_caps.immediate
+        options = self.options
         self._keepalive = Keepalive(
             reactor.keepalive_timers,
-            self.options.keepalive_interval,
+            options.keepalive_interval,
             lambda: _activity(this),
-            lambda: post_probe(keepalive_wr_id),  # through the sender, which owns posting on the send queue
+            lambda: post_probe(keepalive_wr_id, iwarp),  # through the sender, which owns posting on the SQ
             _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
+            # ack_timeout None: rdma_cm's default exponent, 19 (docs/endpoint.md)
+            probe_deadline=retry_budget(options.ack_timeout or 19, options.retry_count) if iwarp else None,
         )
         reactor.set_handler(cm_id, self._on_cm_event)
         self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)

@@ -12,6 +12,19 @@ probe's retry timer runs out (``retry_count + 1`` ACK timeouts of ``4.096 us * 2
 probe completes with ``IBV_WC_RETRY_EXC_ERR``, which fails the endpoint like any other failed work
 request: every pending and later call raises :class:`~rdmaio.ConnectionResetError`.
 
+On iWARP (Soft-iWARP, Chelsio, E810 in iWARP mode) neither half of that holds: a signalled WRITE completes
+as soon as the local TCP stack took it, and there is no RC retry counter (``ack_timeout`` and
+``retry_count`` are ignored; TCP retransmits for about 15 minutes). So an iWARP connection probes with a
+zero-length RDMA READ (:meth:`rdmaio.verbs.QueuePair.post_empty_read`), whose completion needs the peer's
+response, and gives the outstanding probe a deadline equal to the retry budget the options describe
+(:func:`retry_budget`): unanswered by then, the connection fails with
+:class:`~rdmaio.ConnectionResetError` ("keepalive probe unanswered within the retry budget"), the same
+path a failed work request takes, so the bound of :func:`detection_bound` holds there too. A connection
+whose traffic stalls (a peer gone mid-stream stops returning credits and, on iWARP, TCP stops taking
+data) makes no progress, so the idle probe goes out and the same deadline applies. On InfiniBand and
+RoCE the probe stays a WRITE with no deadline: the RC retry counter fails it, and real devices may wait
+longer per timeout than nominal, so a deadline there could fire before the transport's own verdict.
+
 A busy connection sends no probe (its traffic is the probe: unacknowledged sends are retransmitted and
 time out the same way), and an idle one sends at most one per interval, one at a time.
 
@@ -33,7 +46,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from rdmaio.core.backend import Backend
+from rdmaio.core.backend import Backend, Handle
+from rdmaio.errors import ConnectionResetError
 from rdmaio.verbs import WR_KIND_CONTROL
 
 __all__ = [
@@ -43,6 +57,7 @@ __all__ = [
     "KeepaliveTimers",
     "ack_timeout_seconds",
     "detection_bound",
+    "retry_budget",
 ]
 
 log = logging.getLogger("rdmaio")
@@ -58,6 +73,13 @@ def ack_timeout_seconds(exponent: int) -> float:
     return 4.096e-6 * (1 << exponent)
 
 
+def retry_budget(ack_timeout: int, retry_count: int) -> float:
+    """Seconds the RC transport gives one unacknowledged request before failing it, by the
+    specification: the first transmission and ``retry_count`` retransmissions, one ACK timeout each
+    (the deadline of a probe on iWARP, which has no retry counter of its own)."""
+    return (retry_count + 1) * ack_timeout_seconds(ack_timeout)
+
+
 def detection_bound(interval: float, ack_timeout: int, retry_count: int) -> float:
     """Worst-case seconds from a peer vanishing to an idle endpoint failing, by the specification.
 
@@ -65,7 +87,7 @@ def detection_bound(interval: float, ack_timeout: int, retry_count: int) -> floa
     and ``retry_count`` retransmissions, each given one ACK timeout. Real devices may wait up to four
     times longer per timeout than nominal (IBTA allows it); rxe uses the nominal value.
     """
-    return 2 * interval + (retry_count + 1) * ack_timeout_seconds(ack_timeout)
+    return 2 * interval + retry_budget(ack_timeout, retry_count)
 
 
 class Keepalive:
@@ -76,6 +98,10 @@ class Keepalive:
     be reported with :meth:`on_completion`; an exception from it is passed to ``on_error`` and stops the
     keepalive. ``interval`` None makes a keepalive that never probes. Ticked by the loop's
     :class:`KeepaliveTimers` between :meth:`start` and :meth:`stop`.
+
+    ``probe_deadline`` (seconds; iWARP, whose transport never fails an unanswered request in time): a
+    probe not completed that long after it was posted passes a :class:`~rdmaio.ConnectionResetError` to
+    ``on_error`` and stops the keepalive. None (InfiniBand, RoCE): the QP's retry counter decides.
     """
 
     def __init__(
@@ -87,9 +113,12 @@ class Keepalive:
         on_error: Callable[[BaseException], None],
         *,
         name: str = "rdmaio keepalive",
+        probe_deadline: float | None = None,
     ) -> None:
         if interval is not None and not interval > 0:
             raise ValueError("keepalive interval must be positive (or None to turn keepalive off)")
+        if probe_deadline is not None and not probe_deadline > 0:
+            raise ValueError("keepalive probe deadline must be positive (or None for none)")
         self._timers = timers
         self._interval = interval
         self._progress = progress
@@ -99,12 +128,22 @@ class Keepalive:
         self._started = False
         self._stopped = False
         self._last = -1  # never equal to a first sample: the first tick after start never probes
+        self._probe_deadline = probe_deadline
+        self._deadline_timer: Handle | None = None  # armed while a probe with a deadline is outstanding
         self.outstanding = False
         """True while a probe is posted and not yet completed."""
         self.probes_sent = 0
         """Probes posted so far."""
         self.probes_completed = 0
         """Probes the peer acknowledged so far."""
+        self.probes_expired = 0
+        """Probes that passed their deadline unanswered (each one failed the connection)."""
+
+    @property
+    def probe_deadline(self) -> float | None:
+        """Seconds an outstanding probe may stay unanswered before the connection fails (iWARP); None
+        when the transport's retry counter decides."""
+        return self._probe_deadline
 
     @property
     def interval(self) -> float | None:
@@ -129,6 +168,8 @@ class Keepalive:
         if self._stopped:
             return
         self._stopped = True
+        if self._deadline_timer is not None:  # tested inline: stop() is on every connection's teardown
+            self._cancel_deadline()
         if self._started and self._interval is not None:
             self._timers.discard(self, self._interval)
 
@@ -136,6 +177,8 @@ class Keepalive:
         """The peer acknowledged the probe in flight (a successful completion of :data:`KEEPALIVE_WR_ID`)."""
         self.outstanding = False
         self.probes_completed += 1
+        if self._deadline_timer is not None:
+            self._cancel_deadline()
 
     def probe_now(self) -> None:
         """Probe at once unless a probe is in flight or this keepalive was stopped (used on a port error:
@@ -168,6 +211,32 @@ class Keepalive:
             self.outstanding = False
             self.stop()
             self._on_error(exc)
+            return
+        if self._probe_deadline is not None and self.outstanding:  # not answered within the post itself
+            self._deadline_timer = self._timers.call_later(self._probe_deadline, self._deadline_passed)
+
+    def _cancel_deadline(self) -> None:
+        timer, self._deadline_timer = self._deadline_timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _deadline_passed(self) -> None:
+        """The outstanding probe's deadline: unanswered, the peer is presumed gone."""
+        self._deadline_timer = None
+        if self._stopped or not self.outstanding:
+            return  # answered or stopped in the same loop iteration as the timer fired
+        self.probes_expired += 1
+        self.stop()
+        # "retry" in the message: the same verdict an RC retry counter gives (RETRY_EXC_ERR), reached
+        # by the clock because iWARP has none.
+        self._on_error(
+            ConnectionResetError(
+                f"keepalive probe unanswered within the retry budget ({self._probe_deadline:g} s): "
+                "peer presumed gone",
+                errno=104,
+                call="keepalive",
+            )
+        )
 
     def __repr__(self) -> str:
         state = "off" if self._interval is None else "running" if self.running else "stopped"
@@ -201,6 +270,10 @@ class KeepaliveTimers:
         group = self._groups.get(interval)
         if group is not None:
             group.pop(keepalive, None)
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Handle:
+        """Run ``callback`` after ``delay`` seconds on this loop (a probe's deadline); cancellable."""
+        return self._io.call_later(delay, callback)
 
     def __len__(self) -> int:
         """Keepalives ticked now."""

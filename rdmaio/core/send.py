@@ -149,6 +149,9 @@ class SendArray(Protocol):
     def post_empty_write(self, wr_id: int) -> None:
         """Post one signalled zero-length RDMA WRITE (a keepalive probe)."""
 
+    def post_empty_read(self, wr_id: int) -> None:
+        """Post one signalled zero-length RDMA READ (a keepalive probe on iWARP)."""
+
 
 class RendezvousSends(Protocol):
     """What the sender needs of the rendezvous engine (:class:`rdmaio.core.rendezvous.RendezvousEngine`)."""
@@ -526,10 +529,14 @@ class Sender:
         self.stage()
         return target
 
-    def post_probe(self, wr_id: int) -> None:
-        """Post the keepalive's probe (:mod:`rdmaio.core.keepalive`): a zero-length RDMA WRITE, no frame,
-        no credit and no slot; its send-queue entry is reserved apart from the frames'."""
-        self._qp.post_empty_write(wr_id)
+    def post_probe(self, wr_id: int, read: bool = False) -> None:
+        """Post the keepalive's probe (:mod:`rdmaio.core.keepalive`): a zero-length RDMA WRITE, or with
+        ``read`` a zero-length RDMA READ (iWARP: a WRITE completes without the peer); no frame, no
+        credit and no slot; its send-queue entry is reserved apart from the frames'."""
+        if read:
+            self._qp.post_empty_read(wr_id)
+        else:
+            self._qp.post_empty_write(wr_id)
 
     def close(self) -> None:
         """A graceful close: no more sends; queue what is coalescing and stage it with the EOF (the

@@ -158,6 +158,10 @@ class FakeQP:
         self.fail_next = False
         self.allow_empty_writes = False
         self.empty_writes: list[int] = []
+        #: The wr_ids of the zero-length READs posted (the keepalive's probe on iWARP), allowed by
+        #: :attr:`allow_empty_writes` as the WRITE probe is. Like the WRITE probe, none ever completes
+        #: here: a test delivers the completion itself, or lets the peer be "gone".
+        self.empty_reads: list[int] = []
 
     @property
     def chains(self) -> int:
@@ -201,6 +205,13 @@ class FakeQP:
         if not self.allow_empty_writes:
             raise AssertionError("this fake queue pair expects no keepalive probe")
         self.empty_writes.append(wr_id)
+
+    def post_empty_read(self, wr_id: int) -> None:
+        """A keepalive probe on iWARP: recorded in :attr:`empty_reads` if :attr:`allow_empty_writes`, else
+        fails."""
+        if not self.allow_empty_writes:
+            raise AssertionError("this fake queue pair expects no keepalive probe")
+        self.empty_reads.append(wr_id)
 
     def _check_fail(self) -> None:
         if self.fail_next:

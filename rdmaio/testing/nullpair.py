@@ -104,7 +104,7 @@ _DEVICE_HANDLE = 0x4E55  # 'NU'
 _MASK64 = (1 << 64) - 1
 
 #: The methods by which the core calls into a queue pair and a transport (wrapped when metered).
-_QP_CALLS = ("post_sends", "post_rdma", "post_batch", "post_empty_write")
+_QP_CALLS = ("post_sends", "post_rdma", "post_batch", "post_empty_write", "post_empty_read")
 _TRANSPORT_CALLS = ("post_receives", "grow_receives", "poll_completions", "close")
 
 
@@ -406,9 +406,13 @@ def _connection(reactor: Any, cm_id: Any, transport: Any, session: Session, opti
     return _with(onesided_module, _FAKE_REGISTRARS, Connection, reactor, cm_id, transport, session, options)
 
 
-def _null_options(options: Options | None) -> Options:
-    # Rendezvous needs memory windows and keepalive a probe the fake queue pair refuses: neither is carried.
-    return dataclasses.replace(options or NULL_OPTIONS, rndv_threshold=0, keepalive_interval=None)
+def _null_options(options: Options | None, keepalive: bool = False) -> Options:
+    # Rendezvous needs memory windows and keepalive a probe the fake queue pair refuses unless allowed:
+    # neither is carried by default.
+    options = options or NULL_OPTIONS
+    return dataclasses.replace(
+        options, rndv_threshold=0, keepalive_interval=options.keepalive_interval if keepalive else None
+    )
 
 
 def null_pair(
@@ -417,17 +421,22 @@ def null_pair(
     *,
     onesided_at_post: bool = True,
     meter: DeviceMeter | None = None,
+    keepalive: bool = False,
 ) -> tuple[Endpoint, Endpoint, NullDevice]:
     """Two connected Endpoints over a new :class:`NullDevice` and the device (call inside a running loop).
 
     ``options`` (default :data:`NULL_OPTIONS`; rendezvous and keepalive are turned off) apply to both
     sides; ``handshake`` is what each side announces and reads from the other (default: the local
-    handshake of ``options``, without a growing window)."""
-    options = _null_options(options)
+    handshake of ``options``, without a growing window). ``keepalive``: keep ``options.keepalive_interval``
+    and let the queue pairs take probes (recorded in ``empty_writes`` / ``empty_reads``, never completed:
+    a peer that stopped answering)."""
+    options = _null_options(options, keepalive)
     hs = handshake or local_handshake(options, grow=False)
     device = NullDevice(onesided_at_post=onesided_at_post, meter=meter)
     transports = [device.transport(10, 1, options), device.transport(11, 2, options)]
     device.connect_wires(*transports)
+    for transport in transports:
+        transport.qp.allow_empty_writes = keepalive
     ids = [FakeCMId(local_address=("198.18.0.1", 2)), FakeCMId(local_address=("198.18.0.2", 2))]
     reactor: Any = FakeReactor()
     # The session as connection setup picks it (new_session), each side reading its own handshake back.

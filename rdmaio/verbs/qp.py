@@ -174,6 +174,32 @@ class QueuePair(_Resource):
         if rc < 0:
             raise VerbsError.from_errno("ibv_post_send", -rc, "zero-length RDMA WRITE")
 
+    def post_empty_read(self, wr_id: int) -> None:
+        """Post one signalled zero-length RDMA READ (the liveness probe on iWARP, see
+        :mod:`rdmaio.core.keepalive`).
+
+        On iWARP a signalled WRITE completes once the local TCP stack took it, whatever became of the
+        peer; a READ completes only when the peer's read response arrived, so only a live peer answers
+        it. One scatter entry of length 0 (siw refuses a READ without one: EINVAL), no remote address or
+        key (IBTA C9-88: a zero-length operation checks none), no local memory written, nothing consumed
+        at the peer. Its completion here is success once the peer answered; a vanished peer never
+        answers (iWARP has no RC retry counter: TCP retransmits for minutes), hence the keepalive's
+        deadline.
+        """
+        self._check_usable()
+        # Fresh structs, not a cached one: a probe goes out at most once per keepalive interval.
+        sge = ffi.new("struct ibv_sge *")  # zeroed: address 0, length 0, key 0
+        wr = ffi.new("struct ibv_send_wr *")  # zeroed: no chain, remote address and key 0
+        wr.wr_id = wr_id
+        wr.sg_list = sge
+        wr.num_sge = 1
+        wr.opcode = lib.IBV_WR_RDMA_READ
+        wr.send_flags = lib.IBV_SEND_SIGNALED
+        bad = ffi.new("struct ibv_send_wr **")
+        rc = lib.ibv_post_send(self._ptr, wr, bad)
+        if rc:  # libibverbs returns the errno itself (positive)
+            raise VerbsError.from_errno("ibv_post_send", abs(rc), "zero-length RDMA READ")
+
     def query_timeouts(self) -> tuple[int, int]:
         """``(timeout, retry_cnt)`` of the QP as the device holds them (``ibv_query_qp``)."""
         self._check_usable()

@@ -1,4 +1,5 @@
-"""rdmaio.core.keepalive with fake connections: tick logic, the shared timers on asyncio, uvloop, trio."""
+"""rdmaio.core.keepalive with fake connections: tick logic, the shared timers on asyncio, uvloop, trio; the
+probe per transport (a READ under a deadline on iWARP, the WRITE elsewhere) on whole fake connections."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import trio
 import uvloop
 
+import rdmaio
 from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend
 from rdmaio.core.keepalive import (
     KEEPALIVE_WR_ID,
@@ -18,8 +20,12 @@ from rdmaio.core.keepalive import (
     KeepaliveTimers,
     ack_timeout_seconds,
     detection_bound,
+    retry_budget,
 )
+from rdmaio.core.negotiation import local_handshake
 from rdmaio.options import Options
+from rdmaio.protocol import Capabilities
+from rdmaio.testing.nullpair import null_pair
 
 Runner = Callable[[Callable[[Backend], Coroutine[Any, Any, None]]], None]
 
@@ -315,3 +321,147 @@ def test_a_failing_tick_is_logged_and_drops_only_that_keepalive(caplog: pytest.L
     assert good.posted == 1
     assert len(timers) == 1
     assert "keepalive tick failed" in caplog.text
+
+
+# --- per transport: on iWARP a READ probe under a deadline, elsewhere the WRITE probe the RC retry counter
+# fails. On iWARP a WRITE completes without the peer and no retry counter ever fails a request.
+
+IWARP = Capabilities(immediate=False, atomics=False, memory_windows=False, max_inline=64, max_read_sge=1)
+# Short interval and the smallest retry budget: (0 + 1) * 4.096 us * 2**1 (tests assert state, not time).
+TRANSPORT_OPTIONS = rdmaio.Options(
+    slot_size=256,
+    recv_depth=8,
+    send_depth=8,
+    initial_depth=4,
+    batch_limit=64,
+    rndv_threshold=0,
+    keepalive_interval=0.02,
+    ack_timeout=1,
+    retry_count=0,
+)
+BOUND = 5.0  # turns a pending recv() on a broken build into a failure, not a duration assertion
+
+
+def test_retry_budget_is_the_detection_bound_less_two_intervals() -> None:
+    assert retry_budget(17, 6) == pytest.approx(7 * 0.536870912)
+    assert detection_bound(10.0, 17, 6) == pytest.approx(20.0 + retry_budget(17, 6))
+
+
+def _keepalive(conn: FakeConnection, io: Backend, deadline: float | None) -> Keepalive:
+    conn.keepalive = Keepalive(
+        KeepaliveTimers(io), None, conn.progress, conn.probe, conn.errors.append, probe_deadline=deadline
+    )
+    return conn.keepalive
+
+
+@pytest.mark.parametrize("backend", sorted(RUNNERS))
+def test_an_unanswered_probe_fails_at_its_deadline(backend: str) -> None:
+    async def test(io: Backend) -> None:
+        conn = FakeConnection(acknowledge=False)
+        ka = _keepalive(conn, io, 0.03)
+        assert ka.probe_deadline == 0.03
+        ka.probe_now()
+        assert ka.outstanding and conn.errors == []
+        while not conn.errors:
+            await io.sleep(0.01)
+        [error] = conn.errors
+        assert isinstance(error, rdmaio.ConnectionResetError) and isinstance(error, ConnectionResetError)
+        assert "retry" in str(error), error
+        assert ka.probes_expired == 1 and ka.probes_completed == 0  # the probe never completed
+        ka.probe_now()  # stopped by its failure: no second probe, no second error
+        await io.sleep(0.06)
+        assert conn.posted == 1 and len(conn.errors) == 1
+
+    RUNNERS[backend](test)
+
+
+@pytest.mark.parametrize("backend", sorted(RUNNERS))
+def test_an_answered_probe_cancels_its_deadline(backend: str) -> None:
+    async def test(io: Backend) -> None:
+        conn = FakeConnection(acknowledge=False)
+        ka = _keepalive(conn, io, 0.03)
+        for _ in range(3):
+            ka.probe_now()
+            ka.on_completion()  # the peer answered
+        await io.sleep(0.1)  # three deadlines' time: none may fire
+        assert conn.errors == [] and ka.probes_expired == 0 and conn.posted == 3
+        conn.acknowledge = True  # answered within the post: no deadline armed at all
+        ka.probe_now()
+        await io.sleep(0.05)
+        assert conn.errors == [] and ka.probes_completed == 4
+        ka.probe_now()  # stop() with a probe in flight cancels its deadline too
+        ka.stop()
+        await io.sleep(0.05)
+        assert conn.errors == []
+
+    RUNNERS[backend](test)
+
+
+def test_bad_probe_deadline_is_refused() -> None:
+    with pytest.raises(ValueError, match="deadline"):
+        Keepalive(KeepaliveTimers(Any), 1.0, int, print, print, probe_deadline=0)  # type: ignore[arg-type]
+
+
+async def _pair(caps: Capabilities | None) -> tuple[Any, Any]:
+    hs = local_handshake(TRANSPORT_OPTIONS, grow=False, caps=caps)
+    a, b, _device = null_pair(TRANSPORT_OPTIONS, hs, keepalive=True)
+    if caps is not None and not caps.immediate:
+        for ep in (a, b):
+            transport: Any = ep._conn.transport
+            transport.qp.immediate = False  # the device refuses immediate data, as libsiw does
+    return a, b
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_iwarp_probes_with_a_read_and_a_vanished_peer_fails_idle_recv(loop: str) -> None:
+    """The peer stops answering (the fake never completes a probe: a host gone, TCP retransmitting):
+    the idle recv() fails with ConnectionResetError naming the retry budget, through the probe's READ.
+    On a WRITE probe without deadline (the old iWARP behaviour) recv() stays pending past BOUND."""
+
+    async def main() -> None:
+        a, b = await _pair(IWARP)
+        assert a._conn.framing.name == "header"
+        with pytest.raises(rdmaio.ConnectionResetError) as failed:
+            await asyncio.wait_for(a.recv(), BOUND)
+        assert "retry" in str(failed.value), failed.value
+        qp = a._conn.transport.qp
+        assert len(qp.empty_reads) == 1 and qp.empty_writes == []  # one READ probe, no WRITE
+        assert a._conn._keepalive.probes_expired == 1
+        assert a.statistics()["keepalive_probes"] == 1
+        b.abort()
+
+    _run(loop, main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_roce_keeps_the_write_probe_and_no_deadline(loop: str) -> None:
+    """Elsewhere the probe stays a zero-length WRITE and only the QP's retry counter fails it: an
+    unanswered one (the fake has no retry counter) never fails the connection by our clock."""
+
+    async def main() -> None:
+        a, b = await _pair(None)
+        assert a._conn.framing.immediate
+        assert a._conn._keepalive.probe_deadline is None
+        qp = a._conn.transport.qp
+        recv = asyncio.ensure_future(a.recv())
+        for _ in range(500):  # bounded: a probe comes one or two intervals in
+            if qp.empty_writes:
+                break
+            await asyncio.sleep(0.01)
+        assert qp.empty_writes
+        for _ in range(20):  # many intervals and many times the retry budget of OPTIONS
+            await asyncio.sleep(0.01)
+        assert not recv.done()  # still waiting: nothing of ours failed it
+        assert len(qp.empty_writes) == 1 and qp.empty_reads == []  # one in flight at most, a WRITE
+        await b.send(b"alive")
+        assert await asyncio.wait_for(recv, BOUND) == b"alive"
+        a.abort()
+        b.abort()
+
+    _run(loop, main())
+
+
+def _run(loop: str, coro: Coroutine[Any, Any, None]) -> None:
+    factory = asyncio.new_event_loop if loop == "asyncio" else uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(coro)
