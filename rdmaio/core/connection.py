@@ -200,8 +200,7 @@ class Connection:
         # iWARP (what this side announced: no immediate data is the iWARP transport's mark) completes a
         # WRITE without the peer and has no retry counter: probe with a READ, under the retry budget as
         # deadline (rdmaio.core.keepalive). Elsewhere the WRITE probe, failed by the QP's retry counter.
-        # Session.local's attribute, read without the property: connection setup's Python calls are budgeted.
-        local_caps = self.session._local.caps
+        local_caps = self.session.local.caps
         iwarp = local_caps is not None and not local_caps.immediate
         options = self.options
         self._keepalive = Keepalive(

@@ -82,12 +82,12 @@ class Session:
 
     __slots__ = (
         "_close",
-        "_local",
         "_peer",
         "_s",
         "close_state",
         "flush_error",
         "framing",
+        "local",
         "recv_outcome",
         "rules_state",
         "send_error",
@@ -135,7 +135,9 @@ class Session:
                 f"credit_threshold {credit_threshold} out of range 2..{depth - 1} "
                 "(1 lets idle peers exchange CREDIT frames forever, recv_depth can deadlock)"
             )
-        self._local = local
+        self.local = local
+        """The handshake this side sent (a plain attribute: the core reads it at connection setup, whose
+        Python calls are budgeted)."""
         self._peer = peer
         # The framing: the immediate one unless a side lacks immediate data or asks for the header framing
         # (tested inline: connection setup's Python calls are budgeted); HandshakeError if they cannot agree.
@@ -210,11 +212,6 @@ class Session:
         )
 
     # -- properties ---------------------------------------------------------------------------------------
-
-    @property
-    def local(self) -> Handshake:
-        """The handshake this side sent."""
-        return self._local
 
     @property
     def peer(self) -> Handshake:
