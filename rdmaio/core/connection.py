@@ -26,7 +26,7 @@ from typing import Any
 
 from rdmaio import verbs
 from rdmaio.core.backend import Event, Handle
-from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, Keepalive, retry_budget
+from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, RDMA_CM_ACK_TIMEOUT, Keepalive, retry_budget
 from rdmaio.core.metrics import connection_failed, fold_connection, register_connection
 from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine
 from rdmaio.core.reactor import Reactor
@@ -203,6 +203,8 @@ class Connection:
         local_caps = self.session.local.caps
         iwarp = local_caps is not None and not local_caps.immediate
         options = self.options
+        ack_timeout = options.ack_timeout or RDMA_CM_ACK_TIMEOUT  # None: rdma_cm's default
+        probe_deadline = retry_budget(ack_timeout, options.retry_count) if iwarp else None
         self._keepalive = Keepalive(
             reactor.keepalive_timers,
             options.keepalive_interval,
@@ -210,8 +212,7 @@ class Connection:
             lambda: post_probe(keepalive_wr_id, iwarp),  # through the sender, which owns posting on the SQ
             _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
-            # ack_timeout None: rdma_cm's default exponent, 19 (docs/endpoint.md)
-            probe_deadline=retry_budget(options.ack_timeout or 19, options.retry_count) if iwarp else None,
+            probe_deadline=probe_deadline,
         )
         reactor.set_handler(cm_id, self._on_cm_event)
         self._async_key = (transport.device.handle, qp.qp_num, transport.cq.handle)

@@ -53,6 +53,7 @@ from rdmaio.verbs import WR_KIND_CONTROL
 __all__ = [
     "KEEPALIVE_WR_ID",
     "KEEPALIVE_WR_KIND",
+    "RDMA_CM_ACK_TIMEOUT",
     "Keepalive",
     "KeepaliveTimers",
     "ack_timeout_seconds",
@@ -66,6 +67,10 @@ KEEPALIVE_WR_KIND = WR_KIND_CONTROL
 """Operation kind of control/keepalive work requests (``wr_id >> 56``; the verbs layer's wr_id layout)."""
 KEEPALIVE_WR_ID = KEEPALIVE_WR_KIND << 56
 """The ``wr_id`` of a keepalive probe with tag and index 0 (the endpoint adds its connection tag)."""
+
+
+RDMA_CM_ACK_TIMEOUT = 19
+"""The ACK timeout exponent rdma_cm gives a queue pair when the options leave ``ack_timeout`` None."""
 
 
 def ack_timeout_seconds(exponent: int) -> float:

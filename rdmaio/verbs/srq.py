@@ -15,7 +15,7 @@ from typing import Any
 
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import VerbsError
-from rdmaio.verbs._base import _check, _check_ptr, _errno_of, _Resource
+from rdmaio.verbs._base import _check, _check_ptr, _Resource
 from rdmaio.verbs.memory import ProtectionDomain
 
 __all__ = ["QUERY_UNSUPPORTED_ERRNOS", "SharedReceiveQueue"]
@@ -96,11 +96,13 @@ class SharedReceiveQueue(_Resource):
         if self.query_supported is False:  # asked before: the device answers nothing, no call
             return self.max_wr, self.max_sge, self.armed_limit
         attr = ffi.new("struct ibv_srq_attr *")
-        rc = lib.ibv_query_srq(self._ptr, attr)
-        if rc != 0 and (-rc if rc < -1 else _errno_of(rc)) in QUERY_UNSUPPORTED_ERRNOS:
+        try:
+            _check(lib.ibv_query_srq(self._ptr, attr), "ibv_query_srq")
+        except VerbsError as exc:
+            if exc.errno not in QUERY_UNSUPPORTED_ERRNOS:
+                raise
             self.query_supported = False
             return self.max_wr, self.max_sge, self.armed_limit
-        _check(rc, "ibv_query_srq")
         self.query_supported = True
         return int(attr.max_wr), int(attr.max_sge), int(attr.srq_limit)
 
