@@ -698,13 +698,18 @@ def test_local_cluster_dataframe_shuffle(local_cluster: tuple[str, Client]) -> N
     assert sums.to_dict() == pytest.approx(df.groupby("k")["v"].sum().to_dict())
 
 
-# distributed's own cluster tests (distributed.utils_test.config_for_cluster_tests) tick every 500 ms
-# instead of 20 ms and turn the workers' statistical profiler off (a callback every 10 ms): on the test
-# host's single emulated CPU these wake-ups of every idle process compete with the work under test. Neither
-# takes part in noticing a lost worker (the comms closing) or in rerunning its tasks.
+# Background wake-ups of the CLI processes, made rarer: distributed's own cluster tests
+# (distributed.utils_test.config_for_cluster_tests) tick every 500 ms instead of 20 ms and turn the workers'
+# statistical profiler off (a callback every 10 ms); the system monitor samples every 2 s instead of 0.5 s
+# and the workers' memory monitor every 1 s instead of 0.1 s. Idle, a scheduler and two workers took 7.6 %
+# of a CPU natively with the defaults and 1.3 % with these; the test host's one emulated CPU is 20-40 times
+# slower, so with the defaults their idling alone could take all of it from the work under test. None of
+# these takes part in noticing a lost worker (its comms closing) or in rerunning its tasks.
 _CLI_CLUSTER_CONFIG = {
     "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "500ms",
     "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
+    "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
 }
 
 
@@ -802,16 +807,20 @@ def test_cli_cluster_detects_a_killed_worker(tmp_path: Path) -> None:
             cpu = {name: _cpu_seconds(proc.pid) for name, proc in zip(names[:2], procs, strict=False)}
             cpu["test"] = time.process_time()
             timeline(f"the victim is removed; closing (CPU seconds so far: {cpu})")
+        timeline("client closed")
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                timeline(f"process {proc.pid} still runs 60 s after SIGTERM; killing it")
-                proc.kill()
-                proc.wait()
+        # The workers first, then the scheduler: a worker told to close by its closing scheduler while it
+        # handles its own SIGTERM has been seen to stay alive (over TCP too), costing the wait below.
+        for group in (procs[1:], procs[:1]):
+            for proc in group:
+                proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    timeline(f"process {proc.pid} still runs 60 s after SIGTERM; killing it")
+                    proc.kill()
+                    proc.wait()
         timeline("every process exited")
         log.close()
     text = (tmp_path / "cluster.log").read_text(errors="replace")
