@@ -698,9 +698,29 @@ def test_local_cluster_dataframe_shuffle(local_cluster: tuple[str, Client]) -> N
     assert sums.to_dict() == pytest.approx(df.groupby("k")["v"].sum().to_dict())
 
 
+# Background wake-ups of the CLI processes, made rarer: distributed's own cluster tests
+# (distributed.utils_test.config_for_cluster_tests) tick every 500 ms instead of 20 ms and turn the workers'
+# statistical profiler off (a callback every 10 ms); the system monitor samples every 2 s instead of 0.5 s
+# and the workers' memory monitor every 1 s instead of 0.1 s. Idle, a scheduler and two workers took 7.6 %
+# of a CPU natively with the defaults and 1.3 % with these; the test host's one emulated CPU is 20-40 times
+# slower, so with the defaults their idling alone could take all of it from the work under test. None of
+# these takes part in noticing a lost worker (its comms closing) or in rerunning its tasks.
+_CLI_CLUSTER_CONFIG = {
+    "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "500ms",
+    "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False",
+    "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s",
+}
+
+
 def _start(args: list[str], loop_kind: str, log: Any) -> subprocess.Popen[bytes]:
     path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "DASK_DISTRIBUTED__ADMIN__EVENT_LOOP": loop_kind, "PYTHONPATH": path}
+    env = {
+        **os.environ,
+        **_CLI_CLUSTER_CONFIG,
+        "DASK_DISTRIBUTED__ADMIN__EVENT_LOOP": loop_kind,
+        "PYTHONPATH": path,
+    }
     return subprocess.Popen([sys.executable, "-m", "dask", *args], env=env, stdout=log, stderr=log)
 
 
@@ -712,25 +732,58 @@ def _wait_for(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(1800)  # 834 s in a passing CI run (three fresh interpreters import distributed)
+def _cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds of a live process (``/proc/PID/stat``), None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Timeline:
+    """The test's steps, written into the cluster's log between the processes' own (timestamped) lines,
+    so that a slow or failed run shows where its time went."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+        self._start = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now * 1000) % 1000:03d}"
+        elapsed = time.monotonic() - self._start
+        self._log.write(f"{stamp} - test - +{elapsed:.1f} s: {step}\n".encode())
+        self._log.flush()
+
+
+# 480-834 s in passing CI runs of the whole module; alone in the test host 110 s, 97 of them until the
+# three fresh interpreters have imported distributed and the scheduler listens
+@pytest.mark.timeout(1800)
 def test_cli_cluster_detects_a_killed_worker(tmp_path: Path) -> None:
-    """``dask scheduler --protocol rdma`` and two ``dask worker rdma://...`` as separate processes: the
-    scheduler and worker ``survivor`` on asyncio, worker ``victim`` on uvloop, no nannies. ``victim`` is
+    """``dask scheduler --protocol rdma`` and two ``dask worker --scheduler-file`` as separate processes:
+    the scheduler and worker ``survivor`` on asyncio, worker ``victim`` on uvloop, no nannies. ``victim`` is
     SIGKILLed while it runs tasks; the scheduler learns it from the comms closing (there is no nanny to
-    report it, and the heartbeat timeout is minutes) and reruns the tasks on ``survivor``."""
+    report it, and the heartbeat timeout is minutes: the removal's stimulus must be the comm's) and reruns
+    the tasks on ``survivor``. The workers start with the scheduler (they wait for its file), so that the
+    three interpreters' imports overlap."""
     scheduler_file = tmp_path / "scheduler.json"
     log = (tmp_path / "cluster.log").open("wb")
+    timeline = _Timeline(log)
+    timeline("starting the scheduler and the workers")
     procs = [_start(["scheduler", "--protocol", "rdma", "--scheduler-file", str(scheduler_file),
                      "--no-dashboard", "--port", "0"], "asyncio", log)]  # fmt: skip
+    for name, kind in (("survivor", "asyncio"), ("victim", "uvloop")):
+        procs.append(_start(["worker", "--scheduler-file", str(scheduler_file), "--name", name, "--nthreads",
+                             "1", "--no-nanny", "--no-dashboard"], kind, log))  # fmt: skip
+    victim = ""
     try:
         _wait_for(scheduler_file.exists, 600, "the scheduler file")
         with Client(scheduler_file=str(scheduler_file), timeout=600) as client:
-            address = client.scheduler.address
-            assert address.startswith("rdma://")
-            for name, kind in (("survivor", "asyncio"), ("victim", "uvloop")):
-                procs.append(_start(["worker", address, "--name", name, "--nthreads", "1", "--no-nanny",
-                                     "--no-dashboard"], kind, log))  # fmt: skip
+            timeline("client connected")
+            assert client.scheduler.address.startswith("rdma://")
             client.wait_for_workers(2, timeout=600)
+            timeline("both workers registered")
             workers = _check_rdma_cluster(client, "asyncio", 2)
             by_name = {info["name"]: worker for worker, info in workers.items()}
             assert client.run(loop_module) == {by_name["survivor"]: "asyncio", by_name["victim"]: "uvloop"}
@@ -743,20 +796,38 @@ def test_cli_cluster_detects_a_killed_worker(tmp_path: Path) -> None:
             started = lambda: any(tmp_path.glob("started-*")) or any(f.status == "error" for f in futures)  # noqa: E731
             _wait_for(started, 300, "a task running on the victim")
             assert not [f.exception() for f in futures if f.status == "error"]
+            names = ("scheduler", "survivor", "victim")  # the order they were started in
+            cpu = {name: _cpu_seconds(proc.pid) for name, proc in zip(names, procs, strict=True)}
+            cpu["test"] = time.process_time()
+            timeline(f"a task runs on the victim; killing it (CPU seconds so far: {cpu})")
             os.kill(victim_pid, signal.SIGKILL)
             assert client.gather(futures) == [i * i for i in range(8)]
+            timeline("results gathered")
             gone = lambda: victim not in _scheduler_identity(client)["workers"]  # noqa: E731
             _wait_for(gone, 120, "the victim's removal")
             assert list(_scheduler_identity(client)["workers"]) == [by_name["survivor"]]
+            cpu = {name: _cpu_seconds(proc.pid) for name, proc in zip(names[:2], procs, strict=False)}
+            cpu["test"] = time.process_time()
+            timeline(f"the victim is removed; closing (CPU seconds so far: {cpu})")
+        timeline("client closed")
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # The workers first, then the scheduler: a worker told to close by its closing scheduler while it
+        # handles its own SIGTERM has been seen to stay alive (over TCP too), costing the wait below.
+        for group in (procs[1:], procs[:1]):
+            for proc in group:
+                proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    timeline(f"process {proc.pid} still runs 60 s after SIGTERM; killing it")
+                    proc.kill()
+                    proc.wait()
+        timeline("every process exited")
         log.close()
     text = (tmp_path / "cluster.log").read_text(errors="replace")
-    assert "Remove worker" in text and victim in text, text[-5000:]
+    # the scheduler's removal names its cause: the worker's stream closing (handle-worker-cleanup) or a
+    # write to it failing (worker-send-comm-fail), not the heartbeat timeout (check-worker-ttl)
+    removals = [line for line in text.splitlines() if "Remove worker" in line and victim in line]
+    assert removals, text[-5000:]
+    assert all("worker-cleanup" in line or "comm-fail" in line for line in removals), removals
