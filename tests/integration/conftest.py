@@ -41,7 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _apply_framing(config: pytest.Config) -> None:
     """Apply ``--framing``: it becomes ``RDMAIO_FRAMING`` (Options.framing's default, read when an Options
     is made, here and in every process a test starts), and the package's default Options is made again."""
     framing = config.getoption("--framing")
@@ -143,7 +143,9 @@ def provider_under_test() -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the provider markers."""
+    """Apply ``--framing`` and register the provider markers. (One hook function per module: a second
+    ``pytest_configure`` here would replace the first, and ``--framing`` would do nothing.)"""
+    _apply_framing(config)
     for name, capability in _CAPABILITY_MARKERS.items():
         config.addinivalue_line(
             "markers", f"{name}: needs {capability.replace('_', ' ')} (deselected without)"
