@@ -52,7 +52,7 @@ async def main(host: str) -> int:
         except ConnectionError as exc:
             # iWARP: an RDMA WRITE completes once it is sent, unacknowledged, and the NIC's refusal is a
             # TERMINATE message that ends B's connection: the READ after the WRITE fails with it.
-            print(f"B with A's key: refused by the NIC ({type(exc).__name__}: {exc}); it ended B's connection")
+            print(f"B with A's key: refused by the NIC ({type(exc).__name__}: {exc}); B's connection ended")
         else:
             print(f"B with A's key: read {data!r}: the key is NOT scoped to its connection")
             return 1

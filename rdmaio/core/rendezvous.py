@@ -6,11 +6,12 @@ The protocol and the per-message states are :mod:`rdmaio.protocol.rendezvous`'s;
   this transfer only (never through the registration cache: a remotely readable region must not outlive
   its transfer) and made readable through this connection's queue pair only, by a type 2 memory window
   (:meth:`rdmaio.core.onesided.OneSidedEngine.export_for_read`; on a device without windows, by the
-  connection's own protection domain, or copied where the connection shares the loop's); its size is counted against the connection's share (``Options.rndv_send_budget``,
-  by default half of what the other connections leave free, :data:`SEND_SHARE`) and the Domain cache's
-  ``max_pinned`` (:meth:`RegistrationCache.try_reserve`; the Domain's also for a connection with a
-  protection domain and a registration cache of its own, so that the budget is the device's;
-  over either bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in
+  connection's own protection domain, or copied where the connection shares the loop's); its size is
+  counted against the connection's share (``Options.rndv_send_budget``, by default half of what the
+  other connections leave free, :data:`SEND_SHARE`) and the Domain cache's ``max_pinned``
+  (:meth:`RegistrationCache.try_reserve`; the Domain's also for a connection with a protection domain and
+  a registration cache of its own, so that the budget is the device's; over either bound, the message
+  goes the eager way, copied), the descriptor is queued as an RNDV frame in
   the sender's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's
   DONE, at most ``Options.rndv_timeout``: then it cancels itself as a cancelled ``send()`` does (so the
   buffer is never given back while the peer may still read it) and raises

@@ -66,7 +66,9 @@ def test_onesided_kv_example(rdma_addr: str, loop_flag: list[str], provider: str
     if provider == "rxe":
         assert "hits counted by fetch_add_many" in result.stdout and "no atomics" not in result.stdout
     else:
-        assert "no atomics: " in result.stdout and "hits counted by the server" in result.stdout, result.stdout
+        assert "no atomics: " in result.stdout and "hits counted by the server" in result.stdout, (
+            result.stdout
+        )
 
 
 @pytest.mark.parametrize("loop_flag", [[], ["--uvloop"]], ids=["asyncio", "uvloop"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 from types import SimpleNamespace
+
 from rdmaio.core.domain import RegistrationCache
 from rdmaio.core.rendezvous import SEND_SHARE, RendezvousEngine
 from rdmaio.options import Options
