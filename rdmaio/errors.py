@@ -34,6 +34,7 @@ __all__ = [
     "RemoteAccessError",
     "RemoteKeyRevokedError",
     "RendezvousTimeoutError",
+    "ReplyQueueFullError",
     "TimeoutError",
     "UnreachableError",
     "VerbsError",
@@ -203,3 +204,15 @@ class BindQueueFullError(RdmaError, BlockingIOError):
     """``export()`` found the connection's memory-window binds in flight at their bound
     (``rdmaio.core.onesided.MAX_BINDS_IN_FLIGHT``) even after polling for their completions: let the
     event loop run (any await) and export again. Nothing was registered or posted."""
+
+
+class ReplyQueueFullError(ProtocolError, ConnectionAbortedError):
+    """More answers to the peer's one-sided control messages (the REVOKE_ACK of a revocation, the DONE or
+    WITHDRAWN of a rendezvous message) waited for a send credit than ``Options.max_queued_replies`` allows.
+
+    The peer pays a credit for each message it sends, but it gets its credits back with every CREDIT frame
+    this side sends, which needs one credit of the peer's where an answer needs two (the last one is kept
+    for CREDIT frames): a peer that keeps sending such messages and grants one credit at a time would have
+    the answers pile up without end. The connection is aborted (this is also a
+    :class:`ConnectionAbortedError`); pending and later calls raise the connection's error.
+    """

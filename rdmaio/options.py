@@ -164,6 +164,14 @@ class Options:
     predates the header framing cannot be connected to then (``HandshakeError``). The default is the
     environment variable ``RDMAIO_FRAMING`` when set (read when an Options is made: the test suite's
     ``--framing=header`` runs every test, and the peer processes it starts, in the header framing)."""
+    # --- answers the peer's messages make this side queue ---
+    max_queued_replies: int = 4096
+    """One-sided control messages that answer the peer's (the REVOKE_ACK of each REVOKE, the DONE or
+    WITHDRAWN of each rendezvous message) waiting at once for a send credit or an op slot. A peer that keeps
+    sending such messages while it withholds our credits (it can: the CREDIT frames that give it its own
+    credits back cost us one credit, an answer needs two) would make them pile up without end; one more
+    than this fails the connection with :class:`~rdmaio.errors.ReplyQueueFullError`. Answers wait only
+    while this side holds fewer than two credits or every op slot (``max_rdma_ops``) is busy."""
 
     def __post_init__(self) -> None:
         if not 64 <= self.slot_size <= 16 * MiB:
@@ -215,6 +223,8 @@ class Options:
             raise ValueError("atomics and memory_windows must be 'auto' or 'off'")
         if self.framing not in ("auto", "header"):
             raise ValueError(f"framing must be 'auto' or 'header', not {self.framing!r}")
+        if self.max_queued_replies < 1:
+            raise ValueError("max_queued_replies must be >= 1")
 
     @classmethod
     def coerce(cls, options: Options | dict[str, Any] | None) -> Options:

@@ -13,12 +13,11 @@ The public :func:`rdmaio.connect` wraps it with its timeout and the Endpoint.
 
 from __future__ import annotations
 
-import builtins
 import collections
 import errno
 
 from rdmaio.core.backend import Backend, Waiter
-from rdmaio.core.capabilities import DEVICE_CAPS, connect_blocks, device_capabilities
+from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
@@ -43,7 +42,6 @@ __all__ = [
     "CMEventQueue",
     "connect_error",
     "dial",
-    "probe_listener",
 ]
 
 # rdma_cm reports "no listener on that port" as REJECTED with IB CM reason 8 (invalid service id).
@@ -130,27 +128,6 @@ def connect_error(event: CMEvent, where: str) -> Exception:
     )
 
 
-async def probe_listener(backend: Backend, address: str, port: int, local: str | None, where: str) -> None:
-    """Check that ``address``:``port`` answers a TCP connect (see :func:`dial`, for a device whose
-    ``rdma_connect`` blocks): :class:`~rdmaio.ConnectionRefusedError` when nothing listens there,
-    :class:`~rdmaio.AddressError` when ``local`` cannot be used, :class:`~rdmaio.UnreachableError` for
-    the rest of TCP's verdicts. Unbounded in time (the kernel's SYN retries): the caller sets the deadline."""
-    try:
-        await backend.tcp_probe(address, port, local)
-    except builtins.ConnectionRefusedError as exc:
-        raise ConnectionRefusedError(
-            f"connection refused by {where}: no listener on that port", errno=exc.errno, call="connect"
-        ) from None
-    except OSError as exc:
-        if exc.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
-            raise AddressError(
-                f"cannot connect to {where} from {local}: {exc.strerror}", errno=exc.errno, call="connect"
-            ) from None
-        raise UnreachableError(
-            f"{where} unreachable: {exc.strerror or exc}", errno=exc.errno, call="connect"
-        ) from None
-
-
 async def dial(
     reactor: Reactor, host: str, port: int, local_addr: tuple[str, int] | None, opts: Options
 ) -> Connection:
@@ -186,13 +163,6 @@ async def dial(
             ) or device_capabilities(device, transport.max_inline, opts)
             handshake = local_handshake(opts, caps=caps)
             depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
-            if not caps.immediate and connect_blocks(device):
-                # This device's rdma_connect is a blocking kernel TCP connect (Soft-iWARP): to a peer
-                # nobody answers it would hold the loop for minutes. Its listener is a kernel TCP socket on
-                # the same address and port, so a TCP connect of our own on the loop finds out first, under
-                # the caller's deadline; rdma_connect then meets an answering peer.
-                local = src[0] if src else None
-                await probe_listener(reactor.backend, address, port, local, f"{host} port {port}")
             cm_id.connect(
                 handshake.encode(),
                 retry_count=opts.retry_count,

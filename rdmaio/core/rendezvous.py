@@ -49,7 +49,7 @@ from typing import Any
 
 from rdmaio import verbs
 from rdmaio.core.onesided import ACCESS_READ, MAX_OP_BYTES, OneSidedEngine, RemoteKey
-from rdmaio.errors import EndpointClosedError, ProtocolError, RendezvousTimeoutError
+from rdmaio.errors import EndpointClosedError, ProtocolError, RendezvousTimeoutError, ReplyQueueFullError
 from rdmaio.protocol.rendezvous import (
     CTL_CANCEL,
     CTL_DONE,
@@ -350,7 +350,9 @@ class RendezvousEngine:
             if msg is not None:  # not pulled yet: withdrawn, never read
                 self._rxbuf.withdraw(msg)
                 msg.event.set()
-                self._onesided.send_control(CTL_WITHDRAWN, msg_id)
+                # An answer: past Options.max_queued_replies waiting, it raises ReplyQueueFullError, which
+                # the receive path fails the connection with.
+                self._onesided.send_control(CTL_WITHDRAWN, msg_id, reply=True)
                 self._stats["rndv_withdrawn_by_peer"] += 1
                 ep = self._endpoint()
                 if ep is not None and self._rxbuf.held:
@@ -429,7 +431,15 @@ class RendezvousEngine:
         finally:
             if into is None:
                 self._owned_inflight -= msg.length
-        self._onesided.send_control(self.recvs.pulled(msg), msg.desc.msg_id)
+        kind = self.recvs.pulled(msg)
+        try:
+            self._onesided.send_control(kind, msg.desc.msg_id, reply=True)
+        except ReplyQueueFullError as exc:
+            # The peer announces messages and withholds the credits their DONEs need.
+            # The data was read: it is delivered all the same, and the connection fails with that error.
+            ep = self._endpoint()
+            if ep is not None:
+                ep.fail(exc)
         stats = self._stats
         stats["rndv_received"] += 1
         stats["rndv_bytes_received"] += msg.length

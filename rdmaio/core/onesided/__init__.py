@@ -155,7 +155,8 @@ class OneSidedEngine:
     Connection-scoped grants: ``register_bindable(view, readonly)`` registers with ``IBV_ACCESS_MW_BIND``
     and no remote flags, ``bind_window(region, wr_id, access)`` allocates a type 2 window and posts its
     bind on the connection's QP (None: the device has no windows), ``poll()`` polls the completion queue
-    now (to free bind entries). ``max_revoked_ranges`` bounds the peer's revoked key ids kept.
+    now (to free bind entries). ``max_revoked_ranges`` bounds the peer's revoked key ids kept,
+    ``max_queued_replies`` the answers to the peer's control messages waiting for a send credit.
     ``repost(slot)`` gives a receive held by write-notice back-pressure back to the NIC. ``port`` (a
     :class:`~rdmaio.core.onesided.interfaces.SerialPort`, or ``make_port(wr_base)`` makes it) posts and
     polls a serial request in one C call; ``close_state`` (the Session's
@@ -196,6 +197,7 @@ class OneSidedEngine:
         write_notice_by_message: bool = False,
         private_pd: bool = False,
         register_read_grant: Callable[[memoryview, bool], Region] | None = None,
+        max_queued_replies: int = 4096,
     ) -> None:
         stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -223,6 +225,7 @@ class OneSidedEngine:
             atomics=atomics,
             device_name=device_name,
             write_notice_by_message=write_notice_by_message,
+            max_queued_replies=max_queued_replies,
         )
         exporter = Exporter(
             io,
@@ -340,6 +343,7 @@ class OneSidedEngine:
             device_name=transport.device.name,
             private_pd=private_pd,
             register_read_grant=read_grant_registrar(transport.pd) if private_pd else None,
+            max_queued_replies=options.max_queued_replies,
         )
 
     @property

@@ -451,7 +451,8 @@ class Exporter:
             # rings); those posted earlier come before the ACK on this connection, so the exporter's NIC
             # has run them when the ACK arrives. Raises ProtocolError past Options.max_revoked_key_ranges.
             self.revoked_ids.add(key_id)
-            self.send_control_message(CTL_REVOKE_ACK, key_id)
+            # An answer: past Options.max_queued_replies waiting, ReplyQueueFullError fails the connection.
+            self.send_control_message(CTL_REVOKE_ACK, key_id, reply=True)
         else:
             grant = self.grants.get(key_id)
             if grant is not None and grant.ack is not None:
@@ -498,17 +499,20 @@ class Exporter:
             self._repost(self._held_slots.popleft())
         return notice
 
-    def send_control(self, kind: int, value: int) -> None:
+    def send_control(self, kind: int, value: int, *, reply: bool = False) -> None:
         """Queue a control message of another layer (``kind >= CTL_FIRST_EXTERNAL``, a u64 ``value``);
-        the peer's engine hands it to its :attr:`control_handler`. Sent in call order, after a credit."""
+        the peer's engine hands it to its :attr:`control_handler`. Sent in call order, after a credit.
+        ``reply``: it answers a message of the peer's, and counts against ``Options.max_queued_replies``
+        (see :meth:`OperationEngine.queue_send
+        <rdmaio.core.onesided.operations.OperationEngine.queue_send>`, which raises past it)."""
         if not CTL_FIRST_EXTERNAL <= kind <= 0xFF:
             raise ValueError(f"control kind {kind} is reserved")
-        self.send_control_message(kind, value)
+        self.send_control_message(kind, value, reply=reply)
 
-    def send_control_message(self, kind: int, value: int) -> None:
+    def send_control_message(self, kind: int, value: int, *, reply: bool = False) -> None:
         """Queue a control SEND of any kind (REVOKE and its ACK included; it needs a credit and an op slot,
-        so it may wait for either)."""
-        self._operations.queue_send(_CONTROL.pack(KEY_VERSION, kind, value))
+        so it may wait for either). ``reply``: as for :meth:`send_control`."""
+        self._operations.queue_send(_CONTROL.pack(KEY_VERSION, kind, value), reply=reply)
 
     # --- the end --------------------------------------------------------------------------------------------
 

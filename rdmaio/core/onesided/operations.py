@@ -39,6 +39,7 @@ from rdmaio.errors import (
     RemoteAccessError,
     RemoteAccessRefusedError,
     RemoteKeyRevokedError,
+    ReplyQueueFullError,
 )
 from rdmaio.protocol.closestate import CloseState
 from rdmaio.verbs.native import ffi, lib
@@ -230,6 +231,7 @@ class OperationEngine:
         atomics: bool = True,
         device_name: str = "this device",
         write_notice_by_message: bool = False,
+        max_queued_replies: int = 4096,
     ) -> None:
         self._io = io
         self._qp = qp
@@ -303,10 +305,20 @@ class OperationEngine:
         """Work requests of :attr:`ops` (a batch op stands for several)."""
         self._slot_waiters: collections.deque[Waiter] = collections.deque()
         self._credit_queue: collections.deque[Op] = collections.deque()
-        self._pending_sends: collections.deque[bytes] = collections.deque()  # control messages to post
+        # Control messages to post, each with whether it answers one of the peer's (see queue_send).
+        self._pending_sends: collections.deque[tuple[bytes, bool]] = collections.deque()
         self.waiting_for_credit = 0
         """Control messages and writes with immediate data waiting for a send credit: while 0,
         :meth:`pump` has nothing to do (a connection may skip calling it)."""
+        self.replies_waiting = 0
+        """Control messages queued that answer one of the peer's (``queue_send(..., reply=True)``: a
+        REVOKE_ACK, a rendezvous DONE or WITHDRAWN) and wait for a send credit or an op slot."""
+        self.max_queued_replies = max_queued_replies
+        """The most :attr:`replies_waiting` there may be (``Options.max_queued_replies``). The peer pays for
+        each message it answers with a credit, but it gets those credits back on every CREDIT frame we send,
+        which needs one credit where a reply needs two: a peer that grants us one credit at a time keeps us
+        granting it credits while no reply ever goes out. Past this bound the connection fails
+        (:class:`~rdmaio.errors.ReplyQueueFullError`)."""
         self._staging: Any = None  # a Region: registered rdmaio-owned memory, max_ops slots of STAGING_SLOT
         self._staging_view = memoryview(b"")  # all of it, once registered
         self._staging_buf: bytearray | None = None
@@ -1155,12 +1167,29 @@ class OperationEngine:
         self.release(op)
         return data
 
-    def queue_send(self, payload: bytes) -> None:
+    def queue_send(self, payload: bytes, *, reply: bool = False) -> None:
         """Queue a SEND without immediate data of ``payload`` (a one-sided control message, a few bytes):
-        posted in call order once an op slot and a send credit are free (it consumes a peer receive)."""
-        self._pending_sends.append(self.control_header + payload)
+        posted in call order once an op slot and a send credit are free (it consumes a peer receive).
+
+        ``reply``: the message answers one the peer sent (a REVOKE_ACK, a rendezvous DONE or WITHDRAWN),
+        so the peer, not this side's application, decides how many there are: if more than
+        :attr:`max_queued_replies` of them still wait once this one was queued and the queue pumped, raises
+        :class:`~rdmaio.errors.ReplyQueueFullError` (a :class:`~rdmaio.errors.ProtocolError`), which the
+        caller fails the connection with (the receive path does so for every ProtocolError)."""
+        self._pending_sends.append((self.control_header + payload, reply))
         self.waiting_for_credit += 1
+        if not reply:
+            self.pump()
+            return
+        self.replies_waiting += 1
         self.pump()
+        if self.replies_waiting > self.max_queued_replies:
+            raise ReplyQueueFullError(
+                f"{self.replies_waiting} answers to the peer's one-sided control messages (REVOKE_ACK, "
+                "rendezvous DONE/WITHDRAWN) wait for a send credit, more than Options.max_queued_replies "
+                f"({self.max_queued_replies}): the peer keeps sending messages that need an answer while it "
+                "withholds the credits the answers need"
+            )
 
     def pump(self) -> None:
         """Post what waits for a credit: control messages first, then writes with immediate data and write
@@ -1177,8 +1206,10 @@ class OperationEngine:
             and self._free_staging
             and credits.can_take_slot()
         ):
-            payload = self._pending_sends.popleft()
+            payload, reply = self._pending_sends.popleft()
             self.waiting_for_credit -= 1
+            if reply:
+                self.replies_waiting -= 1
             op = self._new_op(None, _WR_SEND, len(payload), True, 1)
             op.orphan = True
             assert op.buffer is not None
@@ -1365,6 +1396,7 @@ class OperationEngine:
         self._credit_queue.clear()
         self._pending_sends.clear()
         self.waiting_for_credit = 0
+        self.replies_waiting = 0
         self._doorbell.clear()
         if self._ring_handle is not None:
             self._ring_handle.cancel()
@@ -1391,7 +1423,9 @@ class OperationEngine:
     def statistics(self) -> dict[str, int]:
         """Requests posted, doorbells (post calls), batch waves, serial calls completed at their post, and
         ops pending; requests posted by kind: ``rdma_reads``, ``rdma_writes`` (with immediate data too),
-        ``rdma_fetch_adds``, ``rdma_compare_swaps`` (always present, 0 until counted)."""
+        ``rdma_fetch_adds``, ``rdma_compare_swaps`` (always present, 0 until counted); answers to the peer's
+        control messages waiting for a send credit (``control_replies_queued``, at most
+        :attr:`max_queued_replies`)."""
         stats = self._stats
         get = stats.get
         reads, writes = self._reads_at_post, self._writes_at_post
@@ -1404,6 +1438,7 @@ class OperationEngine:
             "rdma_batches": stats["rdma_batches"] + self._waves_done_at_post,
             "rdma_completed_at_post": stats["rdma_completed_at_post"] + done_at_post,
             "rdma_ops_pending": len(self.ops),
+            "control_replies_queued": self.replies_waiting,
             "rdma_reads": get("rdma_reads", 0) + reads + wave[WR_READ],
             "rdma_writes": get("rdma_writes", 0) + writes + wave[_WR_WRITE] + wave[_WR_WRITE_IMM],
             "rdma_fetch_adds": get("rdma_fetch_adds", 0) + fetch_adds + wave[WR_FADD],
