@@ -4,7 +4,9 @@ The server exports one private buffer to each client and sends it the key. Clien
 request with client A's key (in a real attack it would guess the address; rkeys are near-sequential) and
 tries to read and overwrite A's memory through its own connection. The server's NIC refuses it: B gets
 ``rdmaio.RemoteAccessRefusedError`` (its connection is gone, as with any remote access error) and A's data
-is untouched; A keeps reading its buffer. Usage: ``python examples/key_scope.py [HOST] [--uvloop]`` (the
+is untouched; A keeps reading its buffer. On iWARP (Soft-iWARP: no memory windows, so each connection has a
+protection domain of its own) the refusal ends B's connection without an answer to the WRITE: B's next
+operation fails with a ``ConnectionError``. Usage: ``python examples/key_scope.py [HOST] [--uvloop]`` (the
 test host: 198.18.0.1).
 """
 
@@ -47,6 +49,10 @@ async def main(host: str) -> int:
             data = await b.rdma_read(key_a, 0, key_a.length)
         except rdmaio.RemoteAccessRefusedError as exc:
             print(f"B with A's key: refused by the NIC ({type(exc).__name__}: {exc})")
+        except ConnectionError as exc:
+            # iWARP: an RDMA WRITE completes once it is sent, unacknowledged, and the NIC's refusal is a
+            # TERMINATE message that ends B's connection: the READ after the WRITE fails with it.
+            print(f"B with A's key: refused by the NIC ({type(exc).__name__}: {exc}); B's connection ended")
         else:
             print(f"B with A's key: read {data!r}: the key is NOT scoped to its connection")
             return 1

@@ -5,11 +5,13 @@ The protocol and the per-message states are :mod:`rdmaio.protocol.rendezvous`'s;
 * **Send** (:meth:`RendezvousEngine.send`): the caller's buffer is registered as its own memory region for
   this transfer only (never through the registration cache: a remotely readable region must not outlive
   its transfer) and made readable through this connection's queue pair only, by a type 2 memory window
-  (:meth:`rdmaio.core.onesided.OneSidedEngine.export_for_read`; on a device without windows the message
-  is copied instead); its size is counted against the connection's share (``Options.rndv_send_budget``,
-  by default half of what the other connections leave free, :data:`SEND_SHARE`) and the Domain cache's
-  ``max_pinned`` (:meth:`RegistrationCache.try_reserve`;
-  over either bound, the message goes the eager way, copied), the descriptor is queued as an RNDV frame in
+  (:meth:`rdmaio.core.onesided.OneSidedEngine.export_for_read`; on a device without windows, by the
+  connection's own protection domain, or copied where the connection shares the loop's); its size is
+  counted against the connection's share (``Options.rndv_send_budget``, by default half of what the
+  other connections leave free, :data:`SEND_SHARE`) and the Domain cache's ``max_pinned``
+  (:meth:`RegistrationCache.try_reserve`; the Domain's also for a connection with a protection domain and
+  a registration cache of its own, so that the budget is the device's; over either bound, the message
+  goes the eager way, copied), the descriptor is queued as an RNDV frame in
   the sender's queue (so it keeps its place among eager frames), and ``send()`` waits for the peer's
   DONE, at most ``Options.rndv_timeout``: then it cancels itself as a cancelled ``send()`` does (so the
   buffer is never given back while the peer may still read it) and raises
@@ -134,6 +136,7 @@ class RendezvousEngine:
         stats: collections.Counter[str],
         timeout: float | None = None,
         send_budget: int | None = None,
+        send_cache: Any = None,
     ) -> None:
         self._endpoint = weakref.ref(endpoint)
         self._io = endpoint.io
@@ -142,6 +145,10 @@ class RendezvousEngine:
         self._onesided = onesided
         self._pd = pd
         self._cache = cache
+        # The device's budget for sends waiting for their peers is counted in the Domain's cache even where
+        # this connection registers in a cache of its own (a device without memory windows): with a
+        # budget per connection, N peers that never answer would hold N times max_pinned / 4.
+        self._send_cache = cache if send_cache is None else send_cache
         self.threshold = threshold
         self._close_timeout = close_timeout
         self._timeout = timeout  # Options.rndv_timeout
@@ -180,6 +187,7 @@ class RendezvousEngine:
             stats=conn.stats,
             timeout=options.rndv_timeout,
             send_budget=options.rndv_send_budget,
+            send_cache=transport.domain.registrations,
         )
 
     @property
@@ -194,7 +202,7 @@ class RendezvousEngine:
         (:data:`SEND_SHARE`)."""
         if self._send_budget is not None:
             return self._send_budget
-        cache = self._cache
+        cache = self._send_cache
         others = int(cache.send_pinned) - self._send_pinned
         return max(0, int(cache.max_pinned) // 2 - others) // SEND_SHARE
 
@@ -217,7 +225,7 @@ class RendezvousEngine:
         if ep is None or self.closed:
             raise EndpointClosedError("endpoint is closed")
         size = view.nbytes
-        cache = self._cache
+        cache = self._send_cache
         # This connection's share first (a peer that never answers holds at most that much of the
         # device's budget), then the device's: half of max_pinned, the pulls keep the other half.
         if self._send_pinned + size > self.send_budget or not cache.try_reserve(size, cache.max_pinned // 2):
@@ -321,8 +329,8 @@ class RendezvousEngine:
             log.debug("rndv send %d ends %s: region closed", out.msg_id, out.state.value)
             region.close()
             self._send_pinned -= out.length
-            self._cache.send_pinned -= out.length
-            self._cache.unreserve(out.length)
+            self._send_cache.send_pinned -= out.length
+            self._send_cache.unreserve(out.length)
 
     def _failure(self) -> BaseException:
         error: BaseException | None = self._session.flush_error()

@@ -19,6 +19,7 @@ import rdmaio
 from rdmaio.core.onesided import RemoteKey
 
 
+@pytest.mark.requires_atomics  # fetch_add_many's typed error without atomics: test_onesided_caps
 def test_eight_clients_fetch_add_many_exact_totals(arun: Runner[Any], rdma_addr: str) -> None:
     """Eight clients, two tasks each, add to 8 counters in batches of 16 (every counter twice per batch,
     waves of 8 with max_rdma_ops=8): each counter ends at the exact total and every old value was seen
@@ -99,6 +100,7 @@ def test_read_many_against_a_model(arun: Runner[Any], rdma_addr: str) -> None:
     arun(main())
 
 
+@pytest.mark.requires_atomics  # the read-only batches: the next test, on every provider
 def test_a_bad_batch_posts_nothing_and_a_forged_one_is_refused_by_the_nic(rdma_addr: str) -> None:
     async def main() -> None:
         async with pair(rdma_addr) as (exp, imp):
@@ -125,12 +127,46 @@ def test_a_bad_batch_posts_nothing_and_a_forged_one_is_refused_by_the_nic(rdma_a
     asyncio.run(main())
 
 
-def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr: str) -> None:
-    """Batches in flight when the exporter dies fail with a typed error within the bound that holds for
-    single calls (5 s), and leave no op, slot or staging memory behind."""
+def test_a_bad_read_batch_posts_nothing_and_a_forged_one_is_refused_by_the_nic(
+    rdma_addr: str, provider: str
+) -> None:
+    """The read half of the test above, on every provider (no atomics needed): a batch with a range outside
+    the grant raises before anything is posted and the connection stays usable; a batch through a forged
+    key (the grant's rkey, a longer length) passes the local check and the exporter's NIC refuses the READ
+    past the grant's region (RoCE: the READ's own RemoteAccessError; iWARP: the TERMINATE that ends the
+    connection, which fails the batch)."""
 
     async def main() -> None:
-        proc = peer_process(exporter_peer_code(1 << 20, "ra"), rdma_addr)
+        async with pair(rdma_addr) as (exp, imp):
+            memory = bytearray(b"\xaa" * 64 + b"\xbb" * 64 + b"\xcc" * 128)
+            key = await share(exp, imp, exp.export(memory, 64, 64, access="r"))
+            with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+                await imp.rdma_read_many(key, [(0, 8), (60, 8)])
+            with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+                await imp.rdma_read_many(key, [(64, 1)])
+            assert imp.statistics()["rdma_batches"] == 0
+            # still usable
+            assert await imp.rdma_read_many(key, [(0, 8), (56, 8)]) == [b"\xbb" * 8] * 2
+            assert imp.statistics()["rdma_batches"] == 1
+            forged = RemoteKey(key.addr, key.rkey, 256, key.access_bits, key.key_id)
+            refused: tuple[type[BaseException], ...] = (rdmaio.RemoteAccessError,)
+            if provider != "rxe":
+                refused = (rdmaio.EndpointClosedError, ConnectionError, rdmaio.RemoteAccessError)
+            with pytest.raises(refused):
+                await asyncio.wait_for(imp.rdma_read_many(forged, [(0, 8), (128, 8)]), 30)
+            assert memory == b"\xaa" * 64 + b"\xbb" * 64 + b"\xcc" * 128
+
+    asyncio.run(main())
+
+
+def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr: str, provider: str) -> None:
+    """Batches in flight when the exporter dies fail with a typed error within the bound that holds for
+    single calls (5 s), and leave no op, slot or staging memory behind. Two tasks add and two read where
+    the devices have atomics; four read where they do not (iWARP)."""
+    atomics = provider == "rxe"
+
+    async def main() -> None:
+        proc = peer_process(exporter_peer_code(1 << 20, "ra" if atomics else "r"), rdma_addr)
         try:
             port = int((await asyncio.to_thread(wait_ready, proc)).split()[1])
             ep = await rdmaio.connect(rdma_addr, port, timeout=30, options={"max_rdma_ops": 64})
@@ -151,7 +187,8 @@ def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr
                 except Exception as exc:
                     errors.append(exc)
 
-            tasks = [asyncio.create_task(f()) for f in (adder, adder, reader, reader)]
+            kinds = (adder, adder, reader, reader) if atomics else (reader,) * 4
+            tasks = [asyncio.create_task(f()) for f in kinds]
             await asyncio.sleep(1.0)
             assert not errors
             assert ep.statistics()["rdma_batches"] > 0
@@ -175,22 +212,27 @@ def test_peer_sigkill_during_batches_fails_them_typed_within_the_bound(rdma_addr
     asyncio.run(main())
 
 
-def test_revoke_with_batches_in_flight(rdma_addr: str) -> None:
+def test_revoke_with_batches_in_flight(rdma_addr: str, provider: str) -> None:
     """Batches in flight when the exporter revokes: every call completes or raises RemoteKeyRevokedError
     (nothing else), later ones raise it without posting, and the memory is not modified through the key
-    once revoke() returned."""
+    once revoke() returned. Where the devices have no atomics (iWARP) the adders' batches are reads too,
+    and the call after the revoke an rdma_read_many."""
+    atomics = provider == "rxe"
 
     async def main() -> None:
         async with pair(rdma_addr) as (exp, imp):
             memory = bytearray(1 << 16)
-            key = await share(exp, imp, exp.export(memory, access="ra"))
+            key = await share(exp, imp, exp.export(memory, access="ra" if atomics else "r"))
             outcomes: list[str] = []
 
             async def adder(n: int) -> None:
                 offsets = [n * 1024 + 8 * i for i in range(32)]
                 while True:
                     try:
-                        await imp.fetch_add_many(key, offsets)
+                        if atomics:
+                            await imp.fetch_add_many(key, offsets)
+                        else:
+                            await imp.rdma_read_many(key, [(offset, 8) for offset in offsets])
                     except rdmaio.RemoteKeyRevokedError:
                         outcomes.append("revoked")
                         return
@@ -213,7 +255,10 @@ def test_revoke_with_batches_in_flight(rdma_addr: str) -> None:
             assert outcomes == ["revoked"] * 8
             posted = imp.statistics()["rdma_ops_posted"]
             with pytest.raises(rdmaio.RemoteKeyRevokedError):
-                await imp.fetch_add_many(key, [0])
+                if atomics:
+                    await imp.fetch_add_many(key, [0])
+                else:
+                    await imp.rdma_read_many(key, [(0, 8)])
             assert imp.statistics()["rdma_ops_posted"] == posted
             await asyncio.sleep(0.2)
             assert bytes(memory) == snapshot

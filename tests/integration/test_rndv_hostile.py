@@ -200,9 +200,19 @@ def test_announcement_flood_is_held_back_and_released_by_reading(arun: Runner[An
 # --- a receiver that never answers --------------------------
 
 
-@pytest.mark.parametrize("budget", [None, 2 * MiB], ids=["default-share", "explicit-budget"])
+@pytest.mark.parametrize(
+    ("budget", "windows"),
+    [
+        (None, "auto"),
+        (2 * MiB, "auto"),
+        # Every connection with a protection domain and a registration cache of its own, as on a device
+        # without memory windows (siw, where "auto" is this already): the budget is still the device's.
+        pytest.param(None, "off", marks=pytest.mark.provider("rxe")),
+    ],
+    ids=["default-share", "explicit-budget", "default-share-own-pd"],
+)
 def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(
-    arun: Runner[Any], rdma_addr: str, budget: int | None
+    arun: Runner[Any], rdma_addr: str, budget: int | None, windows: str
 ) -> None:
     """Four receivers record our descriptors and never answer (not even a CANCEL). Each connection keeps at
     most its share of the device's rendezvous budget pinned (its other sends are copied), so a 512 KiB send
@@ -211,7 +221,9 @@ def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(
 
     The default share is half of what the other connections leave free of the device's 16 MiB, so four
     connections holding six 1 MiB sends each pin at most 8 + 4 + 2 + 1 MiB; an explicit budget of 2 MiB
-    pins two sends each and copies the other four."""
+    pins two sends each and copies the other four. The budget is the device's also where each connection
+    registers in a protection domain and a cache of its own (a device without memory windows, siw); there
+    each connection used to get a whole budget of its own, so four silent peers held all 24 sends."""
     max_pinned = 32 * MiB  # the device's send budget is 16 MiB
     sends_each = 6
     # The deadline leaves the honest send time to run first in a slow VM (it would go zero-copy after the
@@ -222,6 +234,7 @@ def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(
         "rndv_timeout": 20.0,
         "close_timeout": 2.0,
         "rndv_send_budget": budget,
+        "memory_windows": windows,
     }
     payload = bytearray(PATTERN)
     honest_payload = bytes(PATTERN[: 512 * 1024])  # within what four full shares leave (1 MiB)
@@ -254,7 +267,9 @@ def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(
                     return decided == len(stuck)
 
                 await until(all_decided, "every send went zero-copy or fell back")
-                assert cache.reserved >= 4 * MiB  # the silent receivers do hold sends
+                # The silent receivers do hold sends, counted in the Domain's cache (the device's budget).
+                pinned_each = [ep.statistics()["rndv_send_pinned"] for ep in victims]
+                assert cache.reserved >= 4 * MiB, (cache.statistics(), pinned_each)
 
                 # An honest connection still gets a zero-copy send.
                 received = asyncio.ensure_future(honest_server.recv())
@@ -288,9 +303,13 @@ def test_silent_receivers_hold_neither_the_budget_nor_the_buffers(
                     assert ep.statistics()["rndv_timeouts"] >= 1
                     assert ep._conn.torn_down  # failed: its queue pair, the peer's way in, is gone
                     assert ep._conn.rndv is not None and ep._conn.rndv.send_pinned == 0
-                # Only the honest pair's pooled bounce buffers stay reserved (no send region is left).
+                # Only the honest pair's pooled bounce buffers stay reserved (no send region is left): in
+                # the Domain's cache, and in the caches of connections with a protection domain of their own.
                 bounces = [b for ep in (honest_client, honest_server) for b in ep._conn.rndv._bounces]
-                assert cache.reserved == sum(len(b.buf) for b in bounces), cache.statistics()
+                endpoints = (*victims, honest_client, honest_server)
+                caches = {id(c): c for c in (cache, *(ep._conn.rndv._cache for ep in endpoints))}
+                reserved = sum(c.reserved for c in caches.values())
+                assert reserved == sum(len(b.buf) for b in bounces), [c.statistics() for c in caches.values()]
             finally:
                 done.set()
                 for ep in (*victims, honest_client, honest_server):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +29,8 @@ import rdmaio.core.dial
 from rdmaio import verbs
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.shared_receive import SharedReceivePool
-from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, FrameKind, Handshake, encode_imm
+from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Capabilities, FrameKind, Handshake, encode_imm
+from rdmaio.protocol.framing import encode_frame_header
 from rdmaio.protocol.reclaim import MIN_WINDOW, ReclaimSession
 from rdmaio.verbs import CMEvent, CMEventType, CMId, EventChannel
 
@@ -116,6 +119,115 @@ class HalfOpenClient:
         self.channel.close()
 
 
+# --- half-open requests on iWARP ------------------------------------------------------------------------
+# rdma_cm on iWARP connects over TCP, then the initiator sends an MPA request frame (RFC 5044; version 2,
+# RFC 6581) with the private data and the listener answers with an MPA reply. siw reports ESTABLISHED on the
+# listener's side as soon as it sent its reply (drivers/infiniband/sw/siw/siw_cm.c, siw_accept()), unless the
+# request asked for peer-to-peer mode (MPA v2 "enhanced" with a ready-to-receive frame, RTR): then the
+# listener waits for the initiator's RTR before it reports ESTABLISHED (wait_for_peer_rts: the socket's data
+# callback becomes siw_rtr_data_ready). That wait is iWARP's half-open state, where the server has accepted
+# (queue pair, receives) as an InfiniBand or RoCE server has when it waits for the RTU. siw's own initiator
+# never asks for an RTR (its peer_to_peer is a constant false, siw_main.c), so a raw rdma_cm id cannot make
+# a siw server wait: a connection request without a queue pair is refused by siw_connect() itself (EINVAL,
+# "QP does not exist"). Hardware iWARP initiators do ask for it. MpaHalfOpenClient speaks MPA itself.
+
+MPA_KEY_REQ = b"MPA ID Req Frame"
+MPA_KEY_REP = b"MPA ID Rep Frame"
+MPA_HEADER = struct.Struct("!16sHH")  # key, flags and revision bits, private data length
+MPA_FLAG_REJECT = 0x2000
+MPA_FLAG_ENHANCED = 0x1000  # MPA v2: IRD/ORD and the peer-to-peer mode lead the private data
+MPA_REVISION = 2
+MPA_V2 = struct.Struct("!HH")  # IRD (and the peer-to-peer flag), ORD (and the RTR kinds offered)
+MPA_V2_PEER_TO_PEER = 0x8000
+MPA_V2_RTR_WRITE_OR_READ = 0x8000 | 0x4000
+
+
+@dataclasses.dataclass
+class MpaOutcome:
+    """What the listener's MPA reply said, as the rdma_cm event a raw cm id would have reported: its reply
+    accepted the request (CONNECT_RESPONSE), or it rejected it (REJECTED)."""
+
+    event: CMEventType
+    status: int = 0
+
+
+class MpaHalfOpenClient:
+    """Half-open connection requests on iWARP (see above): a TCP connection from ``src``, an MPA v2 request
+    asking for peer-to-peer mode with the handshake in its private data, the listener's reply read, and
+    never the RTR. The same calls as :class:`HalfOpenClient`: :meth:`wait` for ``CONNECT_RESPONSE`` is the
+    reply accepting the request (``REJECTED``: rejecting it); :meth:`seen` ``REJECTED`` is the listener
+    closing the TCP connection (it dropped the request)."""
+
+    def __init__(self, src: str | None = None) -> None:
+        self.src = src
+        self.socks: list[socket.socket] = []
+        self._received: dict[int, bytearray] = {}
+        self._closed: set[int] = set()
+
+    def _read(self, sock: socket.socket) -> None:
+        """Take what the listener sent (non-blocking); note the connection's end."""
+        while sock.fileno() not in self._closed:
+            try:
+                data = sock.recv(4096)
+            except BlockingIOError:
+                return
+            except OSError:  # reset by the listener
+                data = b""
+            if not data:
+                self._closed.add(sock.fileno())
+                return
+            self._received[sock.fileno()] += data
+
+    async def request(self, host: str, port: int, handshake: Handshake) -> socket.socket:
+        """Connect and send one MPA request announcing ``handshake``; return the socket."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socks.append(sock)
+        self._received[sock.fileno()] = bytearray()
+        if self.src:
+            sock.bind((self.src, 0))
+        sock.settimeout(30)
+        sock.connect((host, port))  # the listener's kernel accepts at once (a local address)
+        private = MPA_V2.pack(MPA_V2_PEER_TO_PEER | 1, MPA_V2_RTR_WRITE_OR_READ | 1) + handshake.encode()
+        sock.sendall(MPA_HEADER.pack(MPA_KEY_REQ, MPA_FLAG_ENHANCED | MPA_REVISION, len(private)) + private)
+        sock.setblocking(False)
+        return sock
+
+    async def wait(self, sock: socket.socket, *types: CMEventType) -> MpaOutcome:
+        """The listener's MPA reply to the request on ``sock`` (which must be one of ``types``)."""
+        received = self._received[sock.fileno()]
+
+        def replied() -> bool:
+            self._read(sock)
+            if len(received) < MPA_HEADER.size:
+                assert sock.fileno() not in self._closed, f"closed before an MPA reply: {bytes(received)!r}"
+                return False
+            key, _bits, length = MPA_HEADER.unpack_from(received)
+            assert key == MPA_KEY_REP, bytes(received)
+            return len(received) >= MPA_HEADER.size + length or sock.fileno() in self._closed
+
+        await until(replied, "an MPA reply on a hostile TCP connection")
+        _key, bits, _length = MPA_HEADER.unpack_from(received)
+        outcome = MpaOutcome(CMEventType.REJECTED if bits & MPA_FLAG_REJECT else CMEventType.CONNECT_RESPONSE)
+        assert outcome.event in types, (outcome.event.name, hex(bits))
+        return outcome
+
+    def seen(self, sock: socket.socket, event_type: CMEventType) -> bool:
+        """Whether the listener closed the connection (``REJECTED``: it dropped the request)."""
+        assert event_type == CMEventType.REJECTED, event_type
+        self._read(sock)
+        return sock.fileno() in self._closed
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+def half_open_client(provider: str, src: str | None = None) -> Any:
+    """The half-open client of ``provider``'s transport: raw rdma_cm ids on InfiniBand and RoCE, MPA over
+    TCP on iWARP."""
+    return HalfOpenClient(src) if provider == "rxe" else MpaHalfOpenClient(src)
+
+
 def shared_pool() -> SharedReceivePool:
     """The shared receive pool of the running loop's (only) device."""
     pools = [d.shared_receive for d in Reactor.current()._domains.values() if d.shared_receive is not None]
@@ -149,9 +261,10 @@ async def echo_once(host: str, port: int, options: rdmaio.Options | None = None)
         assert await asyncio.wait_for(ep.recv(), 60) == b"legitimate"
 
 
+@pytest.mark.requires_dropping_unestablished
 @pytest.mark.parametrize("srq", [False, True], ids=["own-receives", "srq"])
 def test_half_open_requests_time_out_and_free_the_backlog(
-    arun: Runner[Any], rdma_addr: str, srq: bool
+    arun: Runner[Any], rdma_addr: str, srq: bool, provider: str
 ) -> None:
     """Four connection requests without FEATURE_GROW that never complete fill a backlog=4 server: each
     holds only ``initial_depth`` receives (registered slots, or SRQ receives lent), not ``recv_depth``; a
@@ -159,14 +272,17 @@ def test_half_open_requests_time_out_and_free_the_backlog(
     released, ids destroyed: the hostile side sees REJECTED) and the legitimate client is served.
 
     Before the fix: each pending request held 32 receives (8 MiB for the four), and they were never
-    dropped (the wait for the backlog to free timed out)."""
+    dropped (the wait for the backlog to free timed out).
+
+    On iWARP the requests are MPA requests that ask for a ready-to-receive frame and never send it
+    (:class:`MpaHalfOpenClient`); dropping one closes its TCP connection."""
     options = rdmaio.Options(
         establish_timeout=3.0, shared_receive_queue=srq, srq_max_buffers=64, max_pending_per_source=8
     )
 
     async def main() -> None:
         server = await rdmaio.serve(echo, rdma_addr, 0, backlog=4, options=options)
-        hostile = HalfOpenClient(src=other_address(rdma_addr))
+        hostile = half_open_client(provider, src=other_address(rdma_addr))
         try:
             port = server.addresses[0][1]
             ids = [await hostile.request(rdma_addr, port, NO_GROW) for _ in range(4)]
@@ -202,14 +318,15 @@ def test_half_open_requests_time_out_and_free_the_backlog(
     arun(main())
 
 
-def test_half_open_requests_time_out_on_trio(rdma_addr: str) -> None:
+@pytest.mark.requires_dropping_unestablished
+def test_half_open_requests_time_out_on_trio(rdma_addr: str, provider: str) -> None:
     """The establishment deadline on trio (its timers are system tasks, not loop callbacks): two half-open
     requests fill a backlog=2 server, are dropped after ``establish_timeout``, and a client is served."""
     options = rdmaio.Options(establish_timeout=2.0)
 
     async def main() -> None:
         server = await rdmaio.serve(echo, rdma_addr, 0, backlog=2, options=options)
-        hostile = HalfOpenClient(src=other_address(rdma_addr))
+        hostile = half_open_client(provider, src=other_address(rdma_addr))
         try:
             port = server.addresses[0][1]
             ids = [await hostile.request(rdma_addr, port, NO_GROW) for _ in range(2)]
@@ -231,7 +348,10 @@ def test_half_open_requests_time_out_on_trio(rdma_addr: str) -> None:
     trio.run(main)
 
 
-def test_one_source_address_cannot_hold_the_whole_backlog(arun: Runner[Any], rdma_addr: str) -> None:
+@pytest.mark.requires_dropping_unestablished  # the server's close drops the two that stay pending
+def test_one_source_address_cannot_hold_the_whole_backlog(
+    arun: Runner[Any], rdma_addr: str, provider: str
+) -> None:
     """With ``max_pending_per_source=2``, six half-open requests from one address: two are pending, the
     other four are rejected at once (the hostile client sees REJECTED); a client from another address is
     served at once, long before the two time out.
@@ -241,7 +361,7 @@ def test_one_source_address_cannot_hold_the_whole_backlog(arun: Runner[Any], rdm
 
     async def main() -> None:
         server = await rdmaio.serve(echo, rdma_addr, 0, backlog=8, options=options)
-        hostile = HalfOpenClient(src=other_address(rdma_addr))
+        hostile = half_open_client(provider, src=other_address(rdma_addr))
         try:
             port = server.addresses[0][1]
             ids = [await hostile.request(rdma_addr, port, NO_GROW) for _ in range(6)]
@@ -258,6 +378,64 @@ def test_one_source_address_cannot_hold_the_whole_backlog(arun: Runner[Any], rdm
         finally:
             server.close()
             hostile.close()
+            await server.wait_closed()
+
+    arun(main())
+
+
+@pytest.mark.provider("siw")
+def test_tcp_connections_without_an_mpa_request_hold_nothing_of_the_server(
+    arun: Runner[Any], rdma_addr: str
+) -> None:
+    """What a half-open peer can leave on a siw server before rdma_cm sees it: TCP connections to the
+    listener's port that never send their MPA request. siw's listener accepts them in the kernel and waits
+    at most 5 s for the request (MPAREP_TIMEOUT in drivers/infiniband/sw/siw/siw_cm.h: "Responder waits
+    for 5 seconds for MPA request to arrive if new TCP connection was set up"), then closes them; rdma_cm
+    reports nothing, so the server holds nothing for them. (An rdma_cm initiator sends its request inside
+    rdma_connect, with the TCP connect: it cannot stop before it.) Eight of them to a backlog=4 server: no
+    pending connection, nothing registered, the backlog never used, a client served at once; the kernel
+    closes all eight."""
+    options = rdmaio.Options(establish_timeout=600.0, max_pending_per_source=2)
+
+    async def main() -> None:
+        server = await rdmaio.serve(echo, rdma_addr, 0, backlog=4, options=options)
+        socks: list[socket.socket] = []
+        try:
+            port = server.addresses[0][1]
+            for _ in range(8):
+                sock = socket.create_connection(
+                    (rdma_addr, port), timeout=30, source_address=(other_address(rdma_addr), 0)
+                )
+                sock.setblocking(False)
+                socks.append(sock)
+            stats = server.statistics()
+            assert stats["pending"] == 0 and stats["pending_registered_bytes"] == 0, stats
+            await echo_once(rdma_addr, port, options)
+            stats = server.statistics()
+            assert stats["accepted"] == 1 and stats["rejected"] == 0, stats
+            assert stats["peak_waiting"] == 1, stats  # only the client's own connection ever waited
+            closed: set[int] = set()
+
+            def all_closed() -> bool:
+                for i, sock in enumerate(socks):
+                    if i in closed:
+                        continue
+                    try:
+                        if sock.recv(64) == b"":
+                            closed.add(i)
+                    except BlockingIOError:
+                        pass
+                    except OSError:  # reset
+                        closed.add(i)
+                return len(closed) == len(socks)
+
+            await until(all_closed, "siw closing the TCP connections that sent no MPA request")
+            stats = server.statistics()
+            assert stats["pending"] == 0 and stats["rejected"] == 0 and stats["accepted"] == 1, stats
+        finally:
+            for sock in socks:
+                sock.close()
+            server.close()
             await server.wait_closed()
 
     arun(main())
@@ -405,11 +583,14 @@ def test_a_peer_that_never_answers_reclaim_is_failed_and_its_lease_reclaimed(
 
 class RawPeer:
     """An established connection of raw verbs objects (a QP of its own, four receives posted for the
-    server's CREDIT frames): it puts on the wire whatever SENDs it is told to, credits or not."""
+    server's CREDIT frames): it puts on the wire whatever SENDs it is told to, credits or not. With
+    ``header`` (a device without immediate data: iWARP) its frames are plain SENDs whose payload starts with
+    the frame header, as the header framing has them."""
 
     SLOT = 4096
 
-    def __init__(self, cm_id: CMId) -> None:
+    def __init__(self, cm_id: CMId, header: bool = False) -> None:
+        self.header = header
         ctx = cm_id.device()
         assert ctx is not None
         self.cm_id = cm_id
@@ -425,16 +606,18 @@ class RawPeer:
 
     def send_frames(self, count: int, payload: bytes) -> None:
         """Post ``count`` complete one-fragment messages (DATA_END frames granting nothing)."""
-        self.buf[: len(payload)] = payload
         imm = encode_imm(FrameKind.DATA_END, 0)
+        if self.header:
+            payload = encode_frame_header(imm) + payload
+        self.buf[: len(payload)] = payload
         for i in range(count):
             s = self.qp.send_array[0]
             s.wr_id = i
             s.addr = self.mr.addr
             s.length = len(payload)
             s.lkey = self.mr.lkey
-            s.imm_data = imm
-            s.opcode = verbs.lib.IBV_WR_SEND_WITH_IMM
+            s.imm_data = 0 if self.header else imm
+            s.opcode = verbs.lib.IBV_WR_SEND if self.header else verbs.lib.IBV_WR_SEND_WITH_IMM
             s.send_flags = verbs.lib.IBV_SEND_SIGNALED
             self.qp.post_sends(1)
 
@@ -444,16 +627,26 @@ class RawPeer:
             obj.close()
 
 
-def test_a_peer_sending_beyond_its_credits_on_an_srq_fails_at_once(arun: Runner[Any], rdma_addr: str) -> None:
+def test_a_peer_sending_beyond_its_credits_on_an_srq_fails_at_once(
+    arun: Runner[Any], rdma_addr: str, provider: str
+) -> None:
     """A raw peer on a shared receive queue sends 12 frames against the 4 credits its lease gave it: the
     receives it took beyond the lease are counted (``overruns``), the connection fails at once (a
     ProtocolError, before the frames of that completion batch are processed) and its teardown puts every
     buffer back, so the ledger agrees with the SRQ again and the other connection keeps working.
 
     Before the fix the overrun was only logged (the frame was then rejected by the session), and the
-    ledger counted the receives taken beyond the lease as still posted."""
+    ledger counted the receives taken beyond the lease as still posted.
+
+    On iWARP the raw peer announces a device without immediate data and sends header-framed frames, and it
+    sends 8 frames, not 12: a SEND that meets an empty receive queue there is no RNR but a TERMINATE that
+    ends the connection at once, which would race the overrun's own failure. 8 frames take the bad lease
+    and the good connection's receives (the overrun), and none meets an empty queue."""
     options = rdmaio.Options(shared_receive_queue=True, srq_max_buffers=64)
-    handshake = Handshake(recv_depth=4, slot_size=RawPeer.SLOT, max_message_size=1 << 20)
+    iwarp = provider != "rxe"
+    caps = Capabilities(immediate=False, atomics=False, memory_windows=False) if iwarp else None
+    handshake = Handshake(recv_depth=4, slot_size=RawPeer.SLOT, max_message_size=1 << 20, caps=caps)
+    flood = 2 * MIN_WINDOW if iwarp else 12
 
     async def main() -> None:
         server = await rdmaio.listen(rdma_addr, 0, options=options)
@@ -467,7 +660,7 @@ def test_a_peer_sending_beyond_its_credits_on_an_srq_fails_at_once(arun: Runner[
             await hostile.wait(cm_id, CMEventType.ADDR_RESOLVED)
             cm_id.resolve_route()
             await hostile.wait(cm_id, CMEventType.ROUTE_RESOLVED)
-            raw = RawPeer(cm_id)
+            raw = RawPeer(cm_id, header=iwarp)
             hostile.ids.remove(cm_id)  # closed by raw.close()
             cm_id.connect(handshake.encode(), rnr_retry_count=1)
             await hostile.wait(cm_id, CMEventType.ESTABLISHED)
@@ -482,7 +675,7 @@ def test_a_peer_sending_beyond_its_credits_on_an_srq_fails_at_once(arun: Runner[
             # connection's receives (it sends nothing meanwhile), then meet an empty SRQ (RNR: the raw QP
             # retries once, then fails). That window is what an overrun can cost the others.
             assert pool.ledger.buffers - pool.ledger.free == 2 * MIN_WINDOW
-            raw.send_frames(12, b"flood")
+            raw.send_frames(flood, b"flood")
             await until(lambda: bad_peer._conn.torn_down, "the flooding peer failed")
             # Frames within the lease that came in an earlier completion batch may have been delivered;
             # none of the batch that overran is, and the reads then fail.
