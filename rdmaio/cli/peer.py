@@ -128,7 +128,8 @@ def local_path(ep: rdmaio.Endpoint, system: System) -> dict[str, Any]:
             ("path_mtu", "path_mtu"),
         ):
             value = getattr(record, attr, None)
-            if value in (None, "", -1, 0):  # the record's "unknown"
+            # The record's "unknown": -1, and 0 but for the GID index (0 is an entry: an iWARP port's one)
+            if value in (None, "", -1) or (value == 0 and field_name != "gid_index"):
                 continue
             path[field_name] = value if isinstance(value, int | bool) else str(value)
     else:
@@ -264,12 +265,13 @@ def parse_route(output: str) -> dict[str, str]:
 
 
 def _rdma_ports_on(system: System, netdev: str) -> list[str]:
-    """``device/port`` of every RDMA port whose GIDs sit on ``netdev``."""
+    """``device/port`` of every RDMA port on ``netdev``: whose GIDs sit on it (RoCE), or that ``rdma link``
+    puts on it (iWARP, whose GIDs name no netdev)."""
     return [
         f"{p.device}/{p.number}"
         for d in system.sysfs_devices()
         for p in d.ports
-        if any(ndev == netdev for _gid, _type, ndev in p.gids)
+        if p.link_netdev == netdev or any(ndev == netdev for _gid, _type, ndev in p.gids)
     ]
 
 
@@ -478,7 +480,8 @@ async def check_read(ep: rdmaio.Endpoint, wait_seconds: float) -> CheckResult:
             "read",
             Verdict.FAIL,
             f"the peer cannot export memory for RDMA READ: {answer['error']}",
-            "python -m rdmaio doctor on the peer (one-sided RDMA needs memory windows, which siw lacks)",
+            "python -m rdmaio doctor on the peer (its features check lists what its device offers for "
+            "one-sided RDMA)",
         )
     key = rdmaio.RemoteKey.from_bytes(bytes.fromhex(str(answer["key"])))
     length = int(answer["length"])

@@ -42,8 +42,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Apply ``--framing``: it becomes ``RDMAIO_FRAMING`` (Options.framing's default, read when an Options
-    is made, here and in every process a test starts), and the package's default Options is made again."""
+    """Register the provider markers (:func:`register_provider_markers`) and apply ``--framing``: it
+    becomes ``RDMAIO_FRAMING`` (Options.framing's default, read when an Options is made, here and in every
+    process a test starts), and the package's default Options is made again. (One hook of this name per
+    module: a second definition would replace this one.)"""
+    register_provider_markers(config)
     framing = config.getoption("--framing")
     if framing is None:
         return
@@ -142,8 +145,8 @@ def provider_under_test() -> str:
     return "iwarp" if "RNIC" in node_type else "rxe"
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Register the provider markers."""
+def register_provider_markers(config: pytest.Config) -> None:
+    """Register the provider markers (called by :func:`pytest_configure`)."""
     for name, capability in _CAPABILITY_MARKERS.items():
         config.addinivalue_line(
             "markers", f"{name}: needs {capability.replace('_', ' ')} (deselected without)"
