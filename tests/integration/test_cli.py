@@ -278,7 +278,8 @@ def sysfs_gid(device: str, address: str) -> str:
 def iwarp_gid(device: str) -> str:
     """The one GID of an iWARP port (index 0, from the netdev's MAC), as doctor writes it (an IPv6
     address): iWARP has no GID per IP address."""
-    return str(ipaddress.IPv6Address(Path(f"/sys/class/infiniband/{device}/ports/1/gids/0").read_text().strip()))
+    entry = Path(f"/sys/class/infiniband/{device}/ports/1/gids/0").read_text().strip()
+    return str(ipaddress.IPv6Address(entry))
 
 
 def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str, provider: str) -> None:
@@ -302,9 +303,8 @@ def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str, provider: str)
     if provider == "rxe":
         # Each side's GID is the one sysfs lists for the address that side used (RoCE v2).
         here, peer = sysfs_gid(device, rdma_addr), sysfs_gid(device, server_addr)
-        assert (
-            checks["gids"][1]
-            == f"here {device}/1 {rdma_addr} GID {here}; peer (rdmaio 0.1.0) {device}/1 {server_addr} GID {peer}"
+        assert checks["gids"][1] == (
+            f"here {device}/1 {rdma_addr} GID {here}; peer (rdmaio 0.1.0) {device}/1 {server_addr} GID {peer}"
         )
         transport = "RoCE v2"
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from typing import Any
 
 import uvloop
@@ -41,8 +42,12 @@ def test_connections_share_the_device_pd_and_the_event_channel(
             windows = cached_caps(domain.device).max_mw > 0
             if provider in ("rxe", "siw"):
                 assert windows is (provider == "rxe"), provider
-            server_side = next(iter(server._clients))
-            ends = (first, second, server_side)
+            for _ in range(600):  # bounds a hang: the server's ends are established after the clients'
+                if len(server._clients) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            ends = (first, second, *server._clients)
+            assert len(ends) == 4
             assert {ep._conn.transport.domain for ep in ends} == {domain}
             pds = [ep._conn.transport.pd for ep in ends]
             if windows:
@@ -50,7 +55,8 @@ def test_connections_share_the_device_pd_and_the_event_channel(
             else:
                 assert len({id(pd) for pd in pds}) == len(pds) and domain.pd not in pds
             channel_fd = Reactor.current().channel.fd
-            pd_count = rdma_resources()["pd"]
+            mine = [os.getpid()]  # this process's objects only (an earlier test's peer may still exit)
+            pd_count = rdma_resources(mine)["pd"]
             await first.aclose()
             await second.aclose()
             server.close_clients()
@@ -61,15 +67,15 @@ def test_connections_share_the_device_pd_and_the_event_channel(
                 assert Reactor.current().channel.fd == channel_fd
                 assert third._conn.transport.domain is domain
                 if windows:
-                    assert rdma_resources()["pd"] == pd_count
+                    assert rdma_resources(mine)["pd"] == pd_count
                 else:
-                    for _ in range(600):  # bounds a hang: the server's ends close after the clients'
-                        if len(server._clients) == 1:
+                    for _ in range(600):  # bounds a hang: the server's ends are torn down after
+                        if all(pd.closed for pd in pds) and len(server._clients) == 1:
                             break
                         await asyncio.sleep(0.05)
                     # the four ends' own PDs went with them; the third connection's two ends have theirs
                     assert all(pd.closed for pd in pds)
-                    assert rdma_resources()["pd"] == pd_count - 2
+                    assert rdma_resources(mine)["pd"] == pd_count - 2
 
     arun(main())
 

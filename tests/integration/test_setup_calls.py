@@ -41,9 +41,13 @@ TARGET = 300
 #: (the higher of asyncio's and uvloop's). Before setup's verbs steps went to C and the verbs objects checked
 #: their state inline: client 329-334, server 312-313.
 MEASURED = {"client": 277.3, "server": 263.2}
+#: The same on Soft-iWARP (siw), where setup does more: MEASURED_SIW_NOTE says what.
+MEASURED_SIW = {"client": 0.0, "server": 0.0}
+MEASURED_SIW_NOTE = ""
 #: Above the measured count: wake-up batching varies from run to run (see the module docstring).
 SLACK = 12.0
 BUDGET = {side: min(TARGET, count + SLACK) for side, count in MEASURED.items()}
+BUDGET_SIW = {side: min(TARGET, count + SLACK) for side, count in MEASURED_SIW.items()}
 
 _RDMAIO_DIR = os.path.dirname(rdmaio.__file__) + os.sep
 _TESTING_DIR = os.path.join(_RDMAIO_DIR, "testing") + os.sep
@@ -234,7 +238,7 @@ async def _count_server(loop: str, addr: str) -> CallCounter:
 @pytest.mark.parametrize("side", ["client", "server"])
 @pytest.mark.parametrize("loop", sorted(LOOP_FACTORIES))
 def test_setup_python_calls_per_connection_and_side_stay_within_the_budget(
-    loop: str, side: str, rdma_addr: str
+    loop: str, side: str, rdma_addr: str, provider: str
 ) -> None:
     """rdmaio's Python calls for one connection's setup and close on one side stay within its budget."""
     count = _count_client if side == "client" else _count_server
@@ -243,9 +247,11 @@ def test_setup_python_calls_per_connection_and_side_stay_within_the_budget(
         counter = runner.run(count(loop, rdma_addr))
     per_connection = _report(side, loop, counter)
     assert counter.total > 0, "nothing counted: the connections did not run"
-    assert per_connection <= BUDGET[side], (
-        f"{side} side on {loop}: {per_connection:.1f} rdmaio Python calls per connection for setup + close, "
-        f"budget {BUDGET[side]:.1f} (measured {MEASURED[side]}); the calls by function are printed above"
+    budget, measured = (BUDGET_SIW, MEASURED_SIW) if provider == "siw" else (BUDGET, MEASURED)
+    assert per_connection <= budget[side], (
+        f"{side} side on {loop} ({provider}): {per_connection:.1f} rdmaio Python calls per connection for "
+        f"setup + close, budget {budget[side]:.1f} (measured {measured[side]}); the calls by function are "
+        "printed above"
     )
 
 

@@ -227,7 +227,8 @@ def test_peer_path_keeps_gid_index_zero_of_an_iwarp_record(siw: System) -> None:
 
     class Endpoint:
         def get_extra_info(self, name: str) -> object:
-            return {"rdma": Record(), "sockname": ("198.18.0.1", 40000), "device": "siw0", "port": 1}.get(name)
+            extra = {"rdma": Record(), "sockname": ("198.18.0.1", 40000), "device": "siw0", "port": 1}
+            return extra.get(name)
 
     path = local_path(Endpoint(), siw)  # type: ignore[arg-type]
     assert (path["gid"], path["gid_index"], path["gid_type"]) == ("c2ff:ea7a:94db::", 0, "IB")
