@@ -42,11 +42,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the provider markers (:func:`register_provider_markers`) and apply ``--framing``: it
-    becomes ``RDMAIO_FRAMING`` (Options.framing's default, read when an Options is made, here and in every
-    process a test starts), and the package's default Options is made again. (One hook of this name per
-    module: a second definition would replace this one.)"""
-    register_provider_markers(config)
+    """Apply ``--framing``: it becomes ``RDMAIO_FRAMING`` (Options.framing's default, read when an Options
+    is made, here and in every process a test starts), and the package's default Options is made again."""
     framing = config.getoption("--framing")
     if framing is None:
         return
@@ -145,8 +142,8 @@ def provider_under_test() -> str:
     return "iwarp" if "RNIC" in node_type else "rxe"
 
 
-def register_provider_markers(config: pytest.Config) -> None:
-    """Register the provider markers (called by :func:`pytest_configure`)."""
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the provider markers."""
     for name, capability in _CAPABILITY_MARKERS.items():
         config.addinivalue_line(
             "markers", f"{name}: needs {capability.replace('_', ' ')} (deselected without)"

@@ -11,9 +11,7 @@ This module runs inside the test host, where a nested ``python -m rdmaio.testing
 device and runs CMD directly, so the test-host commands of the pages are run too. The commands that cannot
 run here are in :data:`NOT_RUN` with the reason, each matching at least one command; a command shown twice
 runs once; the number of commands run is asserted (:data:`EXPECTED_RUN`), so a page's new command must be
-run or listed, and the test can never pass by running nothing. A command that needs what the provider
-under test lacks (:data:`NEEDS`: the key-value example's atomics on Soft-iWARP) is not run there, and the
-count expected is less by that. A synopsis (a command with an upper-case
+run or listed, and the test can never pass by running nothing. A synopsis (a command with an upper-case
 placeholder such as ``HOST`` or ``[PORT]``) is not run.
 
 Untagged code blocks are output or formats, never commands: one that starts like a command fails the test
@@ -71,17 +69,6 @@ NOT_RUN: list[tuple[str, str]] = [
     ("pip install rdmaio", "installs from PyPI (network): rdmaio, rdmaio[dask]"),
     ("pip install .", "would replace the editable install these tests run from"),
 ]
-# (pattern matched against the start of the command, what its device must offer, why): run only where the
-# provider under test offers it; elsewhere listed as not run, with the reason (the page shows Soft-RoCE)
-NEEDS: list[tuple[str, str, str]] = [
-    (
-        ".venv/bin/python -m rdmaio.testing.host -- .venv/bin/python examples/onesided_kv.py",
-        "atomics",
-        "the key-value example takes its slot locks with compare_swap: RDMA atomics, which siw lacks",
-    ),
-]
-PROVIDER_OFFERS = {"rxe": {"atomics"}, "siw": set()}
-"""What each provider of the test host offers of what :data:`NEEDS` names (siw: ATOMIC_NONE)."""
 SYNOPSIS = "a synopsis: its upper-case words (HOST, PORT, CMD, ...) are placeholders"
 """Why a command with a placeholder is not run (``rdmaio ping --server HOST [PORT]``)."""
 PLACEHOLDER = re.compile(r"^\[?-*[A-Z]{2,}(\.\.\.)?\]?$")
@@ -144,9 +131,8 @@ def commands_of(page: Path) -> list[Command]:
     return found
 
 
-def all_commands(provider: str = "rxe") -> tuple[list[Command], list[tuple[Command, str]]]:
-    """(commands to run on ``provider``, (command, reason) not run); a command shown twice is counted
-    once."""
+def all_commands() -> tuple[list[Command], list[tuple[Command, str]]]:
+    """(commands to run, (command, reason) not run); a command shown twice is counted once."""
     to_run: list[Command] = []
     not_run: list[tuple[Command, str]] = []
     seen: set[str] = set()
@@ -156,16 +142,6 @@ def all_commands(provider: str = "rxe") -> tuple[list[Command], list[tuple[Comma
                 continue
             seen.add(command.key)
             reason = next((why for prefix, why in NOT_RUN if command.key.startswith(prefix)), None)
-            if reason is None:
-                offers = PROVIDER_OFFERS.get(provider, set())
-                reason = next(
-                    (
-                        f"on {provider}: {why}"
-                        for prefix, need, why in NEEDS
-                        if command.key.startswith(prefix) and need not in offers
-                    ),
-                    None,
-                )
             if reason is None and any(PLACEHOLDER.match(word) for word in command.key.split()):
                 reason = SYNOPSIS
             if reason is None:
@@ -193,23 +169,16 @@ def page_program(page: str, name: str) -> str | None:
 
 
 def test_the_lists_are_current() -> None:
-    """Every NOT_RUN and NEEDS entry matches a command; the count of commands run is the one expected."""
+    """Every NOT_RUN entry matches a command; the count of commands run is the one expected."""
     to_run, not_run = all_commands()
     used = {prefix for prefix, _ in NOT_RUN if any(c.key.startswith(prefix) for c, _ in not_run)}
     assert [prefix for prefix, _ in NOT_RUN if prefix not in used] == []
-    assert [prefix for prefix, _, _ in NEEDS if not any(c.key.startswith(prefix) for c in to_run)] == []
     assert len(to_run) == EXPECTED_RUN, [f"{c.page}:{c.line}: {c.key}" for c in to_run]
 
 
-def expected_run(provider: str) -> int:
-    """:data:`EXPECTED_RUN` less the commands that need what ``provider`` does not offer."""
-    offers = PROVIDER_OFFERS.get(provider, set())
-    return EXPECTED_RUN - sum(1 for _prefix, need, _why in NEEDS if need not in offers)
-
-
-def test_documented_commands_work(tmp_path: Path, provider: str) -> None:
-    to_run, _ = all_commands(provider)
-    assert len(to_run) == expected_run(provider)
+def test_documented_commands_work(tmp_path: Path) -> None:
+    to_run, _ = all_commands()
+    assert len(to_run) == EXPECTED_RUN
     view = checkout_view(tmp_path)
     env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PYTHONPATH", None)
@@ -243,7 +212,7 @@ def test_documented_commands_work(tmp_path: Path, provider: str) -> None:
             )
         assert "Traceback" not in done.stderr or done.returncode != 0, (command.key, done.stderr)
     assert failures == [], "\n\n".join(failures)
-    assert ran == expected_run(provider)
+    assert ran == EXPECTED_RUN
 
 
 def test_a_command_that_needs_its_server_is_not_shown_alone() -> None:
