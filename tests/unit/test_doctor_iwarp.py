@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from fake_machine import DUM0_IPV4, LDCONFIG, fake_system, rdma_core_root, write
 
+import rdmaio
 from rdmaio.cli import doctor
 from rdmaio.cli.checks import CHECKS, Verdict, check_features, check_gids, check_loopback
-from rdmaio.cli.peer import check_route, describe_side, local_path
+from rdmaio.cli.peer import check_route, connect_failure, describe_side, local_path
 from rdmaio.cli.system import LoopbackTime, System, parse_devinfo, transport_of
 from rdmaio.verbs import DeviceInfo, PortInfo
 
@@ -233,3 +234,13 @@ def test_peer_path_keeps_gid_index_zero_of_an_iwarp_record(siw: System) -> None:
     path = local_path(Endpoint(), siw)  # type: ignore[arg-type]
     assert (path["gid"], path["gid_index"], path["gid_type"]) == ("c2ff:ea7a:94db::", 0, "IB")
     assert describe_side(path) == "siw0/1 198.18.0.1 GID c2ff:ea7a:94db:: (index 0, IB)"
+
+
+def test_peer_connect_failure_on_iwarp_names_tcp_not_roces_udp_port() -> None:
+    """iWARP connects over TCP to the server's port: the firewall hint names that port, not RoCE v2's UDP
+    port 4791 (which the hint named on every transport before)."""
+    result = connect_failure(rdmaio.TimeoutError("connect timed out"), "198.18.0.2", 7000, 5.0, "iWARP")
+    assert result.fix is not None and "TCP port 7000 (iWARP runs over TCP)" in result.fix, result.fix
+    assert "4791" not in result.fix
+    roce = connect_failure(rdmaio.TimeoutError("connect timed out"), "198.18.0.2", 7000, 5.0, "RoCE v2")
+    assert roce.fix is not None and "UDP port 4791 (RoCE v2)" in roce.fix
