@@ -217,9 +217,9 @@ int rdmaio_session_take_slot(struct rdmaio_session *s)
     return 0;
 }
 
-/* rdmaio_rx_frames() and rdmaio_rx_run() in one: the frames go to out[] (struct) or packed[] (one word). */
+/* rdmaio_rx_run()'s rules: frame k goes to packed[2k] and packed[2k + 1]. */
 static int rx_apply(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
-                    struct rdmaio_rx_frame *out, uint32_t *packed, int max_out, int *consumed, int *stop)
+                    uint32_t *packed, int max_out, int *consumed, int *stop)
 {
     int i, n = 0, kind;
 
@@ -240,7 +240,7 @@ static int rx_apply(struct rdmaio_session *s, const struct rdmaio_wc *records, i
             break;
         }
         uint32_t slot = (uint32_t)(wc->wr_id & 0xffffffffu);
-        if (packed && slot > RDMAIO_RX_SLOT_MAX) {
+        if (slot > RDMAIO_RX_SLOT_MAX) {
             *stop = RDMAIO_RX_DEFER;  /* does not fit the packed word: the Python rules take it */
             break;
         }
@@ -249,14 +249,8 @@ static int rx_apply(struct rdmaio_session *s, const struct rdmaio_wc *records, i
             *stop = RDMAIO_RX_DEFER;
             break;
         }
-        if (packed) {
-            packed[2 * n] = (uint32_t)kind << RDMAIO_RX_KIND_SHIFT | slot;
-            packed[2 * n + 1] = wc->byte_len;
-        } else {
-            out[n].kind = (uint32_t)kind;
-            out[n].slot = slot;
-            out[n].length = wc->byte_len;
-        }
+        packed[2 * n] = (uint32_t)kind << RDMAIO_RX_KIND_SHIFT | slot;
+        packed[2 * n + 1] = wc->byte_len;
         n++;
         if (kind == RDMAIO_FRAME_BATCH) {
             i++;
@@ -269,12 +263,6 @@ static int rx_apply(struct rdmaio_session *s, const struct rdmaio_wc *records, i
     return n;
 }
 
-int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
-                     struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop)
-{
-    return rx_apply(s, records, start, count, out, NULL, max_out, consumed, stop);
-}
-
 int rdmaio_rx_run(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
                   uint32_t *packed, int max_out)
 {
@@ -284,7 +272,7 @@ int rdmaio_rx_run(struct rdmaio_session *s, const struct rdmaio_wc *records, int
         return -1;
     if (count > RDMAIO_RX_RUN_MAX)
         count = RDMAIO_RX_RUN_MAX;  /* the rest is the caller's next call */
-    n = rx_apply(s, records, start, count, NULL, packed, max_out, &consumed, &stop);
+    n = rx_apply(s, records, start, count, packed, max_out, &consumed, &stop);
     return n | consumed << RDMAIO_RX_CONSUMED_SHIFT | stop << RDMAIO_RX_STOP_SHIFT;
 }
 

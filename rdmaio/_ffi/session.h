@@ -63,14 +63,7 @@ struct rdmaio_session {
 #define RDMAIO_FRAME_EOF 4
 #define RDMAIO_FRAME_BATCH 5
 
-/* What rdmaio_rx_frames() tells the caller about one accepted frame. */
-struct rdmaio_rx_frame {
-    uint32_t kind;    /* RDMAIO_FRAME_MORE, _END, _CREDIT or _BATCH */
-    uint32_t slot;    /* the receive slot (wr_id & 0xffffffff) */
-    uint32_t length;  /* byte_len */
-};
-
-/* rdmaio_rx_frames()'s *stop: why it returned. */
+/* Why rdmaio_rx_run() returned (its stop field). */
 #define RDMAIO_RX_DONE 0   /* every record was consumed */
 #define RDMAIO_RX_DEFER 1  /* records[start + *consumed] is a receive C did not apply: the caller handles it */
 #define RDMAIO_RX_MORE 2   /* stopped after a DATA_BATCH frame or with `out` full: call again after */
@@ -96,22 +89,16 @@ int rdmaio_session_grow(struct rdmaio_session *s, int64_t n);
 int rdmaio_session_take_slot(struct rdmaio_session *s);
 /* The frame rules over one connection's completions records[start .. start+count-1], as
  * rdmaio.core.receive.Receiver.on_batch applies them: failed and non-receive records are skipped, each
- * receive's frame is applied (rdmaio_session_on_frame) and described in out[] (at most max_out). Stops at
- * the first receive it does not apply (one-sided: RECV_RDMA_WITH_IMM or no immediate; a frame
- * rdmaio_session_on_frame defers) and right after a DATA_BATCH frame (its payload must be unpacked
- * before the next frame). Returns the frames written to out; *consumed is the records consumed (skipped
- * or applied) from start, *stop says why it returned (RDMAIO_RX_*). Negative counts consume nothing. */
-int rdmaio_rx_frames(struct rdmaio_session *s, const struct rdmaio_wc *records, int start, int count,
-                     struct rdmaio_rx_frame *out, int max_out, int *consumed, int *stop);
-
-/* rdmaio_rx_frames() with everything it tells in small plain integers (below 2**30: one digit of a Python
- * int), so that the receiver reads no struct field: frame k is packed[2k] = kind << RDMAIO_RX_KIND_SHIFT |
- * slot and packed[2k + 1] = length (a receive whose slot is above RDMAIO_RX_SLOT_MAX is deferred, as one C
- * does not apply; packed holds 2 * max_out words), and the return value is frames | consumed <<
- * RDMAIO_RX_CONSUMED_SHIFT | stop << RDMAIO_RX_STOP_SHIFT; -1 (nothing changed) for no session, records or
- * packed array, or max_out outside [0, RDMAIO_RX_RUN_MAX_OUT]. At most RDMAIO_RX_RUN_MAX records are looked
- * at (the caller calls again for the rest). The same rules and records as rdmaio_rx_frames(): the two share
- * their code. */
+ * receive's frame is applied (rdmaio_session_on_frame) and described in packed[] (at most max_out frames).
+ * Stops at the first receive it does not apply (one-sided: RECV_RDMA_WITH_IMM or no immediate; a frame
+ * rdmaio_session_on_frame defers; a slot above RDMAIO_RX_SLOT_MAX) and right after a DATA_BATCH frame (its
+ * payload must be unpacked before the next frame). Everything it tells is in small plain integers (below
+ * 2**30: one digit of a Python int), so that the receiver reads no struct field: frame k is packed[2k] =
+ * kind << RDMAIO_RX_KIND_SHIFT | slot and packed[2k + 1] = length (packed holds 2 * max_out words), and the
+ * return value is frames | consumed << RDMAIO_RX_CONSUMED_SHIFT | stop << RDMAIO_RX_STOP_SHIFT (consumed:
+ * the records skipped or applied from start; stop: RDMAIO_RX_*); -1 (nothing changed) for no session,
+ * records or packed array, or max_out outside [0, RDMAIO_RX_RUN_MAX_OUT]. At most RDMAIO_RX_RUN_MAX
+ * records are looked at (the caller calls again for the rest); a negative start or count consumes nothing. */
 #define RDMAIO_RX_KIND_SHIFT 24
 #define RDMAIO_RX_SLOT_MAX 0xffffffu
 #define RDMAIO_RX_RUN_MAX_OUT 511

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 from collections.abc import Callable, Sized
 
@@ -39,9 +40,13 @@ from rdmaio.protocol import FEATURE_GROW, Handshake, Session
 from rdmaio.protocol.framing import negotiate_framing
 from rdmaio.verbs import CMEvent, CMEventType, CMId
 
-__all__ = ["Acceptor", "PendingConnection"]
+__all__ = ["LISTEN_PORT_ATTEMPTS", "Acceptor", "PendingConnection"]
 
 log = logging.getLogger("rdmaio")
+
+LISTEN_PORT_ATTEMPTS = 8
+"""Listen attempts on port 0, each on a new port, while ``rdma_listen`` finds the picked port taken
+(``EADDRINUSE``: Soft-iWARP's TCP port still in use); the last attempt's error is raised."""
 
 
 class PendingConnection:
@@ -104,11 +109,7 @@ class Acceptor:
         """Listen on every address of ``hosts`` (numeric) at ``port``; on failure none stays open."""
         try:
             for host in hosts:
-                listener = self._reactor.create_id(self._on_listener_event)
-                self._listeners.append(listener)
-                listener.set_reuseaddr()
-                listener.bind_addr(host, port)
-                listener.listen(self.backlog)
+                listener = self._listen_on(host, port)
                 address = listener.local_address
                 if address:
                     self.addresses.append(address)
@@ -119,6 +120,27 @@ class Acceptor:
             self.addresses = []
             raise
         self.listening = True
+
+    def _listen_on(self, host: str, port: int) -> CMId:
+        """A listening id on ``host``:``port`` (0: a port rdma_cm picks), kept in ``_listeners``."""
+        attempt = 1
+        while True:
+            listener = self._reactor.create_id(self._on_listener_event)
+            self._listeners.append(listener)
+            listener.set_reuseaddr()
+            listener.bind_addr(host, port)
+            try:
+                listener.listen(self.backlog)
+                return listener
+            except VerbsError as exc:
+                # Soft-iWARP listens on a kernel TCP socket bound to the port rdma_cm picked, which knows
+                # nothing of TCP's ports: one TCP still uses (an earlier connection's, in TIME_WAIT) fails
+                # the listen with EADDRINUSE. A new id draws another; a port the caller chose is theirs.
+                if port or exc.errno != errno.EADDRINUSE or attempt >= LISTEN_PORT_ATTEMPTS:
+                    raise
+                self._listeners.remove(listener)
+                self._reactor.release_id(listener)
+                attempt += 1
 
     def close(self) -> None:
         """Stop listening and drop every pending connection (what they hold is released)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import sys
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
@@ -124,11 +125,29 @@ class Backend(Protocol):
     async def getaddrinfo(self, host: str, port: int, *, type: int, flags: int) -> list[Any]:
         """``socket.getaddrinfo`` without blocking the loop."""
 
+    async def tcp_probe(self, address: str, port: int, local: str | None) -> None:
+        """Open a TCP connection to ``address``:``port`` (from ``local``, an IP address, when given) without
+        blocking the loop, and close it at once; raises the kernel's ``OSError`` (``ConnectionRefusedError``,
+        ``EHOSTUNREACH``...) when it cannot. Cancellable: the caller's deadline bounds it."""
+
     async def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``."""
 
     def current_task(self) -> object:
         """An object identifying the running task (compared by identity only)."""
+
+
+def _probe_socket(address: str, local: str | None) -> socket.socket:
+    """A non-blocking TCP socket of ``address``'s family, bound to ``local`` (any port) when given."""
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        if local is not None:
+            sock.bind((local, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 # --- asyncio (and uvloop, and anyio on asyncio) -------------------------------------------------------
@@ -274,6 +293,11 @@ class AsyncioBackend:
     async def getaddrinfo(self, host: str, port: int, *, type: int, flags: int) -> list[Any]:
         """``loop.getaddrinfo``."""
         return await self.loop.getaddrinfo(host, port, type=type, flags=flags)
+
+    async def tcp_probe(self, address: str, port: int, local: str | None) -> None:
+        """``loop.sock_connect`` on a non-blocking socket, closed at once."""
+        with _probe_socket(address, local) as sock:
+            await self.loop.sock_connect(sock, (address, port))
 
     async def sleep(self, seconds: float) -> None:
         """``asyncio.sleep``."""
@@ -476,6 +500,11 @@ class TrioBackend:
         """``trio.socket.getaddrinfo``."""
         result: list[Any] = await self._trio.socket.getaddrinfo(host, port, type=type, flags=flags)
         return result
+
+    async def tcp_probe(self, address: str, port: int, local: str | None) -> None:
+        """A trio socket's ``connect``, closed at once."""
+        with self._trio.socket.from_stdlib_socket(_probe_socket(address, local)) as sock:
+            await sock.connect((address, port))
 
     async def sleep(self, seconds: float) -> None:
         """``trio.sleep``."""

@@ -13,11 +13,12 @@ The public :func:`rdmaio.connect` wraps it with its timeout and the Endpoint.
 
 from __future__ import annotations
 
+import builtins
 import collections
 import errno
 
 from rdmaio.core.backend import Backend, Waiter
-from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
+from rdmaio.core.capabilities import DEVICE_CAPS, connect_blocks, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
@@ -34,8 +35,16 @@ from rdmaio.errors import (
 from rdmaio.options import Options
 from rdmaio.protocol import Handshake
 from rdmaio.verbs import CMEvent, CMEventType
+from rdmaio.verbs.cm import ConnectAddressError
 
-__all__ = ["IWARP_BACKLOG_RESET", "CMEventQueue", "connect_error", "dial"]
+__all__ = [
+    "CONNECT_PORT_ATTEMPTS",
+    "IWARP_BACKLOG_RESET",
+    "CMEventQueue",
+    "connect_error",
+    "dial",
+    "probe_listener",
+]
 
 # rdma_cm reports "no listener on that port" as REJECTED with IB CM reason 8 (invalid service id).
 _REJECT_NO_LISTENER = 8
@@ -45,6 +54,9 @@ _REJECT_NO_LISTENER = 8
 _IWARP_REFUSED = -errno.ECONNREFUSED
 _IWARP_RESET = -errno.ECONNRESET
 IWARP_BACKLOG_RESET = "reset before it was accepted: the listener's kernel backlog is full"
+CONNECT_PORT_ATTEMPTS = 8
+"""Connect attempts, each with a new local port, while ``rdma_connect`` finds its port taken (``EADDRINUSE``:
+Soft-iWARP's TCP port still in TIME_WAIT); the last attempt's error is raised."""
 """What the error says of a connection an iWARP listener's kernel reset before rdmaio saw it."""
 
 
@@ -118,6 +130,27 @@ def connect_error(event: CMEvent, where: str) -> Exception:
     )
 
 
+async def probe_listener(backend: Backend, address: str, port: int, local: str | None, where: str) -> None:
+    """Check that ``address``:``port`` answers a TCP connect (see :func:`dial`, for a device whose
+    ``rdma_connect`` blocks): :class:`~rdmaio.ConnectionRefusedError` when nothing listens there,
+    :class:`~rdmaio.AddressError` when ``local`` cannot be used, :class:`~rdmaio.UnreachableError` for
+    the rest of TCP's verdicts. Unbounded in time (the kernel's SYN retries): the caller sets the deadline."""
+    try:
+        await backend.tcp_probe(address, port, local)
+    except builtins.ConnectionRefusedError as exc:
+        raise ConnectionRefusedError(
+            f"connection refused by {where}: no listener on that port", errno=exc.errno, call="connect"
+        ) from None
+    except OSError as exc:
+        if exc.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+            raise AddressError(
+                f"cannot connect to {where} from {local}: {exc.strerror}", errno=exc.errno, call="connect"
+            ) from None
+        raise UnreachableError(
+            f"{where} unreachable: {exc.strerror or exc}", errno=exc.errno, call="connect"
+        ) from None
+
+
 async def dial(
     reactor: Reactor, host: str, port: int, local_addr: tuple[str, int] | None, opts: Options
 ) -> Connection:
@@ -129,47 +162,72 @@ async def dial(
     src = None
     if local_addr is not None:
         src = (await resolve_host(local_addr[0], local_addr[1]), local_addr[1])
-    events = CMEventQueue(reactor.backend)
-    cm_id = reactor.create_id(events.put)
-    transport: Transport | None = None
-    try:
-        cm_id.resolve_addr(address, port, src=src, timeout_ms=opts.cm_timeout_ms)
-        event = await events.get()
-        if event.event != CMEventType.ADDR_RESOLVED:
-            raise connect_error(event, f"{host} port {port}")
-        cm_id.resolve_route(opts.cm_timeout_ms)
-        event = await events.get()
-        if event.event != CMEventType.ROUTE_RESOLVED:
-            raise connect_error(event, f"{host} port {port}")
-        # The receives posted at first: local_handshake's initial window (a dialer always grows). The
-        # handshake comes after the transport: it announces the device's capabilities (iWARP: no immediate
-        # data) and the inline size its queue pair took.
-        transport = Transport(reactor, cm_id, opts, min(opts.initial_depth, opts.recv_depth))
-        device = transport.device
-        caps = DEVICE_CAPS.get((device.handle, transport.max_inline, opts.framing)) or device_capabilities(
-            device, transport.max_inline, opts
-        )
-        handshake = local_handshake(opts, caps=caps)
-        depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
-        cm_id.connect(
-            handshake.encode(),
-            retry_count=opts.retry_count,
-            rnr_retry_count=opts.rnr_retry_count,
-            responder_resources=depth,
-            initiator_depth=depth,
-        )
-        event = await events.get()
-        if event.event != CMEventType.ESTABLISHED:
-            raise connect_error(event, f"{host} port {port}")
+    attempt = 1
+    while True:
+        events = CMEventQueue(reactor.backend)
+        cm_id = reactor.create_id(events.put)
+        transport: Transport | None = None
         try:
-            peer = Handshake.decode(event.private_data)
-            session = new_session(handshake, peer, transport)  # HandshakeError if no common framing
-        except HandshakeError:
-            cm_id.disconnect()
+            cm_id.resolve_addr(address, port, src=src, timeout_ms=opts.cm_timeout_ms)
+            event = await events.get()
+            if event.event != CMEventType.ADDR_RESOLVED:
+                raise connect_error(event, f"{host} port {port}")
+            cm_id.resolve_route(opts.cm_timeout_ms)
+            event = await events.get()
+            if event.event != CMEventType.ROUTE_RESOLVED:
+                raise connect_error(event, f"{host} port {port}")
+            # The receives posted at first: local_handshake's initial window (a dialer always grows). The
+            # handshake comes after the transport: it announces the device's capabilities (iWARP: no immediate
+            # data) and the inline size its queue pair took.
+            transport = Transport(reactor, cm_id, opts, min(opts.initial_depth, opts.recv_depth))
+            device = transport.device
+            caps = DEVICE_CAPS.get(
+                (device.handle, transport.max_inline, opts.framing)
+            ) or device_capabilities(device, transport.max_inline, opts)
+            handshake = local_handshake(opts, caps=caps)
+            depth = rd_atomic_depth(transport.device, opts.max_rdma_ops)  # one-sided READs/atomics in flight
+            if not caps.immediate and connect_blocks(device):
+                # This device's rdma_connect is a blocking kernel TCP connect (Soft-iWARP): to a peer
+                # nobody answers it would hold the loop for minutes. Its listener is a kernel TCP socket on
+                # the same address and port, so a TCP connect of our own on the loop finds out first, under
+                # the caller's deadline; rdma_connect then meets an answering peer.
+                local = src[0] if src else None
+                await probe_listener(reactor.backend, address, port, local, f"{host} port {port}")
+            cm_id.connect(
+                handshake.encode(),
+                retry_count=opts.retry_count,
+                rnr_retry_count=opts.rnr_retry_count,
+                responder_resources=depth,
+                initiator_depth=depth,
+            )
+            event = await events.get()
+            if event.event != CMEventType.ESTABLISHED:
+                raise connect_error(event, f"{host} port {port}")
+            try:
+                peer = Handshake.decode(event.private_data)
+                session = new_session(handshake, peer, transport)  # HandshakeError if no common framing
+            except HandshakeError:
+                cm_id.disconnect()
+                raise
+            return Connection(reactor, cm_id, transport, session, opts)
+        except ConnectAddressError as exc:
+            if transport is not None:
+                transport.close()
+            reactor.release_id(cm_id)
+            # Soft-iWARP binds its kernel TCP socket to the port rdma_cm picked for this id, which knows
+            # nothing of TCP's ports: one still in TIME_WAIT towards the same peer fails the connect with
+            # EADDRINUSE (the setup bench on siw, connecting again and again to one server, met it in each
+            # of its runs). A new id draws another port; a local port the caller chose is kept and the
+            # error is theirs.
+            if (
+                exc.errno != errno.EADDRINUSE
+                or (src is not None and src[1])
+                or attempt >= CONNECT_PORT_ATTEMPTS
+            ):
+                raise
+            attempt += 1
+        except BaseException:
+            if transport is not None:
+                transport.close()
+            reactor.release_id(cm_id)
             raise
-        return Connection(reactor, cm_id, transport, session, opts)
-    except BaseException:
-        if transport is not None:
-            transport.close()
-        reactor.release_id(cm_id)
-        raise

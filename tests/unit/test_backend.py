@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 from collections.abc import Callable, Coroutine
@@ -12,6 +13,7 @@ import pytest
 import trio
 import uvloop
 
+import rdmaio
 from rdmaio.core.backend import AsyncioBackend, Backend, TrioBackend, current_backend
 
 Runner = Callable[[Callable[[Backend], Coroutine[Any, Any, None]]], None]
@@ -291,5 +293,38 @@ def test_getaddrinfo_numeric(run: Runner) -> None:
     async def test(io: Backend) -> None:
         infos = await io.getaddrinfo("127.0.0.1", 80, type=socket.SOCK_STREAM, flags=0)
         assert infos[0][4][0] == "127.0.0.1"
+
+    run(test)
+
+
+def test_the_tcp_probe_connects_and_closes_or_raises_what_the_kernel_says(run: Runner) -> None:
+    """What dialing a device whose rdma_connect blocks (Soft-iWARP) asks first: a listener answers and the
+    probe's connection is closed at once; a closed port raises the builtin refusal; an address that is not
+    this machine's cannot be the probe's source. rdmaio.core.dial.probe_listener types the errors."""
+    import socket
+
+    from rdmaio.core.dial import probe_listener
+
+    async def test(io: Backend) -> None:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            port = listener.getsockname()[1]
+            await io.tcp_probe("127.0.0.1", port, None)
+            await probe_listener(io, "127.0.0.1", port, "127.0.0.1", "the listener")
+            accepted, _ = listener.accept()
+            with accepted:
+                accepted.settimeout(10)
+                assert accepted.recv(1) == b""  # the probe sent nothing and closed
+        # The listener is closed: nothing listens on the port any more.
+        with pytest.raises(ConnectionRefusedError):
+            await io.tcp_probe("127.0.0.1", port, None)
+        with pytest.raises(rdmaio.ConnectionRefusedError, match="by the peer: no listener") as refused:
+            await probe_listener(io, "127.0.0.1", port, None, "the peer")
+        assert refused.value.call == "connect" and refused.value.errno == errno.ECONNREFUSED
+        # 192.0.2.1 (TEST-NET-1) is no address of this machine: the probe's socket cannot bind to it.
+        with pytest.raises(rdmaio.AddressError, match=r"from 192\.0\.2\.1") as local:
+            await probe_listener(io, "127.0.0.1", port, "192.0.2.1", "the peer")
+        assert local.value.errno == errno.EADDRNOTAVAIL
 
     run(test)

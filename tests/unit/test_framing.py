@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import rdmaio
 from rdmaio import verbs
-from rdmaio.core.capabilities import device_capabilities
+from rdmaio.core.capabilities import connect_blocks, device_capabilities
 from rdmaio.core.negotiation import local_handshake
 from rdmaio.errors import HandshakeError, VerbsError
 from rdmaio.protocol import FEATURE_BATCH, FEATURE_GROW, FEATURE_ONESIDED, MAX_PRIVATE_DATA, Handshake
@@ -152,6 +152,24 @@ def test_options_framing_is_validated_and_announced() -> None:
     caps = device_capabilities(iwarp.device, 64, rdmaio.Options())
     assert not caps.immediate and not caps.header_framing and iwarp.device.transport == "iWARP"
     assert IMMEDIATE_FRAMING.immediate
+
+
+def test_whether_the_connect_blocks_is_the_devices_and_asked_once() -> None:
+    """Dialing probes the peer with a TCP connect first only where rdma_connect would block the loop
+    (Soft-iWARP): the device says so, once per device."""
+
+    class Device:
+        def __init__(self, handle: int, blocks: bool) -> None:
+            self.handle, self.connect_blocks, self.asked = handle, blocks, 0
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == "connect_blocks":
+                object.__setattr__(self, "asked", object.__getattribute__(self, "asked") + 1)
+            return object.__getattribute__(self, name)
+
+    siw, rxe = Device(0x5157_0001, True), Device(0x5157_0002, False)
+    assert connect_blocks(siw) and connect_blocks(siw) and siw.asked == 1
+    assert not connect_blocks(rxe) and not connect_blocks(rxe) and rxe.asked == 1
 
 
 # -- the receive side: unframing, C against its Python reference -------------------------------------------

@@ -6,6 +6,7 @@ admission of rdmaio.core.acceptor.Acceptor, with fakes: what it refuses before c
 from __future__ import annotations
 
 import collections
+import errno
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,8 +14,9 @@ import pytest
 
 from rdmaio import Options
 from rdmaio.core import acceptor as acceptor_module
-from rdmaio.core.acceptor import Acceptor
+from rdmaio.core.acceptor import LISTEN_PORT_ATTEMPTS, Acceptor
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
+from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
 from rdmaio.protocol.reclaim import MIN_WINDOW
 from rdmaio.testing.fakes import FakeBackend, FakeReactor, FakeTransport
@@ -137,3 +139,57 @@ def test_the_acceptor_refuses_before_creating_anything(
     acc.close()
     acc._on_listener_event(request(6))
     assert acc.rejected == 4 and len(FakeTransport.made) == 2  # closed: refused
+
+
+def test_a_listen_on_port_0_draws_another_port_while_the_picked_one_is_taken(
+    acceptor: tuple[Acceptor, FakeReactor, list[Any], collections.deque[Any]],
+) -> None:
+    """Soft-iWARP listens on a kernel TCP socket bound to the port rdma_cm picked, which TCP may still use:
+    rdma_listen fails with EADDRINUSE. On port 0 the acceptor tries a new id (a new port), a bounded number
+    of times; a port the caller chose is not changed behind their back; any other error is raised."""
+    acc, reactor, _, _ = acceptor
+    made: list[Any] = []
+    outcomes: list[int] = []  # per new listener: the errno its listen() fails with, 0 for success
+
+    class Listener:
+        def __init__(self) -> None:
+            self.fails = outcomes.pop(0)
+            self.local_address = ("198.18.0.1", 5000 + len(made))
+
+        def set_reuseaddr(self) -> None:
+            pass
+
+        def bind_addr(self, host: str, port: int) -> None:
+            self.bound = (host, port)
+
+        def listen(self, backlog: int) -> None:
+            if self.fails:
+                raise VerbsError.from_errno("rdma_listen", self.fails)
+
+    def create_id(handler: Any) -> Listener:
+        made.append(Listener())
+        return made[-1]
+
+    reactor.create_id = create_id  # type: ignore[attr-defined]
+    outcomes[:] = [errno.EADDRINUSE, errno.EADDRINUSE, 0]
+    acc.listen(["198.18.0.1"], 0)
+    assert reactor.released == made[:2] and acc.addresses == [made[2].local_address]
+    acc.close()
+    # A port the caller chose: one attempt, its error.
+    made.clear(), reactor.released.clear()
+    outcomes[:] = [errno.EADDRINUSE]
+    with pytest.raises(VerbsError) as chosen:
+        acc.listen(["198.18.0.1"], 7471)
+    assert chosen.value.errno == errno.EADDRINUSE and len(made) == 1 and reactor.released == made
+    # Another error: at once. Taken every time: LISTEN_PORT_ATTEMPTS ids, then the last one's error.
+    made.clear(), reactor.released.clear()
+    outcomes[:] = [errno.EACCES]
+    with pytest.raises(VerbsError, match="EACCES"):
+        acc.listen(["198.18.0.1"], 0)
+    assert len(made) == 1
+    made.clear(), reactor.released.clear()
+    outcomes[:] = [errno.EADDRINUSE] * LISTEN_PORT_ATTEMPTS
+    with pytest.raises(VerbsError) as taken:
+        acc.listen(["198.18.0.1"], 0)
+    assert taken.value.errno == errno.EADDRINUSE and len(made) == LISTEN_PORT_ATTEMPTS
+    assert reactor.released == made and not acc.addresses and not acc.listening

@@ -5,7 +5,7 @@ Two Sessions from the same handshakes get the same random operations: one works 
 ``struct rdmaio_session`` with the C rules wherever they exist (a C function that defers hands the operation
 to the Python method, as the core does). Every step must give the same return value or the same exception,
 and leave every state field, the close state and the statistics equal. Received completions also go through
-``rdmaio_rx_frames`` (the receive batch in C) against frame-by-frame ``on_frame``.
+``rdmaio_rx_run`` (the receive batch in C) against frame-by-frame ``on_frame``.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_the_core_makes_its_sessions_on_a_c_state_and_a_shared_session_is_not_fa
     assert lib.rdmaio_session_reposted(s, 0) == -1 and lib.rdmaio_session_take_slot(s) == -1
     before = fields(shared)
     records = _records([(0, peer.take_data_frame(True, 1), 1)])
-    out, consumed, stop = _rx(s, records, 0, 1)
+    out, consumed, stop = _rx_run(s, records, 0, 1)
     assert out == [] and consumed == 0 and stop == lib.RDMAIO_RX_DEFER and fields(shared) == before
 
 
@@ -160,20 +160,48 @@ def _records(frames: list[tuple[int, int, int]], opcode: int = _RECV, flags: int
     )
 
 
-def _rx(
+def _rx_reference(
     state: Any, records: Any, start: int, count: int, max_out: int = 64
 ) -> tuple[list[tuple[int, int, int]], int, int]:
-    out = ffi.new("struct rdmaio_rx_frame[]", max(max_out, 1))
-    consumed = ffi.new("int *")
-    stop = ffi.new("int *")
-    n = lib.rdmaio_rx_frames(state, records, start, count, out, max_out, consumed, stop)
-    return [(out[j].kind, out[j].slot, out[j].length) for j in range(n)], consumed[0], stop[0]
+    """What ``rdmaio_rx_run`` must do, record by record in Python with C's one-frame rule
+    (``rdmaio_session_on_frame``): the receiver's rules for a run of completions, without the packing."""
+    frames: list[tuple[int, int, int]] = []
+    if start < 0 or count <= 0:
+        return frames, 0, lib.RDMAIO_RX_DONE
+    i, stop = 0, lib.RDMAIO_RX_DONE
+    while i < count:
+        wc = records[start + i]
+        if wc.status or not wc.opcode & 0x80:
+            i += 1  # the connection's (failed, or a send/one-sided completion)
+            continue
+        if wc.opcode == _RECV_RDMA_IMM or not wc.flags & _WITH_IMM:
+            stop = lib.RDMAIO_RX_DEFER  # one-sided: a write notice or a control message
+            break
+        if len(frames) >= max_out:
+            stop = lib.RDMAIO_RX_MORE
+            break
+        slot = wc.wr_id & 0xFFFF_FFFF
+        if slot > lib.RDMAIO_RX_SLOT_MAX:
+            stop = lib.RDMAIO_RX_DEFER  # does not fit the packed word
+            break
+        kind = lib.rdmaio_session_on_frame(state, wc.imm_data, wc.byte_len)
+        if not kind:
+            stop = lib.RDMAIO_RX_DEFER
+            break
+        frames.append((kind, slot, wc.byte_len))
+        i += 1
+        if kind == FrameKind.DATA_BATCH:
+            if i < count:
+                stop = lib.RDMAIO_RX_MORE  # the payload must be unpacked before the next frame
+            break
+    return frames, i, stop
 
 
 def _rx_run(
     state: Any, records: Any, start: int, count: int, max_out: int = 64
 ) -> tuple[list[tuple[int, int, int]], int, int]:
-    """``_rx`` through ``rdmaio_rx_run`` (the receiver's call): the packed words decoded to the triple."""
+    """``rdmaio_rx_run`` (the receiver's call): its packed words decoded to (kind, slot, length) triples, the
+    records it consumed and why it stopped."""
     out = ffi.new("uint32_t[]", 2 * max(max_out, 1))
     run = lib.rdmaio_rx_run(state, records, start, count, out, max_out)
     assert run >= 0
@@ -202,12 +230,12 @@ def _rx_run(
     max_out=st.integers(0, 4),
     start=st.integers(0, 3),
 )
-def test_rx_run_applies_what_rx_frames_applies(
+def test_rx_run_applies_the_receivers_rules_record_by_record(
     rows: list[tuple[str, int, int]], max_out: int, start: int
 ) -> None:
-    """The receiver's packed call and the struct one share their code: from the same state and records, the
-    same frames, records consumed, stop and state, except that a slot the packed word cannot hold is left to
-    the Python rules (consumed, changed nothing)."""
+    """The receiver's batch call against its rules applied one record at a time: from the same state and
+    records, the same frames, records consumed, stop and state; a slot the packed word cannot hold is left to
+    the Python rules (not consumed, nothing changed)."""
     hs = Handshake(8, 64, 1 << 20, features=FEATURE_BATCH)
     peer = Session(hs, hs)
     twins = NativeSession(hs, hs), NativeSession(hs, hs)
@@ -237,30 +265,10 @@ def test_rx_run_applies_what_rx_frames_applies(
         table.append((wr_id, status, opcode, n, imm, flags))
     records = ffi.new("struct rdmaio_wc[]", table or [(0, 0, 0, 0, 0, 0)])
     count = max(len(rows) - start, 0)
-    expected = _rx(twins[0].rules_state, records, start, count, max_out)
-    got = _rx_run(twins[1].rules_state, records, start, count, max_out)
-    # The first receive the struct call applied whose slot the packed word cannot hold, if any.
-    too_big = [
-        i
-        for i in range(start, start + expected[1])
-        if records[i].wr_id & 0xFFFF_FFFF > lib.RDMAIO_RX_SLOT_MAX
-        and records[i].status == 0
-        and records[i].opcode == _RECV
-        and records[i].flags & _WITH_IMM
-    ]
-    if not too_big:
-        assert got == expected
-        assert fields(twins[1]) == fields(twins[0])
-        return
-    # The packed call stops there, before the rules see it (deferred: the Python rules take it), with what
-    # the struct call applied before it: the same as a struct call over the records up to it.
-    prefix = NativeSession(hs, hs)
-    assert got == (
-        _rx(prefix.rules_state, records, start, too_big[0] - start, max_out)[0],
-        too_big[0] - start,
-        lib.RDMAIO_RX_DEFER,
+    assert _rx_run(twins[1].rules_state, records, start, count, max_out) == _rx_reference(
+        twins[0].rules_state, records, start, count, max_out
     )
-    assert fields(twins[1]) == fields(prefix)
+    assert fields(twins[1]) == fields(twins[0])
 
 
 def test_rx_run_refuses_bad_arguments_and_changes_nothing() -> None:
@@ -283,23 +291,23 @@ def test_rx_run_refuses_bad_arguments_and_changes_nothing() -> None:
     )
 
 
-def test_rx_frames_applies_a_run_and_stops_at_what_it_leaves_to_python() -> None:
+def test_rx_run_applies_a_run_and_stops_at_what_it_leaves_to_python() -> None:
     hs = Handshake(8, 64, 1 << 20, features=FEATURE_BATCH)
     peer, me = Session(hs, hs), NativeSession(hs, hs)
     imms = [peer.take_data_frame(False, 10), peer.take_data_frame(True, 5), peer.take_batch_frame(8, 2)]
     rows = [(0, imms[0], 10), (1, imms[1], 5), (2, imms[2], 8), (3, peer.take_eof_frame(), 0)]
     records = _records(rows)
-    out, consumed, stop = _rx(me.rules_state, records, 0, 4)
+    out, consumed, stop = _rx_run(me.rules_state, records, 0, 4)
     # It stops right after DATA_BATCH: the payload must be unpacked before the next frame.
     assert out == [(1, 0, 10), (2, 1, 5), (5, 2, 8)] and consumed == 3 and stop == lib.RDMAIO_RX_MORE
     assert me.rules_state.batch_pending == 8 and me.posted == 5
     me.on_batch(b"\0\0\0\0" * 2)
-    out, consumed, stop = _rx(me.rules_state, records, 3, 1)
+    out, consumed, stop = _rx_run(me.rules_state, records, 3, 1)
     assert out == [] and consumed == 0 and stop == lib.RDMAIO_RX_DEFER  # EOF: the Python Session's
     assert me.on_frame(rows[3][1], 0) is FrameKind.EOF and me.peer_eof
 
 
-def test_rx_frames_skips_what_is_not_a_receive_and_defers_one_sided_receives() -> None:
+def test_rx_run_skips_what_is_not_a_receive_and_defers_one_sided_receives() -> None:
     hs = Handshake(8, 64, 1 << 20)
     peer, me = Session(hs, hs), NativeSession(hs, hs)
     records = ffi.new(
@@ -319,18 +327,18 @@ def test_rx_frames_skips_what_is_not_a_receive_and_defers_one_sided_receives() -
             (verbs.make_wr_id(verbs.WR_KIND_RECV, 1, 4), 0, _RECV, 9, 0, 0),  # control message: no imm
         ],
     )
-    out, consumed, stop = _rx(me.rules_state, records, 0, 5)
+    out, consumed, stop = _rx_run(me.rules_state, records, 0, 5)
     assert out == [(2, 2, 3)] and consumed == 3 and stop == lib.RDMAIO_RX_DEFER
-    out, consumed, stop = _rx(me.rules_state, records, 4, 1)
+    out, consumed, stop = _rx_run(me.rules_state, records, 4, 1)
     assert out == [] and consumed == 0 and stop == lib.RDMAIO_RX_DEFER
     # A full out array: it stops with RX_MORE and what it consumed, and goes on when called again.
     records = _records([(i, peer.take_data_frame(True, 1), 1) for i in range(3)])
-    out, consumed, stop = _rx(me.rules_state, records, 0, 3, max_out=2)
+    out, consumed, stop = _rx_run(me.rules_state, records, 0, 3, max_out=2)
     assert len(out) == 2 and consumed == 2 and stop == lib.RDMAIO_RX_MORE
-    out, consumed, stop = _rx(me.rules_state, records, 2, 1)
+    out, consumed, stop = _rx_run(me.rules_state, records, 2, 1)
     assert len(out) == 1 and consumed == 1 and stop == lib.RDMAIO_RX_DONE
-    assert _rx(me.rules_state, records, 0, 0) == ([], 0, lib.RDMAIO_RX_DONE)
-    assert _rx(me.rules_state, records, -1, 3) == ([], 0, lib.RDMAIO_RX_DONE)
+    assert _rx_run(me.rules_state, records, 0, 0) == ([], 0, lib.RDMAIO_RX_DONE)
+    assert _rx_run(me.rules_state, records, -1, 3) == ([], 0, lib.RDMAIO_RX_DONE)
 
 
 # -- the differential test --------------------------------------------------------------------------------
@@ -489,7 +497,7 @@ def _batch_payload(length: int) -> bytes:
 
 def _receive(session: Session, rows: list[tuple[int, int, str]], native: bool) -> list[Any]:
     """Apply received completions as Receiver.on_batch does: the Python rules frame by frame, or C's
-    rdmaio_rx_run / rdmaio_rx_frames (in turn) with the Python Session for what they defer. Returns what
+    rdmaio_rx_run with the Python Session for what they defer. Returns what
     happened, in order."""
     opcodes = {"recv": _RECV, "send": _SEND, "failed": _RECV, "write": _RECV_RDMA_IMM, "ctl": _RECV}
     header = session.framing.header
@@ -573,13 +581,9 @@ def _receive(session: Session, rows: list[tuple[int, int, str]], native: bool) -
 
     try:
         i = 0
-        packed = False
         while i < len(rows):
             if native:
-                # The receiver's packed call and the struct one in turn: both must match the Python rules.
-                packed = not packed
-                call = _rx_run if packed else _rx
-                frames, consumed, stop = call(session.rules_state, records, i, len(rows) - i, max_out=3)
+                frames, consumed, stop = _rx_run(session.rules_state, records, i, len(rows) - i, max_out=3)
                 for kind, _slot, length in frames:
                     apply(kind, length)
                 i += consumed
