@@ -48,7 +48,7 @@ MEASURED = {"client": 277.3, "server": 263.2}
 #: headers, the write notices by message: about 6), the keepalive's READ-probe deadline (2), and on the
 #: server the flushed receives siw completes when the client's close reaches it (about 7; rxe delivers
 #: none there). The issue's target of 300 is met on rxe; on siw the counts sit at it.
-MEASURED_SIW = {"client": 300.0, "server": 298.5}
+MEASURED_SIW = {"client": 312.4, "server": 298.5}  # client: after 7151ad4 (a TCP connect before rdma_connect)
 #: Above the measured count: wake-up batching varies from run to run (see the module docstring).
 SLACK = 12.0
 BUDGET = {side: min(TARGET, count + SLACK) for side, count in MEASURED.items()}
