@@ -128,7 +128,8 @@ def local_path(ep: rdmaio.Endpoint, system: System) -> dict[str, Any]:
             ("path_mtu", "path_mtu"),
         ):
             value = getattr(record, attr, None)
-            if value in (None, "", -1, 0):  # the record's "unknown"
+            # The record's "unknown": -1, and 0 but for the GID index (0 is an entry: an iWARP port's one)
+            if value in (None, "", -1) or (value == 0 and field_name != "gid_index"):
                 continue
             path[field_name] = value if isinstance(value, int | bool) else str(value)
     else:
@@ -264,12 +265,13 @@ def parse_route(output: str) -> dict[str, str]:
 
 
 def _rdma_ports_on(system: System, netdev: str) -> list[str]:
-    """``device/port`` of every RDMA port whose GIDs sit on ``netdev``."""
+    """``device/port`` of every RDMA port on ``netdev``: whose GIDs sit on it (RoCE), or that ``rdma link``
+    puts on it (iWARP, whose GIDs name no netdev)."""
     return [
         f"{p.device}/{p.number}"
         for d in system.sysfs_devices()
         for p in d.ports
-        if any(ndev == netdev for _gid, _type, ndev in p.gids)
+        if p.link_netdev == netdev or any(ndev == netdev for _gid, _type, ndev in p.gids)
     ]
 
 
@@ -319,8 +321,23 @@ def check_route(system: System, host: str) -> CheckResult:
     return CheckResult("route", Verdict.OK, f"{where}: RDMA port {', '.join(ports)}", data=data)
 
 
-def connect_failure(exc: BaseException, host: str, port: int, timeout: float) -> CheckResult:
-    """The ``handshake`` line for a connect that failed, with what to do about it."""
+def _route_transport(system: System, route: CheckResult) -> str | None:
+    """The transport of the RDMA port the route check found (the first), or None."""
+    ports = (route.data or {}).get("rdma_ports") or []
+    if not ports:
+        return None
+    for device in system.sysfs_devices():
+        for p in device.ports:
+            if f"{p.device}/{p.number}" == ports[0]:
+                return p.transport
+    return None
+
+
+def connect_failure(
+    exc: BaseException, host: str, port: int, timeout: float, transport: str | None = None
+) -> CheckResult:
+    """The ``handshake`` line for a connect that failed, with what to do about it. ``transport``: the
+    route's RDMA port's (``iWARP`` connects over TCP to ``port``; else RoCE v2's UDP port 4791)."""
     import rdmaio
 
     target = f"{host}:{port}"
@@ -332,10 +349,10 @@ def connect_failure(exc: BaseException, host: str, port: int, timeout: float) ->
             f"no rdmaio server is listening on {target}",
             f"start `{server}` there (or give the port it listens on)",
         )
+    firewall = f"TCP port {port} (iWARP runs over TCP)" if transport == "iWARP" else "UDP port 4791 (RoCE v2)"
     reach = (
         f"check the route and ARP to {host} (ip route get {host}; ip neigh show {host}), that {host} is the "
-        "address of the peer's RDMA interface and that it is up, and that no firewall drops UDP port 4791 "
-        "(RoCE v2)"
+        f"address of the peer's RDMA interface and that it is up, and that no firewall drops {firewall}"
     )
     if isinstance(exc, TimeoutError):
         return CheckResult(
@@ -478,7 +495,8 @@ async def check_read(ep: rdmaio.Endpoint, wait_seconds: float) -> CheckResult:
             "read",
             Verdict.FAIL,
             f"the peer cannot export memory for RDMA READ: {answer['error']}",
-            "python -m rdmaio doctor on the peer (one-sided RDMA needs memory windows, which siw lacks)",
+            "python -m rdmaio doctor on the peer (its features check lists what its device offers for "
+            "one-sided RDMA)",
         )
     key = rdmaio.RemoteKey.from_bytes(bytes.fromhex(str(answer["key"])))
     length = int(answer["length"])
@@ -548,7 +566,7 @@ async def run_peer_checks(
     try:
         ep = await rdmaio.connect(host, port, timeout=wait_seconds)
     except (OSError, rdmaio.RdmaError) as exc:
-        results.append(connect_failure(exc, host, port, wait_seconds))
+        results.append(connect_failure(exc, host, port, wait_seconds, _route_transport(system, results[0])))
         return results + [_skip(n, "no connection (see handshake)") for n in AFTER_HANDSHAKE]
     local = local_path(ep, system)
     transport = f", {local['transport']}" if local["transport"] else ""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -310,6 +311,11 @@ class Domain:
         # The shared receive queue (rdmaio.core.shared_receive), created by the first connection with
         # Options(shared_receive_queue=True); closed before the PD (its QPs first, then the SRQ, its MRs).
         self.shared_receive: Any = None
+        # The registration caches of connections with a protection domain of their own (a device without
+        # memory windows): they register instead of this Domain's cache, so the device's registration
+        # figures (process metrics) are theirs too: the live ones are read, the closed ones' counts kept.
+        self._private_caches: weakref.WeakSet[RegistrationCache] = weakref.WeakSet()
+        self._private_closed = dict.fromkeys(("hits", "misses", "evictions"), 0)
 
     @property
     def completions(self) -> CompletionDispatcher:
@@ -355,6 +361,40 @@ class Domain:
     def _register(self, buffer: Any, access: int) -> MemoryRegion:
         # Local access unless asked: nothing is remotely accessible that was not exported on purpose.
         return register_in(self.pd, buffer, access)
+
+    def add_private_registrations(self, cache: RegistrationCache) -> None:
+        """Count ``cache`` (a connection's own, in its own PD) in :meth:`registration_totals` until
+        :meth:`close_private_registrations`."""
+        self._private_caches.add(cache)
+
+    def close_private_registrations(self, cache: RegistrationCache) -> None:
+        """Close a connection's own cache and keep its hits, misses and evictions in the totals
+        (idempotent)."""
+        if cache in self._private_caches:
+            self._private_caches.discard(cache)
+            closed = self._private_closed
+            closed["hits"] += cache.hits
+            closed["misses"] += cache.misses
+            closed["evictions"] += cache.evictions
+        cache.close()
+
+    def registration_totals(self) -> dict[str, int]:
+        """Hits, misses, evictions and pinned bytes of every registration cache on this device and loop:
+        the Domain's own, its connections' own caches (a device without memory windows gives each
+        connection a PD and a cache of its own) and those of the closed ones (not pinned any more)."""
+        while True:
+            try:
+                caches = [self.registrations, *self._private_caches]
+                break
+            except RuntimeError:  # a connection came or went meanwhile (metrics read from any thread)
+                continue
+        totals = dict(self._private_closed)
+        for cache in caches:
+            totals["hits"] += cache.hits
+            totals["misses"] += cache.misses
+            totals["evictions"] += cache.evictions
+        totals["pinned"] = sum(cache.pinned for cache in caches)
+        return totals
 
     def statistics(self) -> dict[str, dict[str, int]]:
         """``{"registrations": ..., "completions": ..., "rings": ...}``: the registration cache's, the

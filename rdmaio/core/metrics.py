@@ -273,11 +273,12 @@ def fold_acceptor(acceptor: Acceptor) -> None:
 
 
 def _domain_counts(domain: Domain) -> dict[str, int]:
-    cache = domain.registrations
+    # Every cache of the device's: the Domain's and its connections' own (without memory windows).
+    cache = domain.registration_totals()
     counts = {
-        "cache_hits": cache.hits,
-        "cache_misses": cache.misses,
-        "cache_evictions": cache.evictions,
+        "cache_hits": cache["hits"],
+        "cache_misses": cache["misses"],
+        "cache_evictions": cache["evictions"],
         "loop_wakeups": 0,
         "cq_polls": 0,
         "cq_completions": 0,
@@ -357,9 +358,9 @@ def domain_totals() -> dict[Labels, dict[str, int]]:
 
 
 def domain_gauges() -> dict[Labels, dict[str, int]]:
-    """By (device, loop) of each live Domain: bytes registered by the registration cache
-    (``cache_pinned_bytes``), kept in the slot-ring pool (``ring_pool_bytes``) and by the shared receive
-    queue (``shared_receive_bytes``)."""
+    """By (device, loop) of each live Domain: bytes registered by the registration caches (the Domain's
+    and its connections' own: ``cache_pinned_bytes``), kept in the slot-ring pool (``ring_pool_bytes``)
+    and by the shared receive queue (``shared_receive_bytes``)."""
     with _lock:
         entries = list(_domains.values())
     gauges: dict[Labels, dict[str, int]] = {}
@@ -370,7 +371,7 @@ def domain_gauges() -> dict[Labels, dict[str, int]]:
         gauge = gauges.setdefault(
             (device, loop), {"cache_pinned_bytes": 0, "ring_pool_bytes": 0, "shared_receive_bytes": 0}
         )
-        gauge["cache_pinned_bytes"] += domain.registrations.pinned
+        gauge["cache_pinned_bytes"] += domain.registration_totals()["pinned"]
         gauge["ring_pool_bytes"] += domain.rings.pooled_bytes
         if domain.shared_receive is not None:
             gauge["shared_receive_bytes"] += int(domain.shared_receive.registered_bytes)

@@ -93,6 +93,7 @@ class Transport:
             self.private_registrations = RegistrationCache(
                 functools.partial(register_in, self.pd), buffer_address, self.domain.max_pinned
             )
+            self.domain.add_private_registrations(self.private_registrations)  # counted with the device's
         else:
             self.pd = self.domain.pd  # shared by every connection on the device (not closed here)
         # --- shared CQ (sharedcq): the CQ is the domain's; this connection reserves its entries on it.
@@ -245,7 +246,7 @@ class Transport:
             # The connection's own PD, after its QP: deregisters what is still registered in it (the
             # one-sided engine's and the rendezvous engine's regions close again later: a no-op).
             if self.private_registrations is not None:
-                self.private_registrations.close()
+                self.domain.close_private_registrations(self.private_registrations)
             self.pd.close()
 
 

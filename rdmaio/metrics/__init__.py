@@ -39,7 +39,9 @@ family                                     kind    what
 ``rdmaio_registered_bytes``                gauge   registered memory by ``pool``: ``connections``
                                                    (slot rings), ``ring_pool``, ``cache``,
                                                    ``shared_receive``
-``rdmaio_registration_cache_hits``         counter registration cache hits
+``rdmaio_registration_cache_hits``         counter registration cache hits (the Domain's cache
+                                                   and, on a device without memory windows, each
+                                                   connection's own)
 ``rdmaio_registration_cache_misses``       counter and misses (each a registration)
 ``rdmaio_registration_cache_evictions``    counter and evictions
 ``rdmaio_device_port_counter``             counter the kernel's counters of each port

@@ -3,6 +3,7 @@ and ``rdmaio ping`` against ``rdmaio ping --server`` prints a line per round tri
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -274,7 +275,14 @@ def sysfs_gid(device: str, address: str) -> str:
     return f"::ffff:{address} (index {index}, RoCE v2)"
 
 
-def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str) -> None:
+def iwarp_gid(device: str) -> str:
+    """The one GID of an iWARP port (index 0, from the netdev's MAC), as doctor writes it (an IPv6
+    address): iWARP has no GID per IP address."""
+    entry = Path(f"/sys/class/infiniband/{device}/ports/1/gids/0").read_text().strip()
+    return str(ipaddress.IPv6Address(entry))
+
+
+def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str, provider: str) -> None:
     server_addr = peer_address(rdma_addr)
     server = Proc("ping", "--server", server_addr, str(DOCTOR_PORT))
     try:
@@ -292,16 +300,28 @@ def test_doctor_peer_passes_against_a_ping_server(rdma_addr: str) -> None:
         == f"doctor: no check failed: this host and {server_addr}:{DOCTOR_PORT} talk over RDMA through rdmaio"
     )
     device = os.environ.get("RDMAIO_TEST_DEVICE", "rxe0")
-    # Each side's GID is the one sysfs lists for the address that side used (RoCE v2), and the MTU matches.
-    here, peer = sysfs_gid(device, rdma_addr), sysfs_gid(device, server_addr)
-    assert (
-        checks["gids"][1]
-        == f"here {device}/1 {rdma_addr} GID {here}; peer (rdmaio 0.1.0) {device}/1 {server_addr} GID {peer}"
-    )
+    if provider == "rxe":
+        # Each side's GID is the one sysfs lists for the address that side used (RoCE v2).
+        here, peer = sysfs_gid(device, rdma_addr), sysfs_gid(device, server_addr)
+        assert checks["gids"][1] == (
+            f"here {device}/1 {rdma_addr} GID {here}; peer (rdmaio 0.1.0) {device}/1 {server_addr} GID {peer}"
+        )
+        transport = "RoCE v2"
+    else:
+        # iWARP: both addresses are on one device, whose port has one MAC-based GID, entry 0 (its type is
+        # not a RoCE one, whatever the device names it)
+        gid = re.escape(iwarp_gid(device))
+        assert re.fullmatch(
+            rf"here {device}/1 {re.escape(rdma_addr)} GID {gid} \(index 0, [^)]+\); "
+            rf"peer \(rdmaio 0\.1\.0\) {device}/1 {re.escape(server_addr)} GID {gid} \(index 0, [^)]+\)",
+            checks["gids"][1],
+        ), checks["gids"]
+        assert "RoCE" not in checks["gids"][1] and "None" not in checks["gids"][1]
+        transport = "iWARP"
     assert re.fullmatch(
-        rf"connected to {re.escape(server_addr)}:{DOCTOR_PORT} over {device} port 1, RoCE v2 \(QP \d+\)",
+        rf"connected to {re.escape(server_addr)}:{DOCTOR_PORT} over {device} port 1, {transport} \(QP \d+\)",
         checks["handshake"][1],
-    )
+    ), checks["handshake"]
     assert re.fullmatch(r"active MTU \d+ on both sides", checks["mtu"][1]), checks["mtu"]
     assert re.fullmatch(r"RDMA READ of 4096 bytes in \d+\.\d ms, data intact", checks["read"][1])
     assert re.search(r"\(\d+ messages of 64 KiB echoed in \d+\.\d\d s\)$", checks["throughput"][1])

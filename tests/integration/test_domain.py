@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from typing import Any
 
 import uvloop
@@ -11,6 +12,7 @@ from loops import Runner, arun
 from rdma_state import open_fds, rdma_resources
 
 import rdmaio
+from rdmaio.core.onesided.caps import cached_caps
 from rdmaio.core.reactor import Reactor
 
 __all__ = ["arun"]
@@ -22,18 +24,39 @@ async def echo(ep: rdmaio.Endpoint) -> None:
             await ep.send(msg)
 
 
-def test_connections_share_the_device_pd_and_the_event_channel(arun: Runner[Any], rdma_addr: str) -> None:
+def test_connections_share_the_device_pd_and_the_event_channel(
+    arun: Runner[Any], rdma_addr: str, provider: str
+) -> None:
+    """Connections on one loop and device share its Domain and completion channel; where the device has
+    memory windows they share its PD too. Without windows (siw: ``max_mw`` 0) each connection has a PD of
+    its own (an export is then its region's own rkey, reaching that connection only: docs/providers.md),
+    which goes with the connection."""
+
     async def main() -> None:
         server = await rdmaio.serve(echo, rdma_addr, 0)
         async with server:
             port = server.addresses[0][1]
             first = await rdmaio.connect(rdma_addr, port, timeout=20)
             second = await rdmaio.connect(rdma_addr, port, timeout=20)
-            assert first._conn.transport.pd is second._conn.transport.pd
-            server_side = next(iter(server._clients))
-            assert server_side._conn.transport.pd is first._conn.transport.pd
+            domain = first._conn.transport.domain
+            windows = cached_caps(domain.device).max_mw > 0
+            if provider in ("rxe", "siw"):
+                assert windows is (provider == "rxe"), provider
+            for _ in range(600):  # bounds a hang: the server's ends are established after the clients'
+                if len(server._clients) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            ends = (first, second, *server._clients)
+            assert len(ends) == 4
+            assert {ep._conn.transport.domain for ep in ends} == {domain}
+            pds = [ep._conn.transport.pd for ep in ends]
+            if windows:
+                assert all(pd is domain.pd for pd in pds)
+            else:
+                assert len({id(pd) for pd in pds}) == len(pds) and domain.pd not in pds
             channel_fd = Reactor.current().channel.fd
-            pds = rdma_resources()["pd"]
+            mine = [os.getpid()]  # this process's objects only (an earlier test's peer may still exit)
+            pd_count = rdma_resources(mine)["pd"]
             await first.aclose()
             await second.aclose()
             server.close_clients()
@@ -42,7 +65,17 @@ def test_connections_share_the_device_pd_and_the_event_channel(arun: Runner[Any]
                 await third.send(b"x")
                 assert await third.recv() == b"x"
                 assert Reactor.current().channel.fd == channel_fd
-                assert rdma_resources()["pd"] == pds
+                assert third._conn.transport.domain is domain
+                if windows:
+                    assert rdma_resources(mine)["pd"] == pd_count
+                else:
+                    for _ in range(600):  # bounds a hang: the server's ends are torn down after
+                        if all(pd.closed for pd in pds) and len(server._clients) == 1:
+                            break
+                        await asyncio.sleep(0.05)
+                    # the four ends' own PDs went with them; the third connection's two ends have theirs
+                    assert all(pd.closed for pd in pds)
+                    assert rdma_resources(mine)["pd"] == pd_count - 2
 
     arun(main())
 

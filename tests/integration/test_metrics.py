@@ -3,7 +3,11 @@
 connect) the bytes counted are the bytes moved, connections opened and closed balance, the rendezvous and
 one-sided requests are counted by kind, the device's own port counters are there, and a Prometheus scrape
 over loopback (``http://127.0.0.1:<port>/metrics``) parses with prometheus_client's parser and carries the
-same values as :func:`rdmaio.metrics.snapshot`."""
+same values as :func:`rdmaio.metrics.snapshot`.
+
+On Soft-iWARP the same workload runs without the fetch-and-add (siw has no atomics: it raises
+``FeatureNotSupportedError`` before posting, and nothing is counted), and the device has no port counters
+to show (siw's driver registers no hardware counters: no ``hw_counters`` in sysfs)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import prometheus_client
+import pytest
 from loops import Runner, arun  # arun is a fixture used by name
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,8 +34,9 @@ BOUND = 600  # seconds: turns a hang into a failure (the VM is slow; nothing her
 SYSFS = Path("/sys/class/infiniband")
 
 
-async def workload(host: str) -> tuple[str, int]:
-    """The mixed workload; returns this loop's label and the bytes moved (both directions)."""
+async def workload(host: str, atomics: bool) -> tuple[str, int]:
+    """The mixed workload; returns this loop's label and the bytes moved (both directions). Without
+    ``atomics`` (the device has none) the fetch-and-add is refused up front instead of done."""
     assert rdmaio.Options().rndv_threshold <= RNDV
     key_size: list[int] = []
 
@@ -44,7 +50,7 @@ async def workload(host: str) -> tuple[str, int]:
             big = await ep.recv()
             assert big is not None and len(big) == RNDV
             memory = bytearray(4096)
-            key = ep.export(memory, access="rwa")
+            key = ep.export(memory, access="rwa" if atomics else "rw")
             key_size.append(len(bytes(key)))
             await ep.send(bytes(key))
             assert await ep.recv() == b"done"
@@ -74,7 +80,11 @@ async def workload(host: str) -> tuple[str, int]:
             key = rdmaio.RemoteKey.from_bytes(raw_key)
             await client.rdma_write(key, 0, b"w" * 64)
             assert await client.rdma_read(key, 0, 64) == b"w" * 64
-            assert await client.fetch_add(key, 64, 5) == 0
+            if atomics:
+                assert await client.fetch_add(key, 64, 5) == 0
+            else:
+                with pytest.raises(rdmaio.FeatureNotSupportedError):
+                    await client.fetch_add(key, 64, 5)
             # zero-copy READs into our buffer: registered through the Domain's cache (a miss, then a hit)
             into = bytearray(64)
             for _ in range(2):
@@ -93,9 +103,11 @@ def mine(snap: Snapshot, name: str, loop: str, **labels: str) -> float:
     return snap.value(name, loop=loop, **labels)
 
 
-def test_metrics_add_up_and_a_scrape_carries_them(arun: Runner[Any], rdma_addr: str) -> None:
+def test_metrics_add_up_and_a_scrape_carries_them(arun: Runner[Any], rdma_addr: str, provider: str) -> None:
+    atomics = provider == "rxe"  # siw: ATOMIC_NONE
+
     async def bounded() -> tuple[str, int]:
-        return await asyncio.wait_for(workload(rdma_addr), BOUND)
+        return await asyncio.wait_for(workload(rdma_addr, atomics), BOUND)
 
     loop, moved = arun(bounded())
     snap = snapshot()
@@ -115,10 +127,11 @@ def test_metrics_add_up_and_a_scrape_carries_them(arun: Runner[Any], rdma_addr: 
     assert mine(snap, "rdmaio_rendezvous_bytes", loop, direction="received") == RNDV
     # one-sided: by kind (the reads: one rdma_read, two rdma_read_into, and the rendezvous pull's READ)
     kinds = {k: mine(snap, "rdmaio_onesided_operations", loop, kind=k) for k in ("write", "fetch_add")}
-    assert kinds == {"write": 1, "fetch_add": 1}
+    assert kinds == {"write": 1, "fetch_add": 1 if atomics else 0}
     assert mine(snap, "rdmaio_onesided_operations", loop, kind="read") >= 3
     assert mine(snap, "rdmaio_completions", loop) > 0
     assert mine(snap, "rdmaio_loop_wakeups", loop) > 0  # the loop's Domain, folded when it closed
+    # (on siw in the connection's own cache: its device has no memory windows, so it has a PD of its own)
     assert mine(snap, "rdmaio_registration_cache_misses", loop) >= 1  # the first rdma_read_into
     assert mine(snap, "rdmaio_registration_cache_hits", loop) >= 1  # the second
     # the device's own counters, as the kernel shows them
@@ -131,7 +144,11 @@ def test_metrics_add_up_and_a_scrape_carries_them(arun: Runner[Any], rdma_addr: 
         device, port = counters.parts[-4], counters.parts[-2]
         expected = {(device, port, f.name) for f in counters.iterdir() if f.name != "lifespan"}
         assert expected <= device_ports
-    assert device_ports, "no hw_counters for the test host's device"
+    if provider == "siw":
+        # siw's driver has no hardware counters (its ib_device_ops, siw_main.c, have no alloc_hw_port_stats)
+        assert not list(SYSFS.glob("siw*/ports/*/hw_counters")) and not device_ports, device_ports
+    else:
+        assert device_ports, "no hw_counters for the test host's device"
 
     # --- the same values through a Prometheus scrape over loopback ------------------------------------------
     own = prometheus_client.CollectorRegistry(auto_describe=True)
@@ -167,3 +184,50 @@ def test_metrics_add_up_and_a_scrape_carries_them(arun: Runner[Any], rdma_addr: 
     assert compared >= 29
     assert mine(again, "rdmaio_bytes", loop, direction="sent") == moved
     assert "rdmaio_device_port_counter" in scraped
+
+
+def test_a_connections_own_registration_cache_is_counted(arun: Runner[Any], rdma_addr: str) -> None:
+    """A connection with a protection domain of its own (its device has no memory windows, as siw; here
+    forced with ``memory_windows="off"``, so that it runs on every provider) registers READ targets in a
+    cache of its own: its misses, hits and pinned bytes are the device's figures, while it is open and
+    once it closed."""
+    options = rdmaio.Options(memory_windows="off")
+
+    async def main() -> tuple[str, Snapshot]:
+        async def handler(ep: rdmaio.Endpoint) -> None:
+            async with ep:
+                memory = bytearray(b"k" * 4096)
+                await ep.send(bytes(ep.export(memory, access="r")))
+                assert await ep.recv() == b"done"
+
+        server = await rdmaio.serve(handler, rdma_addr, 0, options=options)
+        try:
+            async with await rdmaio.connect(rdma_addr, server.addresses[0][1], options=options) as client:
+                assert client._conn.transport.private_registrations is not None  # a PD of its own
+                loop = registry.loop_label(client._conn.io)
+                raw_key = await client.recv()
+                assert raw_key is not None
+                key = rdmaio.RemoteKey.from_bytes(raw_key)
+                into = bytearray(64)
+                for _ in range(2):  # registered in the connection's cache: a miss, then a hit
+                    assert await client.rdma_read_into(key, 0, into) == 64
+                assert into == b"k" * 64
+                while_open = snapshot(hardware=False)
+                await client.send(b"done")
+                assert await client.recv() is None
+        finally:
+            server.close()
+            await server.wait_closed()
+        return loop, while_open
+
+    loop, while_open = arun(asyncio.wait_for(main(), BOUND))
+    assert mine(while_open, "rdmaio_registration_cache_misses", loop) >= 1
+    assert mine(while_open, "rdmaio_registration_cache_hits", loop) >= 1
+    # the READ target stays cached (registered) while the connection is open
+    assert mine(while_open, "rdmaio_registered_bytes", loop, pool="cache") >= 64
+    closed = snapshot(hardware=False)  # the connections and the loop's Domain are gone: folded totals
+    assert mine(closed, "rdmaio_registration_cache_misses", loop) >= 1
+    assert mine(closed, "rdmaio_registration_cache_hits", loop) >= 1
+    assert mine(closed, "rdmaio_registration_cache_hits", loop) >= mine(
+        while_open, "rdmaio_registration_cache_hits", loop
+    )

@@ -4,14 +4,17 @@ features (immediate data, atomics, memory windows, scatter entries) -- on fake m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from fake_machine import DUM0_IPV4, LDCONFIG, fake_system, rdma_core_root, write
 
+import rdmaio
 from rdmaio.cli import doctor
 from rdmaio.cli.checks import CHECKS, Verdict, check_features, check_gids, check_loopback
+from rdmaio.cli.peer import check_route, connect_failure, describe_side, local_path
 from rdmaio.cli.system import LoopbackTime, System, parse_devinfo, transport_of
 from rdmaio.verbs import DeviceInfo, PortInfo
 
@@ -190,3 +193,54 @@ def test_parse_devinfo_of_two_devices() -> None:
     assert not caps["siw0"].atomics and caps["siw0"].max_mw == 0 and caps["siw0"].max_sge_rd == 1
     assert caps["rxe0"].atomics and caps["rxe0"].max_mw == 524287 and caps["rxe0"].immediate_data
     assert parse_devinfo("") == {}
+
+
+# --- doctor --peer on iWARP -------------------------------------------------------------------------------
+
+
+def test_peer_route_finds_the_iwarp_port_on_the_routes_netdev(siw: System) -> None:
+    """Before: ``FAIL route: 198.18.0.2 dev dum0 ...: no RDMA device on dum0`` (the port was looked for
+    among the GIDs' netdevs, which an iWARP GID does not name; ``rdma link`` does)."""
+    canned = siw.run
+    route = {("ip", "-V"): "ip utility, iproute2-6.1.0\n"} | {
+        ("ip", "-4", "-o", "route", "get", "198.18.0.9"): "198.18.0.9 dev dum0 src 198.18.0.1\n"
+    }
+    system = dataclasses.replace(siw, run=lambda args: route.get(tuple(args)) or canned(args))
+    result = check_route(system, "198.18.0.9")
+    assert result.verdict is Verdict.OK, result
+    assert result.summary == "198.18.0.9 dev dum0 src 198.18.0.1: RDMA port siw0/1"
+
+
+def test_peer_path_keeps_gid_index_zero_of_an_iwarp_record(siw: System) -> None:
+    """An iWARP port's one GID is entry 0: the record's index 0 is an entry, not "unknown". Before: the
+    index was dropped, no RoCE GID of the address was found in sysfs, and doctor said ``index None``."""
+
+    class Record:
+        device = "siw0"
+        port = 1
+        transport = "iWARP"
+        local_gid = "c2ff:ea7a:94db::"
+        remote_gid = "c2ff:ea7a:94db::"
+        gid_index = 0
+        gid_type = "IB"  # IBV_GID_TYPE_IB: not a RoCE entry
+        active_mtu = 1024
+        path_mtu = 1024
+
+    class Endpoint:
+        def get_extra_info(self, name: str) -> object:
+            extra = {"rdma": Record(), "sockname": ("198.18.0.1", 40000), "device": "siw0", "port": 1}
+            return extra.get(name)
+
+    path = local_path(Endpoint(), siw)  # type: ignore[arg-type]
+    assert (path["gid"], path["gid_index"], path["gid_type"]) == ("c2ff:ea7a:94db::", 0, "IB")
+    assert describe_side(path) == "siw0/1 198.18.0.1 GID c2ff:ea7a:94db:: (index 0, IB)"
+
+
+def test_peer_connect_failure_on_iwarp_names_tcp_not_roces_udp_port() -> None:
+    """iWARP connects over TCP to the server's port: the firewall hint names that port, not RoCE v2's UDP
+    port 4791 (which the hint named on every transport before)."""
+    result = connect_failure(rdmaio.TimeoutError("connect timed out"), "198.18.0.2", 7000, 5.0, "iWARP")
+    assert result.fix is not None and "TCP port 7000 (iWARP runs over TCP)" in result.fix, result.fix
+    assert "4791" not in result.fix
+    roce = connect_failure(rdmaio.TimeoutError("connect timed out"), "198.18.0.2", 7000, 5.0, "RoCE v2")
+    assert roce.fix is not None and "UDP port 4791 (RoCE v2)" in roce.fix
