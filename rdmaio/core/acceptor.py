@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import logging
 from collections.abc import Callable, Sized
 
@@ -31,6 +30,7 @@ from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
+from rdmaio.core.port_retry import try_another_port
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.shared_receive import new_session
 from rdmaio.core.transport import Transport
@@ -40,13 +40,9 @@ from rdmaio.protocol import FEATURE_GROW, Handshake, Session
 from rdmaio.protocol.framing import negotiate_framing
 from rdmaio.verbs import CMEvent, CMEventType, CMId
 
-__all__ = ["LISTEN_PORT_ATTEMPTS", "Acceptor", "PendingConnection"]
+__all__ = ["Acceptor", "PendingConnection"]
 
 log = logging.getLogger("rdmaio")
-
-LISTEN_PORT_ATTEMPTS = 8
-"""Listen attempts on port 0, each on a new port, while ``rdma_listen`` finds the picked port taken
-(``EADDRINUSE``: Soft-iWARP's TCP port still in use); the last attempt's error is raised."""
 
 
 class PendingConnection:
@@ -133,10 +129,7 @@ class Acceptor:
                 listener.listen(self.backlog)
                 return listener
             except VerbsError as exc:
-                # Soft-iWARP listens on a kernel TCP socket bound to the port rdma_cm picked, which knows
-                # nothing of TCP's ports: one TCP still uses (an earlier connection's, in TIME_WAIT) fails
-                # the listen with EADDRINUSE. A new id draws another; a port the caller chose is theirs.
-                if port or exc.errno != errno.EADDRINUSE or attempt >= LISTEN_PORT_ATTEMPTS:
+                if not try_another_port(exc.errno, port, attempt):  # Soft-iWARP's TCP still holds it
                     raise
                 self._listeners.remove(listener)
                 self._reactor.release_id(listener)

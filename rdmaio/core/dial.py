@@ -21,6 +21,7 @@ from rdmaio.core.capabilities import DEVICE_CAPS, device_capabilities
 from rdmaio.core.connection import Connection
 from rdmaio.core.negotiation import local_handshake
 from rdmaio.core.onesided import rd_atomic_depth
+from rdmaio.core.port_retry import try_another_port
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.resolver import resolve_host
 from rdmaio.core.shared_receive import new_session
@@ -37,7 +38,6 @@ from rdmaio.verbs import CMEvent, CMEventType
 from rdmaio.verbs.cm import ConnectAddressError
 
 __all__ = [
-    "CONNECT_PORT_ATTEMPTS",
     "IWARP_BACKLOG_RESET",
     "CMEventQueue",
     "connect_error",
@@ -52,9 +52,6 @@ _REJECT_NO_LISTENER = 8
 _IWARP_REFUSED = -errno.ECONNREFUSED
 _IWARP_RESET = -errno.ECONNRESET
 IWARP_BACKLOG_RESET = "reset before it was accepted: the listener's kernel backlog is full"
-CONNECT_PORT_ATTEMPTS = 8
-"""Connect attempts, each with a new local port, while ``rdma_connect`` finds its port taken (``EADDRINUSE``:
-Soft-iWARP's TCP port still in TIME_WAIT); the last attempt's error is raised."""
 """What the error says of a connection an iWARP listener's kernel reset before rdmaio saw it."""
 
 
@@ -184,16 +181,9 @@ async def dial(
             if transport is not None:
                 transport.close()
             reactor.release_id(cm_id)
-            # Soft-iWARP binds its kernel TCP socket to the port rdma_cm picked for this id, which knows
-            # nothing of TCP's ports: one still in TIME_WAIT towards the same peer fails the connect with
-            # EADDRINUSE (the setup bench on siw, connecting again and again to one server, met it in each
-            # of its runs). A new id draws another port; a local port the caller chose is kept and the
-            # error is theirs.
-            if (
-                exc.errno != errno.EADDRINUSE
-                or (src is not None and src[1])
-                or attempt >= CONNECT_PORT_ATTEMPTS
-            ):
+            # The setup bench on siw, connecting again and again to one server, met a port still in TIME_WAIT
+            # in each of its runs (see port_retry).
+            if not try_another_port(exc.errno, src[1] if src is not None else 0, attempt):
                 raise
             attempt += 1
         except BaseException:

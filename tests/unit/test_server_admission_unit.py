@@ -14,7 +14,8 @@ import pytest
 
 from rdmaio import Options
 from rdmaio.core import acceptor as acceptor_module
-from rdmaio.core.acceptor import LISTEN_PORT_ATTEMPTS, Acceptor
+from rdmaio.core.acceptor import Acceptor
+from rdmaio.core.port_retry import PORT_ATTEMPTS
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
 from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
@@ -181,15 +182,15 @@ def test_a_listen_on_port_0_draws_another_port_while_the_picked_one_is_taken(
     with pytest.raises(VerbsError) as chosen:
         acc.listen(["198.18.0.1"], 7471)
     assert chosen.value.errno == errno.EADDRINUSE and len(made) == 1 and reactor.released == made
-    # Another error: at once. Taken every time: LISTEN_PORT_ATTEMPTS ids, then the last one's error.
+    # Another error: at once. Taken every time: PORT_ATTEMPTS ids, then the last one's error.
     made.clear(), reactor.released.clear()
     outcomes[:] = [errno.EACCES]
     with pytest.raises(VerbsError, match="EACCES"):
         acc.listen(["198.18.0.1"], 0)
     assert len(made) == 1
     made.clear(), reactor.released.clear()
-    outcomes[:] = [errno.EADDRINUSE] * LISTEN_PORT_ATTEMPTS
+    outcomes[:] = [errno.EADDRINUSE] * PORT_ATTEMPTS
     with pytest.raises(VerbsError) as taken:
         acc.listen(["198.18.0.1"], 0)
-    assert taken.value.errno == errno.EADDRINUSE and len(made) == LISTEN_PORT_ATTEMPTS
+    assert taken.value.errno == errno.EADDRINUSE and len(made) == PORT_ATTEMPTS
     assert reactor.released == made and not acc.addresses and not acc.listening
