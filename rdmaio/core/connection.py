@@ -286,45 +286,51 @@ class Connection:
             self.wakeups += 1
             # sharedcq: the dispatcher calls once per group and re-polls while batches come back full.
             self.completions += count
-            run = start  # the receives from here on are not processed yet
-            receives = False
-            only_onesided = True  # every completion was a successful one-sided request of ours
-            for i in range(start, start + count):
-                wc = records[i]
-                if wc.status:
+            wc = records[start] if count == 1 else None
+            if wc is not None and not wc.status and wc.opcode & _RECV_FLAG:
+                # One successful receive, a request/reply connection's usual wake-up: the loop below for it
+                # alone, without its bookkeeping (keep the two the same).
+                self.receiver.on_batch(records, start, 1)
+            else:
+                run = start  # the receives from here on are not processed yet
+                receives = False
+                only_onesided = True  # every completion was a successful one-sided request of ours
+                for i in range(start, start + count):
+                    wc = records[i]
+                    if wc.status:
+                        only_onesided = False
+                        if receives:
+                            receives = False
+                            self.receiver.on_batch(records, run, i - run)
+                        run = i + 1
+                        if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided
+                            self.onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
+                        self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
+                        if self.torn_down:
+                            return
+                    elif wc.opcode & _RECV_FLAG:
+                        receives = True
+                    else:
+                        op_kind = wc.wr_id >> WR_KIND_SHIFT
+                        if op_kind == WR_KIND_ONESIDED:  # one-sided
+                            self.onesided.on_completion(int(wc.wr_id), 0)
+                            continue
+                        only_onesided = False
+                        if op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
+                            self._keepalive.on_completion()
+                        elif _txring_complete(self.sender.tx, wc.wr_id & WR_INDEX_MASK):
+                            # Sender.on_send_completion(), inline: the entries up to it are released in C.
+                            self.sender.eof_done = True  # it was the EOF frame
+                if receives:
                     only_onesided = False
-                    if receives:
-                        receives = False
-                        self.receiver.on_batch(records, run, i - run)
-                    run = i + 1
-                    if wc.wr_id >> WR_KIND_SHIFT == WR_KIND_ONESIDED:  # one-sided
-                        self.onesided.on_completion(int(wc.wr_id), int(wc.status), int(wc.vendor_err))
-                    self._on_wc_error(int(wc.status), int(wc.opcode), int(wc.vendor_err))
-                    if self.torn_down:
-                        return
-                elif wc.opcode & _RECV_FLAG:
-                    receives = True
-                else:
-                    op_kind = wc.wr_id >> WR_KIND_SHIFT
-                    if op_kind == WR_KIND_ONESIDED:  # one-sided
-                        self.onesided.on_completion(int(wc.wr_id), 0)
-                        continue
-                    only_onesided = False
-                    if op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
-                        self._keepalive.on_completion()
-                    elif _txring_complete(self.sender.tx, wc.wr_id & WR_INDEX_MASK):
-                        # Sender.on_send_completion(), inline: the entries up to it are released in C.
-                        self.sender.eof_done = True  # it was the EOF frame
-            if receives:
-                only_onesided = False
-                self.receiver.on_batch(records, run, start + count - run)
-            if only_onesided:
-                # READ/WRITE/atomic completions free no send slot, bring no credit and no data: the sender
-                # and the reader have nothing new (a serial one-sided caller polls after every post, so
-                # this is its per-request path). What waits for a free op slot was woken by on_completion.
-                if self.onesided.operations.waiting_for_credit:
-                    self.onesided.pump()
-                return
+                    self.receiver.on_batch(records, run, start + count - run)
+                if only_onesided:
+                    # READ/WRITE/atomic completions free no send slot, bring no credit and no data: the sender
+                    # and the reader have nothing new (a serial one-sided caller polls after every post, so
+                    # this is its per-request path). What waits for a free op slot was woken by on_completion.
+                    if self.onesided.operations.waiting_for_credit:
+                        self.onesided.pump()
+                    return
             if self.onesided.operations.waiting_for_credit:  # else pump() has nothing to post
                 self.onesided.pump()  # one-sided: credits may have arrived
             # on_batch_end() only when it has something to do (its own test, inline): else the batch just

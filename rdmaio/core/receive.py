@@ -36,7 +36,7 @@ from rdmaio.core.send import check_fork
 from rdmaio.errors import EndpointClosedError
 from rdmaio.options import Options
 from rdmaio.protocol import EOF, FrameKind, Session
-from rdmaio.protocol.rxbuffer import Placeholder, ReceiveBuffer
+from rdmaio.protocol.rxbuffer import PLACEHOLDER_CHARGE, Placeholder, ReceiveBuffer
 from rdmaio.verbs import WR_INDEX_MASK
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every wait: no call
 from rdmaio.verbs.native import ffi, lib
@@ -183,6 +183,12 @@ class Receiver:
             self._unframe_len = len(ring)
             del ring
         self._frames = ffi.new("uint32_t[]", 2 * _RX_FRAMES)  # what C applied: two words per frame
+        # The ring again, as a cffi buffer over its address: slicing it makes the payload's bytes in one step
+        # (a memoryview slice and then bytes() is two objects). Over a plain pointer, as the unframe ring,
+        # so that no buffer export outlives the ring's memoryview; recv_view keeps the memory alive.
+        ring = ffi.from_buffer(recv_view)
+        self._recv_bytes: Any = ffi.buffer(ffi.cast("char *", ring), len(ring))
+        del ring
 
     # --- completions (the connection hands each batch's receives here) ------------------------------
 
@@ -195,16 +201,70 @@ class Receiver:
         (``rdmaio_rx_run``), which stops at the first record it leaves to the session's Python methods
         (a one-sided receive, EOF, RNDV, an extension's frame, any frame that breaks a rule): that one is
         handled here, then C goes on with the rest, so the frames are applied in CQ order. ``records`` is
-        the poll's ``struct rdmaio_wc`` array; any other sequence of records is copied into one first."""
+        the poll's ``struct rdmaio_wc`` array; any other sequence of records is copied into one first.
+
+        The batch of a request/reply connection is one message in one frame: when C applied every record
+        and found exactly one frame, a DATA_END, that frame takes a short path, with none of the loop's
+        bookkeeping (the same steps, for that frame alone)."""
+        native = self._native
+        run = -1  # rdmaio_rx_run's answer for the records from start on, once asked
+        if native is not None and self._unframe_ring is None and isinstance(records, _CDATA):
+            frames = self._frames
+            run = _rx_run(native, records, start, count, frames, _RX_FRAMES)
+            # One frame, every record consumed, done (consumed == count: the records were all looked at).
+            if run == 1 | count << _RX_CONSUMED_SHIFT and frames[0] >> _RX_KIND_SHIFT == _DATA_END:
+                # The loop's steps below, its re-post and its ending for that frame alone: keep them the same.
+                slot = frames[0] & _RX_SLOT_MASK
+                length = frames[1]
+                if length >= self._big_frame:
+                    self._big_frames += 1
+                rxbuf = self._rxbuf
+                self.messages_received += 1
+                self.bytes_received += length + rxbuf.assembling
+                off = slot * self._slot_size
+                data = self._recv_bytes[off : off + length]
+                if rxbuf.parts or rxbuf.unsettled:
+                    admitted = rxbuf.add_admitted(data, slot)
+                else:
+                    # add_admitted(), inline (as ReceiveBuffer's docstring allows): keep the two the same.
+                    rxbuf.messages.append(data)
+                    unread = rxbuf.unread = rxbuf.unread + length
+                    rxbuf.ready += length
+                    admitted = (
+                        unread + rxbuf.assembling + rxbuf.announced + rxbuf.pending * PLACEHOLDER_CHARGE
+                        <= rxbuf.limit
+                        or not (unread or rxbuf.pending)
+                        or rxbuf.reader_waiting
+                    )
+                    if not admitted:
+                        rxbuf.hold(slot)  # back-pressure: no credit for it yet
+                if admitted:
+                    self._transport.post_receives([slot])
+                    if _reposted(native, 1):
+                        self.session.on_recv_reposted(1)  # the Python rule (or its error)
+                if not rxbuf.held:  # else no growth: the application, not the window, is the limit
+                    threshold = native.threshold  # the threshold first: it alone rules out most batches
+                    if (
+                        threshold < 1 or self._big_frames > threshold
+                    ) and native.recv_max > native.recv_depth:
+                        self._grow_receives()
+                waiter = self._waiter  # wake_reader(), inline: keep the two the same
+                if waiter is not None:
+                    self._waiter = None
+                    if not waiter.done():  # done: its task was cancelled (asyncio) and has not cleaned up yet
+                        waiter.set_result(None)
+                return
+            if run < 0:
+                raise RuntimeError("rdmaio: rdmaio_rx_run refused its arguments")
         repost: list[int] = []
         got_data = False
         data_frames = 0
         session = self.session
         rxbuf = self._rxbuf
         recv_view = self._recv_view
+        recv_bytes = self._recv_bytes
         slot_size = self._slot_size
         big_frame = self._big_frame
-        native = self._native
         if native is not None and not isinstance(records, _CDATA):
             records, start = _wc_array(records, start, count), 0
         unframe = self._unframe_ring
@@ -219,14 +279,16 @@ class Receiver:
         while i < end:
             if native is not None:
                 # C applies the frames it can (state changed in C), up to the first it must leave to us.
-                run = _rx_run(native, records, i, end - i, frames, _RX_FRAMES)
-                if run < 0:
-                    raise RuntimeError("rdmaio: rdmaio_rx_run refused its arguments")
+                if run < 0:  # else the first run was asked above
+                    run = _rx_run(native, records, i, end - i, frames, _RX_FRAMES)
+                    if run < 0:
+                        raise RuntimeError("rdmaio: rdmaio_rx_run refused its arguments")
                 n = run & _RX_FRAMES_MASK
                 i += run >> _RX_CONSUMED_SHIFT & _RX_CONSUMED_MASK
                 python = (
                     run >> _RX_STOP_SHIFT == _RX_DEFER
                 )  # records[i]: the session's Python methods apply it
+                run = -1
             else:
                 n = 0
                 python = True
@@ -262,7 +324,7 @@ class Receiver:
                     self.bytes_received += length + rxbuf.assembling
                     got_data = True
                     data_frames += 1
-                    if rxbuf.add_admitted(bytes(recv_view[off : off + length]), slot):
+                    if rxbuf.add_admitted(recv_bytes[off : off + length], slot):
                         repost.append(slot)  # else held: back-pressure, no credit for it yet
                     continue
                 elif kind == _DATA_BATCH:
@@ -272,7 +334,7 @@ class Receiver:
                     self.bytes_received += size
                     got_data = True
                 elif kind == _DATA_MORE:
-                    rxbuf.add_fragment(bytes(recv_view[off : off + length]))
+                    rxbuf.add_fragment(recv_bytes[off : off + length])
                 elif kind == _RNDV:  # zero-copy: a placeholder now, the data is pulled later
                     assert self.rndv is not None  # on_frame refuses RNDV frames unless negotiated
                     self.rndv.on_request(recv_view[off : off + length])

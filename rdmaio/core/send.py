@@ -362,21 +362,28 @@ class Sender:
             check_fork(self._generation)
         if not self._close.clear or self.closing:  # the close state's fact, no call while none holds
             self.raise_send_error()
-        view = memoryview(data)
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-        size = view.nbytes
+        if type(data) is bytes:
+            # The common case (a received message echoed, a literal): its length is its size, and C reads
+            # it in place (cffi passes a bytes object's buffer to a `const void *`): no memoryview, no
+            # from_buffer object. The view the other paths take is made only when one of them runs.
+            size = len(data)
+            view = None
+        else:
+            view = memoryview(data)
+            if view.ndim != 1 or view.itemsize != 1:
+                view = view.cast("B")
+            size = view.nbytes
         if size > self._peer_max:
             self.session.check_message_size(size)  # raises MessageTooLargeError
         rndv = self.rndv
         queue = self.queue
         if size > queue.batch_limit or (rndv is not None and size >= rndv.threshold):
-            await self.send_rest(view)
+            await self.send_rest(memoryview(data) if view is None else view)
             return
         if self.coalesce_next or self.flush_handle is not None or queue.wbuf or queue.mbuf_count or queue.txq:
             # Not idle: batched with the iteration's other small messages (_queue_batched()'s second half,
             # inline: keep the two the same), flushed at the end of the iteration.
-            buffered = queue.queue_small(view, size)
+            buffered = queue.queue_small(data if view is None else view, size)
             if self.flush_handle is None:
                 self.flush_handle = self.io.call_soon(self._flush)
             if buffered > self.options.write_high_water:
@@ -390,7 +397,7 @@ class Sender:
         ):
             # An idle connection's message goes at once (see _queue_batched): room, credit, the take, the
             # copy and the work request in one C call, then the post. 0: no room or credit now, batched.
-            rc = _txring_send_now(self._tx, native, _from_buffer(view), size)
+            rc = _txring_send_now(self._tx, native, data if view is None else _from_buffer(view), size)
             if rc > 0:
                 self.messages_sent += 1
                 self.bytes_sent += size
@@ -407,7 +414,7 @@ class Sender:
                 return
             if rc < 0:
                 self._refused(rc, True, size)
-        if self._queue_batched(view, size):
+        if self._queue_batched(memoryview(data) if view is None else view, size):
             await self.drain()  # above the high-water mark
 
     def _refused(self, rc: int, last: bool, length: int) -> None:

@@ -76,7 +76,11 @@ class ReceiveBuffer:
     :attr:`offset`, :attr:`unread`, :attr:`ready`, :attr:`pending`, :attr:`announced`, :attr:`assembling`.
     A reader may pop a complete message at the head itself when :attr:`offset` is 0, as
     :meth:`pop_message` would: ``messages.popleft()`` and its length off :attr:`unread` and :attr:`ready`
-    (:meth:`rdmaio.core.receive.Receiver.recv` does, keep the two the same).
+    (:meth:`rdmaio.core.receive.Receiver.recv` does, keep the two the same). Likewise a receiver may do
+    :meth:`add_admitted` itself while :attr:`parts` and :attr:`unsettled` are empty (no fragment to join, no
+    placeholder to charge): ``messages.append(data)``, its length onto :attr:`unread` and :attr:`ready`,
+    then the admit rule, and :meth:`hold` of the slot when it says so
+    (:meth:`rdmaio.core.receive.Receiver.on_batch` does, keep the two the same).
     """
 
     __slots__ = (
@@ -90,10 +94,12 @@ class ReceiveBuffer:
         "limit",
         "messages",
         "offset",
+        "parts",
         "pending",
         "reader_waiting",
         "ready",
         "unread",
+        "unsettled",
     )
 
     def __init__(self, limit: int) -> None:
@@ -110,6 +116,7 @@ class ReceiveBuffer:
         self.unread = 0  # bytes of complete messages not read yet (settled placeholders' data included)
         self.ready = 0  # of them, the bytes before the first unsettled placeholder (what stream reads see)
         self._parts: list[bytes] = []  # fragments of the message being reassembled
+        self.parts = self._parts  # the same list, for the receiver's fast test (read it, never change it)
         self.assembling = 0  # their total size
         self._held: list[int] = []
         self.held = 0  # len(_held): receive slots held back (not posted again) for back-pressure
@@ -117,6 +124,7 @@ class ReceiveBuffer:
         # Placeholders in order, from the first unsettled one on (settled ones behind it stay until it is
         # settled): each carries the bytes of complete messages between it and the next one.
         self._unsettled: collections.deque[Placeholder] = collections.deque()
+        self.unsettled = self._unsettled  # the same deque, for the receiver's fast test (read it only)
         self.pending = 0  # unsettled placeholders
         self.announced = 0  # their announced bytes
 
@@ -187,6 +195,11 @@ class ReceiveBuffer:
             self.held += 1
             return False
         return True
+
+    def hold(self, slot: int) -> None:
+        """Hold back the slot of a data frame the admit rule refused (what :meth:`admit` does then)."""
+        self._held.append(slot)
+        self.held += 1
 
     def add_messages(self, messages: list[bytes]) -> int:
         """The messages of a DATA_BATCH payload; return their total size."""

@@ -119,9 +119,9 @@ class SendQueue:
             return added, False
         return added, True
 
-    def queue_small(self, view: memoryview, size: int) -> int:
-        """Append a small message of ``size`` bytes to the batch being built (flushing the batch first if it
-        is full); return :attr:`buffered`."""
+    def queue_small(self, view: memoryview | bytes, size: int) -> int:
+        """Append a small message of ``size`` bytes (a byte view, or a ``bytes`` object as it is) to the batch
+        being built (flushing the batch first if it is full); return :attr:`buffered`."""
         if self.wbuf:
             self.flush_wbuf()
         mbuf = self.mbuf

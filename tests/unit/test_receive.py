@@ -7,10 +7,15 @@ import collections
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 import rdmaio
 from rdmaio import verbs
 from rdmaio.core.receive import Receiver
+from rdmaio.core.shared_receive import new_session_state
 from rdmaio.protocol import FEATURE_BATCH, Handshake, Session, pack_batch_into
+from rdmaio.protocol.rxbuffer import ReceiveBuffer
+from rdmaio.verbs.native import ffi
 
 SLOT = 64
 DEPTH = 8
@@ -33,9 +38,14 @@ class FakeSlots:
         return 0
 
 
-def make(limit: int = 1 << 20) -> tuple[Receiver, FakeSlots, Session, memoryview, list[int]]:
+def make(
+    limit: int = 1 << 20, native: bool = False
+) -> tuple[Receiver, FakeSlots, Session, memoryview, list[int]]:
     hs = Handshake(DEPTH, SLOT, 1 << 20, features=FEATURE_BATCH)
-    session, peer = Session(hs, hs), Session(hs, hs)
+    # native: the session's state is the C struct the core gives it, so the receiver runs the frame rules in
+    # C (rdmaio_rx_run) and a batch of one message takes its short path.
+    session = Session(hs, hs, state=new_session_state()) if native else Session(hs, hs)
+    peer = Session(hs, hs)
     ring = memoryview(bytearray(SLOT * DEPTH))
     slots = FakeSlots()
     staged: list[int] = []
@@ -87,6 +97,61 @@ def test_a_held_slot_goes_back_only_when_a_read_releases_it() -> None:
     assert slots.posts == [[0]] and receiver.rxbuf.held == 1  # over the limit: held, no credit
     assert receiver.recv_nowait() == b"data"  # the read releases it: re-posted, the sender stages
     assert slots.posts == [[0], [1]] and staged == [1]
+
+
+_WC_FIELDS = ("wr_id", "status", "opcode", "byte_len", "imm_data", "flags", "vendor_err")
+
+
+def test_a_batch_of_one_message_takes_the_short_path_with_the_loops_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one-message path (C records, one DATA_END frame) against the general loop (the same records as a
+    Python list, which that path never takes): the same buffer, slots held and re-posts, credits and wake-ups,
+    under back-pressure and after a fragment (then the buffer call joins the parts)."""
+
+    def run(short: bool) -> list[Any]:
+        receiver, slots, peer, ring, _staged = make(limit=10, native=True)
+        woken: list[int] = []
+        seen: list[Any] = []
+        for k, (payload, last) in enumerate(
+            [(b"abcd", True), (b"efgh", True), (b"ijklmnop", True), (b"qr", False), (b"st", True)]
+        ):
+            slot = k % DEPTH
+            ring[slot * SLOT : slot * SLOT + len(payload)] = payload
+            record = wc(slot, peer.take_data_frame(last, len(payload)), len(payload))
+            future = SimpleNamespace(done=lambda: False, set_result=lambda _r, k=k: woken.append(k))
+            receiver._waiter = future  # type: ignore[assignment]  # a read waits: woken by the batch
+            if short:
+                array = ffi.new("struct rdmaio_wc[]", 1)
+                array[0] = {name: getattr(record, name) for name in _WC_FIELDS}
+                receiver.on_batch(array, 0, 1)
+            else:
+                receiver.on_batch([record], 0, 1)
+            buf = receiver.rxbuf
+            seen.append((list(buf.messages), buf.unread, buf.ready, buf.held, [list(p) for p in slots.posts]))
+            state = receiver.session.rules_state
+            seen.append((state.ungranted, state.posted, state.messages_received, state.bytes_received))
+            seen.append((receiver.messages_received, receiver.bytes_received, list(woken)))
+            slots.posts.clear()
+        while receiver.recv_nowait() is not None:
+            seen.append((receiver.rxbuf.held, [list(p) for p in slots.posts]))
+        return seen
+
+    calls: list[int] = []
+    add_admitted = ReceiveBuffer.add_admitted
+
+    def counted(self: ReceiveBuffer, data: bytes, slot: int) -> bool:
+        calls.append(slot)
+        return add_admitted(self, data, slot)
+
+    monkeypatch.setattr(ReceiveBuffer, "add_admitted", counted)
+    short = run(True)
+    assert calls == [4]  # the short path calls the buffer only for the message with a fragment to join
+    calls.clear()
+    general = run(False)
+    assert calls == [0, 1, 2, 4]  # the loop calls it for every message
+    assert short == general
+    assert short[3][3] == 0 and short[6][3] == 1  # the third message went over the limit: its slot held
 
 
 def test_the_one_sided_engines_repost_is_the_receivers() -> None:
