@@ -13,6 +13,8 @@ and the public API.
   handshake, session choice, to a started Connection.
 * :mod:`~rdmaio.core.acceptor`: connection setup on the listening side: listeners, admission (backlog,
   per-source limit), pending connections and their establishment deadline, handshake, session choice.
+* :mod:`~rdmaio.core.port_retry`: when a connect or a listen draws another port (Soft-iWARP's TCP still
+  holding the one rdma_cm picked).
 * :mod:`~rdmaio.core.negotiation`: the handshakes both sides of setup announce.
 * :mod:`~rdmaio.core.capabilities`: what a device offers (immediate data, atomics, windows, inline size),
   announced in the handshake; the framing follows from both sides'.
