@@ -74,6 +74,7 @@ class Rig:
         windows: bool = True,
         max_revoked_ranges: int = 4096,
         private_pd: bool = False,
+        split_reads: bool = False,
     ) -> None:
         self.qp = FakeQP()
         self.reposted: list[int] = []
@@ -112,6 +113,7 @@ class Rig:
             close_state=self.credits.close_state,
             private_pd=private_pd,
             register_read_grant=self._read_grant,
+            split_page_crossing_reads=split_reads,
         )
 
     def _bindable(self, view: memoryview, readonly: bool) -> FakeRegion:
@@ -1047,6 +1049,105 @@ def test_read_many_fills_waves_up_to_a_staging_slot_and_skips_empty_ranges(arun:
         assert rig.engine.operations.in_flight == 0 and sorted(rig.engine.operations._free_staging) == list(
             range(8)
         )
+
+    arun(main())
+
+
+def test_read_many_splits_small_page_crossing_ranges_for_siw_and_joins_their_parts(arun: Run) -> None:
+    """With split_page_crossing_reads (a peer whose device may be siw), a range of at most 32 bytes that
+    crosses a 4 KiB page of the remote address goes as one READ per page, the parts packed one after the
+    other (in the same wave or the next) and joined; other ranges go whole. Without it nothing is split."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=4, split_reads=True)
+        k = key(length=3 * 4096)  # at 0x10000: page-aligned remote addresses
+        ranges = [(4090, 8), (0, 8), (4064, 32), (8191, 2), (8180, 33), (100, 0)]
+        call = asyncio.ensure_future(rig.engine.read_many(k, ranges))
+        await settle()
+        posted = rig.qp.posted
+        # (4090, 8) -> 6 + 2; (0, 8) whole; (4064, 32) ends at the page boundary: whole; then the wave is full
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in posted] == [
+            (4090, 6),
+            (4096, 2),
+            (0, 8),
+            (4064, 32),
+        ]
+        assert [wr["local_addr"] - posted[0]["local_addr"] for wr in posted] == [0, 6, 8, 16]
+        complete_wave(rig, [b"AAAAAA", b"BB", b"c" * 8, b"d" * 32])
+        await settle()
+        # (8191, 2) -> 1 + 1; (8180, 33) is over 32 bytes (siw does not send it inline): whole
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in posted[4:]] == [
+            (8191, 1),
+            (8192, 1),
+            (8180, 33),
+        ]
+        complete_wave(rig, [b"E", b"F", b"g" * 33])
+        assert await call == [b"AAAAAA" + b"BB", b"c" * 8, b"d" * 32, b"EF", b"g" * 33, b""]
+        assert rig.engine.operations.in_flight == 0 and sorted(rig.engine.operations._free_staging) == [
+            0,
+            1,
+            2,
+            3,
+        ]
+
+        # The two parts of one range in two waves (max_ops 2), and nothing split without the flag.
+        rig = Rig(max_ops=2, split_reads=True)
+        call = asyncio.ensure_future(rig.engine.read_many(k, [(0, 8), (4093, 8)]))
+        await settle()
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in rig.qp.posted] == [(0, 8), (4093, 3)]
+        complete_wave(rig, [b"h" * 8, b"ijk"])
+        await settle()
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in rig.qp.posted[2:]] == [(4096, 5)]
+        complete_wave(rig, [b"lmnop"])
+        assert await call == [b"h" * 8, b"ijklmnop"]
+        rig = Rig(max_ops=4)
+        call = asyncio.ensure_future(rig.engine.read_many(k, [(4090, 8)]))
+        await settle()
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in rig.qp.posted] == [(4090, 8)]
+        complete_wave(rig, [b"q" * 8])
+        assert await call == [b"q" * 8]
+
+    arun(main())
+
+
+def test_single_reads_split_small_page_crossing_ranges_for_siw(arun: Run) -> None:
+    """rdma_read and rdma_read_into on such a connection: a READ of at most 32 bytes crossing a page goes
+    as one READ per page; one that stays within a page, or is longer, goes whole."""
+
+    async def main() -> None:
+        rig = Rig(max_ops=4, split_reads=True)
+        k = key(length=3 * 4096)
+        call = asyncio.ensure_future(rig.engine.read(k, 4094, 8))
+        await settle()
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in rig.qp.posted] == [(4094, 2)]
+        rig.complete(-1, data=b"ab")
+        await settle()
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in rig.qp.posted[1:]] == [(4096, 6)]
+        rig.complete(-1, data=b"cdefgh")
+        assert await call == b"abcdefgh"
+        into = bytearray(5)
+        call = asyncio.ensure_future(rig.engine.read_into(k, 8190, into))
+        await settle()
+        rig.complete(-1, data=b"12")
+        await settle()
+        rig.complete(-1, data=b"345")
+        assert await call == 5 and into == b"12345"
+        assert [(wr["remote_addr"] - k.addr, wr["length"]) for wr in rig.qp.posted[2:]] == [
+            (8190, 2),
+            (8192, 3),
+        ]
+        for offset, length in ((4088, 8), (4090, 33)):  # within a page; over 32 bytes
+            call = asyncio.ensure_future(rig.engine.read(k, offset, length))
+            await settle()
+            assert (rig.qp.posted[-1]["remote_addr"] - k.addr, rig.qp.posted[-1]["length"]) == (
+                offset,
+                length,
+            )
+            rig.complete(-1, data=b"z" * length)
+            assert await call == b"z" * length
+        with pytest.raises(rdmaio.RemoteAccessError, match="outside"):
+            await rig.engine.read(k, 3 * 4096 - 4, 8)
+        assert len(rig.qp.posted) == 6
 
     arun(main())
 

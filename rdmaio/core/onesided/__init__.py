@@ -198,6 +198,7 @@ class OneSidedEngine:
         private_pd: bool = False,
         register_read_grant: Callable[[memoryview, bool], Region] | None = None,
         max_queued_replies: int = 4096,
+        split_page_crossing_reads: bool = False,
     ) -> None:
         stats = stats if stats is not None else collections.Counter()
         # The connection's tag routes our completions to us through the Domain's shared CQ.
@@ -226,6 +227,7 @@ class OneSidedEngine:
             device_name=device_name,
             write_notice_by_message=write_notice_by_message,
             max_queued_replies=max_queued_replies,
+            split_page_crossing_reads=split_page_crossing_reads,
         )
         exporter = Exporter(
             io,
@@ -254,7 +256,8 @@ class OneSidedEngine:
         self.operations = operations
         self.exporter = exporter
         self.batches = batches
-        self.read = operations.read
+        # A peer whose device may be siw: small READs crossing a page go split (the single call included).
+        self.read = operations.read_split if split_page_crossing_reads else operations.read
         self.read_into = operations.read_into
         self.write = operations.write
         self.fetch_add = operations.fetch_add
@@ -317,6 +320,12 @@ class OneSidedEngine:
 
         # --- end of the repost -----------------------------------------------------------------------------
 
+        # An iWARP device (no immediate data is its mark; both sides of a connection are iWARP or neither):
+        # the peer's may be siw, whose READ responses of at most 32 bytes crossing a page carry wrong bytes
+        # (operations.py, INLINE_READ_MAX); such READs are split at the page boundary.
+        local_caps = session.local.caps
+        iwarp = local_caps is not None and not local_caps.immediate
+
         return cls(
             conn.io,
             transport.qp,
@@ -344,6 +353,7 @@ class OneSidedEngine:
             private_pd=private_pd,
             register_read_grant=read_grant_registrar(transport.pd) if private_pd else None,
             max_queued_replies=options.max_queued_replies,
+            split_page_crossing_reads=iwarp,
         )
 
     @property

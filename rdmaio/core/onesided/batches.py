@@ -18,7 +18,15 @@ from collections.abc import Iterable
 from itertools import accumulate
 
 from rdmaio.core.onesided.keys import ACCESS_ATOMIC, ACCESS_READ, RemoteKey
-from rdmaio.core.onesided.operations import STAGING_SLOT, U64, WR_FADD, WR_READ, OperationEngine
+from rdmaio.core.onesided.operations import (
+    READ_PAGE,
+    STAGING_SLOT,
+    U64,
+    WR_FADD,
+    WR_READ,
+    OperationEngine,
+    crosses_page,
+)
 from rdmaio.errors import MessageTooLargeError, RemoteAccessError
 
 __all__ = ["BatchCalls"]
@@ -86,17 +94,31 @@ class BatchCalls:
             wanted.append((offset, length))
         self._raise_if_failed()
         results: list[bytes] = [b""] * len(wanted)
-        todo = [i for i, (_, length) in enumerate(wanted) if length]  # zero-length ranges post nothing
-        while todo:
-            wave = _next_wave(todo, wanted, self._operations.max_ops)
-            todo = todo[len(wave) :]
-            lengths = array("I", [wanted[i][1] for i in wave])
+        # The READs to post, each (range index, offset, length): one per non-empty range (zero-length ranges
+        # post nothing), two for a range siw would return wrong (see operations.INLINE_READ_MAX), one per
+        # page, whose parts land one after the other and are joined in order.
+        reads: list[tuple[int, int, int]] = []
+        split = self._operations.split_page_crossing_reads
+        for i, (offset, length) in enumerate(wanted):
+            if not length:
+                continue
+            if split and crosses_page(key.addr + offset, length):
+                first = READ_PAGE - ((key.addr + offset) & (READ_PAGE - 1))
+                reads.append((i, offset, first))
+                reads.append((i, offset + first, length - first))
+            else:
+                reads.append((i, offset, length))
+        done = 0
+        while done < len(reads):
+            wave = _next_wave(reads, done, self._operations.max_ops)
+            done += len(wave)
+            lengths = array("I", [length for _, _, length in wave])
             starts = array("Q", [0, *accumulate(lengths)][:-1])
             total = starts[-1] + lengths[-1]
-            remote = array("Q", [key.addr + wanted[i][0] for i in wave])
+            remote = array("Q", [key.addr + offset for _, offset, _ in wave])
             data = await self._wave(key, WR_READ, total, remote, length=lengths, local_offset=starts)
-            for i, start, length in zip(wave, starts, lengths, strict=True):
-                results[i] = data[start : start + length]
+            for (i, _, length), start in zip(wave, starts, strict=True):
+                results[i] += data[start : start + length]  # b"" + part is part itself
         return results
 
 
@@ -108,14 +130,15 @@ def _ints(values: Iterable[int], name: str) -> list[int]:
     return items
 
 
-def _next_wave(todo: list[int], wanted: list[tuple[int, int]], max_ops: int) -> list[int]:
-    """The next requests of ``todo`` that fit one wave: at most ``max_ops`` requests and one staging slot."""
-    wave: list[int] = []
+def _next_wave(reads: list[tuple[int, int, int]], first: int, max_ops: int) -> list[tuple[int, int, int]]:
+    """The next READs of ``reads`` from ``first`` on that fit one wave: at most ``max_ops`` requests and one
+    staging slot."""
+    wave: list[tuple[int, int, int]] = []
     total = 0
-    for i in todo:
-        length = wanted[i][1]
-        if len(wave) == max_ops or (wave and total + length > STAGING_SLOT):
+    for read in reads[first : first + max_ops]:
+        length = read[2]
+        if wave and total + length > STAGING_SLOT:
             break
-        wave.append(i)
+        wave.append(read)
         total += length
     return wave

@@ -45,7 +45,9 @@ from rdmaio.protocol.closestate import CloseState
 from rdmaio.verbs.native import ffi, lib
 
 __all__ = [
+    "INLINE_READ_MAX",
     "MAX_OP_BYTES",
+    "READ_PAGE",
     "STAGING_SLOT",
     "U64",
     "WR_FADD",
@@ -53,6 +55,7 @@ __all__ = [
     "WR_READ",
     "Op",
     "OperationEngine",
+    "crosses_page",
 ]
 
 MAX_OP_BYTES = 1 << 30
@@ -63,6 +66,16 @@ STAGING_SLOT = 64 * 1024
 """Bytes of rdmaio-owned registered memory per op; larger ops get their own MR (and batches fit one)."""
 U64 = (1 << 64) - 1
 """The largest u64 (atomics' operands and results)."""
+READ_PAGE = 4096
+"""The page size a READ is split at on a connection with :attr:`OperationEngine.split_page_crossing_reads`."""
+INLINE_READ_MAX = 32
+"""The largest READ that is split where it crosses a :data:`READ_PAGE` boundary of the remote address on
+such a connection. Linux's siw (6.1: ``siw_qp_tx.c``) sends a payload of at most ``MAX_HDR_INLINE`` (32)
+bytes inside its frame header, copied by ``siw_try_1seg()``; for user memory (an exported region, sent
+from siw's transmit path) that copy splits a payload crossing a page at the wrong place (it copies
+``bytes - (PAGE_SIZE - off)`` bytes from the first page where ``PAGE_SIZE - off`` are left there, and
+takes the second page at ``laddr + part``), so the READ returns other bytes of the exporter's memory in
+place of the right ones, with a successful completion. Each part of a split READ stays within one page."""
 WR_READ: int = lib.IBV_WR_RDMA_READ
 """Opcode of an RDMA READ work request."""
 WR_FADD: int = lib.IBV_WR_ATOMIC_FETCH_AND_ADD
@@ -232,6 +245,7 @@ class OperationEngine:
         device_name: str = "this device",
         write_notice_by_message: bool = False,
         max_queued_replies: int = 4096,
+        split_page_crossing_reads: bool = False,
     ) -> None:
         self._io = io
         self._qp = qp
@@ -277,6 +291,12 @@ class OperationEngine:
         The notice is an op of its own that waits for a send credit, as a WRITE with immediate data does,
         and its writer waits until it has taken one: a peer that withholds credits holds the writers back,
         and at most ``max_ops`` notices wait (each holds an op slot)."""
+        self.split_page_crossing_reads = split_page_crossing_reads
+        """READs of at most :data:`INLINE_READ_MAX` bytes that cross a :data:`READ_PAGE` boundary of the
+        remote address go as two READs, one per page (:func:`crosses_page`): for a peer whose device may
+        be siw, which returns such a READ with wrong bytes (see :data:`INLINE_READ_MAX`). Set on
+        an iWARP device (its handshake capabilities: no immediate data); :meth:`read_split` is then the
+        connection's ``rdma_read``, and :meth:`read_into` and the batches split such ranges too."""
         self.notice_message: Callable[[int, int], bytes] | None = None
         """The control message of a write notice (``length``, ``imm``): the exporter's, set by the engine
         that composes both."""
@@ -449,6 +469,23 @@ class OperationEngine:
         self.release(op)
         return data
 
+    async def read_split(self, key: RemoteKey, offset: int, length: int) -> bytes:
+        """:meth:`read` on a connection with :attr:`split_page_crossing_reads`: a READ that
+        :func:`crosses_page` goes as one READ per page (at most 32 bytes: two small round trips), any
+        other as :meth:`read` does it."""
+        if (
+            isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and isinstance(length, int)
+            and offset >= 0
+            and crosses_page(key.addr + offset, length)
+        ):
+            self.check_key(key, offset, length, ACCESS_READ)
+            first = READ_PAGE - ((key.addr + offset) & (READ_PAGE - 1))
+            head = await self.read(key, offset, first)
+            return head + await self.read(key, offset + first, length - first)
+        return await self.read(key, offset, length)
+
     async def read_into(self, key: RemoteKey, offset: int, buffer: Any) -> int:
         """RDMA READ straight into a caller buffer; see ``Endpoint.rdma_read_into``."""
         view = memoryview(buffer)
@@ -462,6 +499,9 @@ class OperationEngine:
         if length == 0:
             self.raise_if_failed()
             return 0
+        if self.split_page_crossing_reads and crosses_page(key.addr + offset, length):
+            view[:] = await self.read_split(key, offset, length)  # at most 32 bytes: staged and copied
+            return length
         op = await self.start(key, WR_READ, length, staging=False)
         try:
             registration = self._cache_get(view)
@@ -1444,6 +1484,12 @@ class OperationEngine:
             "rdma_fetch_adds": get("rdma_fetch_adds", 0) + fetch_adds + wave[WR_FADD],
             "rdma_compare_swaps": get("rdma_compare_swaps", 0) + compare_swaps + wave[_WR_CSWAP],
         }
+
+
+def crosses_page(remote_addr: int, length: int) -> bool:
+    """A READ of ``length`` bytes at ``remote_addr`` that siw would return wrong (see
+    :data:`INLINE_READ_MAX`): at most 32 bytes, crossing a :data:`READ_PAGE` boundary."""
+    return 0 < length <= INLINE_READ_MAX and (remote_addr & (READ_PAGE - 1)) + length > READ_PAGE
 
 
 def _no_port(*args: Any, **kwargs: Any) -> int:
