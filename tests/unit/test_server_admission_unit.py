@@ -15,8 +15,8 @@ import pytest
 from rdmaio import Options
 from rdmaio.core import acceptor as acceptor_module
 from rdmaio.core.acceptor import Acceptor
-from rdmaio.core.port_retry import PORT_ATTEMPTS
 from rdmaio.core.negotiation import accepting_handshake, local_handshake
+from rdmaio.core.port_retry import PORT_ATTEMPTS
 from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_GROW, FEATURE_RECLAIM, Handshake, Session
 from rdmaio.protocol.reclaim import MIN_WINDOW
