@@ -39,6 +39,7 @@ from rdmaio.verbs import (
     DeviceContext,
     MemoryRegion,
     ProtectionDomain,
+    siw_key_guard,
 )
 from rdmaio.verbs.native import ffi
 
@@ -295,7 +296,14 @@ class Domain:
         call_later: Callable[[float, Callable[[], None]], Any] | None = None,
     ) -> None:
         self.device = device
-        self.pd = ProtectionDomain(device)
+        # Before any queue of this Domain: on siw, a CQ that keeps later queues off the mmap key libsiw
+        # refuses (rdmaio.verbs.siw_key_guard); held until close.
+        siw_key_guard.acquire(device)
+        try:
+            self.pd = ProtectionDomain(device)
+        except BaseException:
+            siw_key_guard.release(device)
+            raise
         self.registrations = RegistrationCache(
             self._register, buffer_address, DEFAULT_MAX_PINNED if max_pinned is None else max_pinned
         )
@@ -434,8 +442,11 @@ class Domain:
             self.pd.close()
         finally:
             # After the PD: its QPs are destroyed before the CQs they use (a CQ closes any left anyway).
-            if completions is not None:
-                completions.close(unwatch=unwatch)
+            try:
+                if completions is not None:
+                    completions.close(unwatch=unwatch)
+            finally:
+                siw_key_guard.release(self.device)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
