@@ -296,14 +296,7 @@ class Domain:
         call_later: Callable[[float, Callable[[], None]], Any] | None = None,
     ) -> None:
         self.device = device
-        # Before any queue of this Domain: on siw, a CQ that keeps later queues off the mmap key libsiw
-        # refuses (rdmaio.verbs.siw_key_guard); held until close.
-        siw_key_guard.acquire(device)
-        try:
-            self.pd = ProtectionDomain(device)
-        except BaseException:
-            siw_key_guard.release(device)
-            raise
+        self.pd = ProtectionDomain(device)
         self.registrations = RegistrationCache(
             self._register, buffer_address, DEFAULT_MAX_PINNED if max_pinned is None else max_pinned
         )
@@ -341,6 +334,9 @@ class Domain:
                 batch=CompletionBatch(DEFAULT_BATCH),
                 max_cqe=device.query().max_cqe,
                 cq_capacity=self._cq_capacity,
+                # On siw the first CQ, made before the Domain's first QP and kept as long as the Domain,
+                # is large enough to cover the mmap key libsiw refuses (rdmaio.verbs.siw_key_guard).
+                first_cq_entries=siw_key_guard.GUARD_CQE if siw_key_guard.is_siw(device) else 0,
             )
         return self._completions
 
@@ -442,11 +438,8 @@ class Domain:
             self.pd.close()
         finally:
             # After the PD: its QPs are destroyed before the CQs they use (a CQ closes any left anyway).
-            try:
-                if completions is not None:
-                    completions.close(unwatch=unwatch)
-            finally:
-                siw_key_guard.release(self.device)
+            if completions is not None:
+                completions.close(unwatch=unwatch)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -2,10 +2,10 @@
 kernel's mmap keys are page offsets of the process's device context, allocated first fit, and libsiw
 refuses the queue that starts at page 0x90 (its key is libsiw's invalid-key value) without setting errno.
 
-Without the guard, one-page CQs fill the context until one lands on that page (its creation fails with
+Without a Domain, one-page CQs fill the context until one lands on that page (its creation fails with
 errno 0), and the QP created next lands there too: ``rdma_create_qp`` must raise a ProviderError naming
-the cause, not an EIO of rdmaio's making. With the guard held first, the same objects are all created and
-so is the QP.
+the cause, not an EIO of rdmaio's making. With a Domain made first (its first CQ is the guard on siw), the
+same objects are all created and so is the QP.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json, sys
 from rdmaio._ffi import ffi, lib
 from rdmaio.errors import ProviderError, VerbsError
 from rdmaio.verbs import CMId, CompletionChannel, CompletionQueue, EventChannel, ProtectionDomain
+from rdmaio.core.domain import Domain
 from rdmaio.verbs import siw_key_guard
 
 addr, guard, fillers = sys.argv[1], sys.argv[2] == "guard", int(sys.argv[3])
@@ -34,8 +35,11 @@ channel = EventChannel()
 cm_id = CMId(channel)
 cm_id.bind_addr(addr, 0)
 ctx = cm_id.device()
-if guard:
-    siw_key_guard.acquire(ctx)
+first_cq = 0
+if guard:  # what a loop's first connection does: its Domain, then a reservation on the Domain's first CQ
+    domain = Domain(ctx, watch=lambda fd, callback: None)
+    domain.completions.reserve(1)
+    first_cq = domain.completions.cqs[0].cqe
 pd = ProtectionDomain(ctx)
 cq = CompletionQueue(ctx, CompletionChannel(ctx), 16)
 made, silent = [], None
@@ -46,7 +50,8 @@ for i in range(fillers):
         silent = {"index": i, "errno": ffi.errno}
         break
     made.append(filler)
-result = {"guarded": siw_key_guard.guarded(ctx), "fillers": len(made), "filler_failure": silent}
+guarded = first_cq >= siw_key_guard.GUARD_CQE
+result = {"guarded": guarded, "fillers": len(made), "filler_failure": silent}
 try:
     cm_id.create_qp(pd, cq, cq, max_send_wr=16, max_recv_wr=16)
     result["qp"] = "created"
