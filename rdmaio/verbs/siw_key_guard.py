@@ -6,8 +6,8 @@ fit from offset 0 (``rdma_user_mmap_entry_insert``). libsiw (rdma-core 44 and la
 ``0x90000`` (``SIW_INVAL_UOBJ_KEY`` of ``rdma/siw-abi.h``, a sentinel from when keys were small
 integers) for "no key": the queue that starts at page 0x90 is destroyed and its creation fails with
 errno 0. Every object created next on that context starts at the same page and fails the same way, so a
-process with more than about 0x90 pages of queues (some 45 connections with rdmaio's default depths)
-cannot create more once the first fit lands there.
+process with more than 0x90 pages of queues (a few dozen connections: the shared CQ test met it at its
+27th QP) cannot create more once the first fit lands there.
 
 While one object covers page 0x90 without starting on it, nothing else can start there. The Domain's
 first CQ (made before its first QP, kept as long as the Domain) is given :data:`GUARD_CQE` entries on a
