@@ -58,6 +58,13 @@ _TAIL = 3000
 _PERFTEST_READY = "Waiting for client to connect"
 _RSTREAM_READY = "usec/xfer"  # rstream prints its header after it listens
 _CM_SETUP_READY = "cm_setup server listening"  # printed once rdma_listen() returned
+# perftest converts its cycle counts with the CPU frequency it estimates (get_cpu_mhz in src/get_clock.c:
+# a regression of the cycle counter against gettimeofday). When the estimate fails it prints this and
+# uses 0 MHz: with -F (ours) it does not abort, and a bandwidth report is then all zeros. Such a run
+# measured nothing usable, so it is run again (a test host's emulated clock fails it now and then).
+_PERFTEST_CLOCK_FAILED = "Correlation coefficient r^2"
+PERFTEST_CLOCK_RETRIES = 3
+"""Runs of a perftest tool made again, beyond the config's attempts, when its clock estimate failed."""
 
 CM_SETUP_SOURCE = Path(__file__).with_name("native") / "cm_setup.c"
 """The C source of the native setup contender."""
@@ -364,7 +371,10 @@ def run_external(
         return {w: failure for w in workloads}
     errors: list[str] = []
     last: PairResult | None = None
-    for attempt in range(config.attempts):
+    clock_retries = PERFTEST_CLOCK_RETRIES
+    attempt = 0
+    while attempt < config.attempts:
+        attempt += 1
         port = config.next_port()
         if contender == "rstream":
             latency = Workload.ECHO in workloads
@@ -390,9 +400,19 @@ def run_external(
             timeout=max(config.timeout, config.setup_seconds * 3) if binary else config.timeout,
             server_grace=0.0 if binary is not None else 15.0,
         )
+        if (
+            last.ok
+            and marker == _PERFTEST_READY
+            and _clock_failed(contender, workloads, size, last.client_out)
+        ):
+            reason = "perftest's CPU frequency estimate failed (r^2 < 0.9): its report is all zeros"
+            last = PairResult(False, last.client_out, last.server_out, reason)
+            if clock_retries > 0:
+                clock_retries -= 1
+                attempt -= 1  # perftest measured nothing: not an attempt of the config's
         if last.ok:
             break
-        errors.append(f"attempt {attempt + 1}: {last.error}")
+        errors.append(f"attempt {len(errors) + 1}: {last.error}")
         time.sleep(1.0)
     assert last is not None
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -410,12 +430,23 @@ def run_external(
         if workload in (Workload.STREAM, Workload.MESSAGE) and sample.ops and contender != "rstream":
             sample.cpu_s_per_gib = cpu_s / (sample.ops * size / 2**30)
     warnings = list(errors)  # it worked on a later attempt: say so
-    if "Correlation coefficient r^2" in last.client_out:
+    if _PERFTEST_CLOCK_FAILED in last.client_out:
         warnings.append("perftest warned that its CPU frequency estimate is unreliable (r^2 < 0.9)")
     if warnings:
         for sample in samples.values():
             sample.note = "; ".join([*warnings, sample.note or ""]).rstrip("; ")
     return samples
+
+
+def _clock_failed(contender: str, workloads: Sequence[Workload], size: int, out: str) -> bool:
+    """Whether a perftest run's report is unusable because its CPU frequency estimate failed."""
+    if _PERFTEST_CLOCK_FAILED not in out:
+        return False
+    try:
+        _parse(contender, workloads, size, out)
+    except ParseError:
+        return True
+    return False
 
 
 def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -> dict[Workload, Sample]:

@@ -30,6 +30,7 @@ __all__ = [
     "MemoryRegistrationError",
     "MessageTooLargeError",
     "ProtocolError",
+    "ProviderError",
     "RdmaError",
     "RemoteAccessError",
     "RemoteKeyRevokedError",
@@ -94,6 +95,14 @@ class VerbsError(RdmaError, OSError):
         if detail:
             message = f"{message} ({detail})"
         return cls(message, errno=err, call=call)
+
+
+class ProviderError(VerbsError):
+    """The device's provider failed a call without saying why: it returned an error and left errno 0.
+
+    ``errno`` is None (no reason was given; rdmaio does not make one up) and the message says what is
+    known of the cause on that provider. On Soft-iWARP, ``rdma_create_qp`` fails so when the kernel hands
+    libsiw a queue whose mmap key is its own invalid-key value (docs/providers.md)."""
 
 
 class DeviceError(RdmaError, OSError):

@@ -55,10 +55,18 @@ int rdmaio_setup_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *sen
             *cap_out = attr.cap;
             return 0;
         }
-        /* librdmacm returns -1 with errno set; a provider may hand a positive errno through */
-        rc = rc > 0 ? rc : errno_or_eio();
         cap_out->max_inline_data = max_inline;
-        if (!fit_inline || max_inline == 0)
+        /* librdmacm returns -1 with errno set; a provider may hand a positive errno through. A provider
+         * can also fail without setting errno (libsiw when the kernel hands it a queue key equal to its
+         * own invalid-key value): say so instead of making up a reason. */
+        if (rc < 0 && errno == 0) {
+            *step_out = RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO;
+            return -EIO;
+        }
+        rc = rc > 0 ? rc : errno;
+        /* Only a refused size (EINVAL) is worth asking again with less inline data: any other reason
+         * would be hidden behind the errno of the smaller attempts. */
+        if (!fit_inline || max_inline == 0 || rc != EINVAL)
             return -rc;
         max_inline = max_inline > 32 ? max_inline / 2 : 0;
     }

@@ -22,6 +22,7 @@
 #define RDMAIO_SETUP_STEP_ARGS 0        /* an argument out of its bound: nothing was called */
 #define RDMAIO_SETUP_STEP_ACK_TIMEOUT 1 /* rdma_set_option(RDMA_OPTION_ID_ACK_TIMEOUT) */
 #define RDMAIO_SETUP_STEP_CREATE_QP 2   /* rdma_create_qp (with every inline size tried) */
+#define RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO 3 /* rdma_create_qp failed and left errno 0 (returns -EIO) */
 
 #define RDMAIO_SETUP_NO_ACK_TIMEOUT (-1) /* ack_timeout: leave the cm id's default */
 #define RDMAIO_SETUP_MAX_ACK_TIMEOUT 31
@@ -33,7 +34,9 @@
  * receives), one SGE per work request, sends unsignalled unless asked. When fit_inline is non-zero and
  * the creation fails, it is retried with half the inline data (above 32 bytes) or none, as devices cap
  * inline data differently. On success cap_out holds the capabilities granted; on failure its
- * max_inline_data holds the inline size of the last attempt. */
+ * max_inline_data holds the inline size of the last attempt. Only EINVAL (a refused size) is retried: any
+ * other errno is returned at once, and a failure that left errno 0 returns -EIO with *step_out
+ * RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO. */
 int rdmaio_setup_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *send_cq,
                     struct ibv_cq *recv_cq, struct ibv_srq *srq,
                     uint32_t max_send_wr, uint32_t max_recv_wr, uint32_t max_inline, int fit_inline,

@@ -169,9 +169,13 @@ class CompletionDispatcher:
         batch: Batch,
         max_cqe: int,
         cq_capacity: int = DEFAULT_CQ_CAPACITY,
+        first_cq_entries: int = 0,
     ) -> None:
         if max_cqe < 1 or cq_capacity < 1:
             raise ValueError("max_cqe and cq_capacity must be >= 1")
+        #: Entries of the pool's first CQ (the one kept while the dispatcher lives) at least: a device's
+        #: workaround may need it large (Soft-iWARP: rdmaio.verbs.siw_key_guard); 0: no minimum.
+        self.first_cq_entries = min(first_cq_entries, max_cqe)
         self._create_channel = create_channel
         self._create_cq = create_cq
         self._watch = watch
@@ -263,7 +267,8 @@ class CompletionDispatcher:
             if not pooled.failed and pooled.capacity - pooled.reserved >= entries:
                 break
         else:
-            pooled = self._new_cq(max(self.cq_capacity, entries))
+            size = max(self.cq_capacity, entries)
+            pooled = self._new_cq(size if self._pool else max(size, self.first_cq_entries))
         pooled.reserved += entries
         pooled.users += 1
         return CQReservation(self, pooled, entries)

@@ -39,6 +39,7 @@ from rdmaio.verbs import (
     DeviceContext,
     MemoryRegion,
     ProtectionDomain,
+    siw_key_guard,
 )
 from rdmaio.verbs.native import ffi
 
@@ -333,6 +334,9 @@ class Domain:
                 batch=CompletionBatch(DEFAULT_BATCH),
                 max_cqe=device.query().max_cqe,
                 cq_capacity=self._cq_capacity,
+                # On siw the first CQ, made before the Domain's first QP and kept as long as the Domain,
+                # is large enough to cover the mmap key libsiw refuses (rdmaio.verbs.siw_key_guard).
+                first_cq_entries=siw_key_guard.GUARD_CQE if siw_key_guard.is_siw(device) else 0,
             )
         return self._completions
 

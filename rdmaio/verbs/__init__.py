@@ -21,6 +21,7 @@ Modules:
 * :mod:`rdmaio.verbs.srq`: shared receive queues.
 * :mod:`rdmaio.verbs.path`: the path of a connected id (port, GIDs and their type, MTUs), read on request.
 * :mod:`rdmaio.verbs.neighbour`: the MAC behind an IP address (netlink), for iWARP's MAC-based GIDs.
+* :mod:`rdmaio.verbs.siw_key_guard`: the CQ that keeps Soft-iWARP's queues off the mmap key libsiw refuses.
 * :mod:`rdmaio.verbs.wr`: the ``wr_id`` layout (``make_wr_id``, ``wr_kind``, ``wr_tag``, ``wr_index``).
 * :mod:`rdmaio.verbs.enums`: the verbs constants as enums.
 * :mod:`rdmaio.verbs._base`: checks, the fork guard, and the dependency-ordered ``close()``.

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdmaio._ffi import ffi, lib
-from rdmaio.errors import AddressError, UnreachableError, VerbsError
+from rdmaio.errors import AddressError, ProviderError, UnreachableError, VerbsError
 from rdmaio.errors import ConnectionRefusedError as RefusedError
 from rdmaio.verbs import _base
 from rdmaio.verbs._base import _check, _check_ptr, _Resource, make_sockaddr, sockaddr_to_tuple
@@ -48,6 +48,23 @@ UNREACHABLE_ERRNOS: frozenset[int] = frozenset(
 """Errnos of a synchronous ``rdma_connect`` that mean the peer cannot be reached."""
 LOCAL_ADDRESS_ERRNOS: frozenset[int] = frozenset({errno.EADDRNOTAVAIL, errno.EADDRINUSE})
 """Errnos of a synchronous ``rdma_connect`` that mean the local address cannot be used."""
+
+
+# libsiw's value for "no key" (SIW_INVAL_UOBJ_KEY in rdma/siw-abi.h). The kernel's keys are mmap offsets
+# (page offset << 12), so the queue that lands at page 0x90 of the process's device context gets this key,
+# and libsiw destroys the queue and fails the call without setting errno.
+SIW_INVAL_UOBJ_KEY = 0x90000
+
+
+def _silent_create_qp_error(device: str, detail: str) -> ProviderError:
+    """The error of an ``rdma_create_qp`` that failed and left errno 0 (no reason to report but that)."""
+    message = f"the provider of {device} failed and gave no errno ({detail})"
+    if device.startswith("siw"):
+        message += (
+            f"; on Soft-iWARP this is libsiw refusing a queue whose mmap key the kernel made "
+            f"{SIW_INVAL_UOBJ_KEY:#x}, libsiw's invalid-key value (SIW_INVAL_UOBJ_KEY): see docs/providers.md"
+        )
+    return ProviderError(message, call="rdma_create_qp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +288,9 @@ class CMId(_Resource):
         if rc < 0:
             if step[0] == lib.RDMAIO_SETUP_STEP_ACK_TIMEOUT:
                 raise VerbsError.from_errno("rdma_set_option", -rc, "ACK_TIMEOUT")
+            if step[0] == lib.RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO:
+                detail = f"send_wr={max_send_wr} recv_wr={max_recv_wr} inline={cap.max_inline_data}"
+                raise _silent_create_qp_error(pd.context.name, detail)
             raise VerbsError.from_errno(
                 "rdma_create_qp",
                 -rc,

@@ -89,7 +89,12 @@ def test_loop_end_releases_the_domain_and_the_channel(rdma_addr: str) -> None:
             await ep.send(b"ping")
             assert await ep.recv() == b"ping"
 
-    asyncio.run(cycle())  # warm-up: librdmacm opens the device once per process and keeps it
+    # Warm-up on both loops: librdmacm opens the device once per process and keeps it, and the first
+    # uvloop loop of a process makes libuv's process-wide signal lock pipe (two fds, never closed; a
+    # run that created no uvloop loop before this test saw them as 19 fds against 17).
+    for factory in (asyncio.new_event_loop, uvloop.new_event_loop):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(cycle())
     gc.collect()
     fds, resources = open_fds(), rdma_resources()
     for factory in (asyncio.new_event_loop, uvloop.new_event_loop):

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -626,6 +627,39 @@ def test_external_zero_report_is_an_error(fake_path: Path) -> None:
     samples = run_external("ib_send_bw", [S, M], 64, 10, ExternalConfig(host="127.0.0.1", timeout=20))
     assert not samples[S].ok and "zero bandwidth" in (samples[S].error or "")
     assert not samples[M].ok
+
+
+def test_external_perftest_clock_failure_is_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """perftest whose CPU frequency estimate failed (r^2 < 0.9) reports all zeros: the run measured
+    nothing, so it is run again, without using up one of the configured attempts."""
+    import bench.external
+    from bench.external import PairResult
+
+    zero = SEND_BW_64.replace(
+        "0.89               0.29   \t\t   0.004751", "0.00               0.00   \t\t   0.000000"
+    )
+    clock = "Correlation coefficient r^2: 0.828688 < 0.9\n"
+    outputs = [clock + zero, clock + zero, SEND_BW_64]
+    runs: list[int] = []
+
+    def fake_pair(server_cmd: Sequence[str], client_cmd: Sequence[str], **_: object) -> PairResult:
+        runs.append(1)
+        return PairResult(True, outputs[min(len(runs), len(outputs)) - 1], "")
+
+    monkeypatch.setattr("bench.external.run_pair", fake_pair)
+    monkeypatch.setattr("bench.external.shutil.which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr("bench.external.time.sleep", lambda s: None)
+    config = ExternalConfig(host="127.0.0.1", timeout=20, attempts=1)
+    samples = run_external("ib_send_bw", [S, M], 64, 5000, config)
+    assert len(runs) == 3
+    assert samples[S].ok and samples[S].bytes_per_s == pytest.approx(0.29 * MiB)
+    assert "CPU frequency estimate failed" in (samples[S].note or "")
+    # A clock that keeps failing: the retries, then the configured attempt, fail with the reason.
+    outputs[:] = [clock + zero]
+    runs.clear()
+    failed = run_external("ib_send_bw", [S], 64, 5000, config)[S]
+    assert len(runs) == bench.external.PERFTEST_CLOCK_RETRIES + 1
+    assert not failed.ok and "CPU frequency estimate failed (r^2 < 0.9)" in (failed.error or "")
 
 
 def test_external_size_mismatch_is_an_error(fake_path: Path) -> None:

@@ -151,6 +151,8 @@ class FakeConnection:
 @pytest.fixture
 def reactor(monkeypatch: pytest.MonkeyPatch) -> Reactor:
     monkeypatch.setattr(domain_module, "ProtectionDomain", FakeProtectionDomain)
+    # A fake device has no context to query: no siw key guard (rdmaio.verbs.siw_key_guard) for it.
+    monkeypatch.setattr(domain_module.siw_key_guard, "is_siw", lambda device: False)
     return Reactor(FakeBackend())  # type: ignore[arg-type]
 
 

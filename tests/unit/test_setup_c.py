@@ -18,7 +18,7 @@ import pytest
 from ctest import build_and_run
 
 from rdmaio._ffi import ffi, lib
-from rdmaio.errors import VerbsError
+from rdmaio.errors import ProviderError, VerbsError
 from rdmaio.verbs import _base, cm
 
 HARNESS = r"""
@@ -143,12 +143,19 @@ int main(void)
     rc = rdmaio_setup_qp(&id, &pd, &scq, &scq, NULL, 8, 8, 256, 1, RDMAIO_SETUP_NO_ACK_TIMEOUT, &cap, &step);
     tries("fit", rc, step, &cap);
 
-    /* 4: every size refused: the last attempt's errno (and inline 0) */
+    /* 4: every size refused (EINVAL): the last attempt's errno (and inline 0) */
+    reset();
+    create_fail_above = -1;
+    create_errno = EINVAL;
+    rc = rdmaio_setup_qp(&id, &pd, &scq, &scq, NULL, 8, 8, 100, 1, RDMAIO_SETUP_NO_ACK_TIMEOUT, &cap, &step);
+    tries("refused", rc, step, &cap);
+
+    /* 4b: a refusal other than EINVAL is not a size refused: returned at once, with the size tried */
     reset();
     create_fail_above = -1;
     create_errno = ENOMEM;
     rc = rdmaio_setup_qp(&id, &pd, &scq, &scq, NULL, 8, 8, 100, 1, RDMAIO_SETUP_NO_ACK_TIMEOUT, &cap, &step);
-    tries("refused", rc, step, &cap);
+    tries("nomem", rc, step, &cap);
 
     /* 5: no fallback asked: one attempt; a provider's positive errno is handed through */
     reset();
@@ -158,11 +165,11 @@ int main(void)
     rc = rdmaio_setup_qp(&id, &pd, &scq, &scq, NULL, 8, 8, 64, 0, RDMAIO_SETUP_NO_ACK_TIMEOUT, &cap, &step);
     tries("strict", rc, step, &cap);
 
-    /* 6: -1 without errno: EIO rather than success or 0 */
+    /* 6: -1 without errno: -EIO rather than success or 0, at once, with a step of its own */
     reset();
     create_fail_above = -1;
     create_errno = 0;
-    rc = rdmaio_setup_qp(&id, &pd, &scq, &scq, NULL, 8, 8, 0, 1, RDMAIO_SETUP_NO_ACK_TIMEOUT, &cap, &step);
+    rc = rdmaio_setup_qp(&id, &pd, &scq, &scq, NULL, 8, 8, 64, 1, RDMAIO_SETUP_NO_ACK_TIMEOUT, &cap, &step);
     tries("noerrno", rc, step, &cap);
 
     /* 7: the ack timeout refused: no QP is tried */
@@ -227,9 +234,17 @@ def test_a_refused_inline_size_is_halved_above_32_bytes_then_dropped(harness: di
 
 
 def test_a_qp_refused_at_every_inline_size_reports_the_last_errno(harness: dict[str, str]) -> None:
-    assert harness["refused"] == (f"refused rc={-errno.ENOMEM} step=2 calls=4 tried=100,50,25,0 inline=0"), (
+    assert harness["refused"] == (f"refused rc={-errno.EINVAL} step=2 calls=4 tried=100,50,25,0 inline=0"), (
         harness["refused"]
     )
+
+
+def test_only_a_refused_size_is_tried_again(harness: dict[str, str]) -> None:
+    """ENOMEM is not the inline size refused: asking again with less would replace its errno with the
+    smaller attempts' own."""
+    assert harness["nomem"] == f"nomem rc={-errno.ENOMEM} step=2 calls=1 tried=100 inline=100", harness[
+        "nomem"
+    ]
 
 
 def test_without_fit_inline_one_attempt_and_a_providers_positive_errno(harness: dict[str, str]) -> None:
@@ -238,8 +253,11 @@ def test_without_fit_inline_one_attempt_and_a_providers_positive_errno(harness: 
     ]
 
 
-def test_a_failure_without_errno_is_eio(harness: dict[str, str]) -> None:
-    assert harness["noerrno"] == f"noerrno rc={-errno.EIO} step=2 calls=1 tried=0 inline=0", harness[
+def test_a_failure_without_errno_says_so(harness: dict[str, str]) -> None:
+    """-1 with errno 0 (libsiw's refused queue key): no retry, and a step of its own, so that the caller
+    raises ProviderError instead of reporting an errno nobody set."""
+    step = lib.RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO
+    assert harness["noerrno"] == f"noerrno rc={-errno.EIO} step={step} calls=1 tried=64 inline=64", harness[
         "noerrno"
     ]
 
@@ -302,6 +320,7 @@ class _FakeSetupLib:
     RDMAIO_SETUP_NO_ACK_TIMEOUT = lib.RDMAIO_SETUP_NO_ACK_TIMEOUT
     RDMAIO_SETUP_STEP_ACK_TIMEOUT = lib.RDMAIO_SETUP_STEP_ACK_TIMEOUT
     RDMAIO_SETUP_STEP_CREATE_QP = lib.RDMAIO_SETUP_STEP_CREATE_QP
+    RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO = lib.RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO
 
     def __init__(self, rc: int, step: int = 0, inline_tried: int = 0) -> None:
         self.rc, self.step, self.inline_tried = rc, step, inline_tried
@@ -358,6 +377,22 @@ def test_create_qp_reports_the_failing_step_with_its_call(monkeypatch: pytest.Mo
     assert (info.value.call, info.value.errno) == ("rdma_create_qp", errno.ENOMEM)
     assert "inline=0" in str(info.value)  # the last size tried
     assert fake.calls[0][1][5:10] == (8, 4, 64, True, lib.RDMAIO_SETUP_NO_ACK_TIMEOUT)
+
+
+def test_create_qp_without_errno_raises_a_provider_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No errno from the provider: a ProviderError (a VerbsError, an OSError) with errno None, naming
+    libsiw's refused key on a siw device, not an EIO nobody reported."""
+    fake = _FakeSetupLib(-errno.EIO, lib.RDMAIO_SETUP_STEP_CREATE_QP_NO_ERRNO, inline_tried=64)
+    monkeypatch.setattr(cm, "lib", fake)
+    for device, siw in (("siw0", True), ("mlx5_0", False)):
+        pd = SimpleNamespace(_ptr=ffi.NULL, context=SimpleNamespace(name=device))
+        with pytest.raises(ProviderError) as info:
+            _cm_id().create_qp(pd, _resource(), _resource(), max_send_wr=8, max_recv_wr=4, fit_inline=True)
+        assert isinstance(info.value, VerbsError) and isinstance(info.value, OSError)
+        assert (info.value.call, info.value.errno) == ("rdma_create_qp", None)
+        assert f"the provider of {device} failed and gave no errno" in str(info.value)
+        assert "inline=64" in str(info.value)
+        assert ("SIW_INVAL_UOBJ_KEY" in str(info.value)) is siw
 
 
 def test_create_qp_refuses_a_bad_ack_timeout_and_a_closed_id(monkeypatch: pytest.MonkeyPatch) -> None:
