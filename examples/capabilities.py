@@ -4,7 +4,9 @@ The server exports a buffer to its client, with atomics where its device has the
 raises ``rdmaio.FeatureNotSupportedError`` on a device without them (Soft-iWARP, other iWARP devices), and
 the server exports ``"rw"`` instead. The client prints the connection's framing (SEND with immediate data,
 or the header framing where either device has no immediate data or either side asks for it) and its path
-record, echoes a message, writes and reads the buffer with RDMA, and tries an atomic ``fetch_add``: it works
+record, echoes a message, writes and reads the buffer with RDMA, reads a batch of small ranges across its
+page boundary with ``rdma_read_many`` (Soft-iWARP returns wrong bytes for a READ of up to 32 bytes across a
+page; rdmaio splits such a READ there), and tries an atomic ``fetch_add``: it works
 where both devices have atomics and raises ``FeatureNotSupportedError``, before anything is sent, where
 either lacks them. Usage: ``python examples/capabilities.py [HOST] [--uvloop] [--framing auto|header]`` (the
 test host: 198.18.0.1; ``python -m rdmaio.testing.host --provider siw -- ...`` runs it on Soft-iWARP).
@@ -14,12 +16,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import mmap
 import sys
 
 import rdmaio
 
 PORT = 7482
 WRITTEN = b"written by RDMA WRITE"
+PAGE = mmap.PAGESIZE
+PATTERN_FROM = 64  # the buffer's first 64 bytes are written and added to; a known pattern follows
+# small ranges across the page boundary of the (page-aligned) exported buffer, and one inside a page
+SMALL_RANGES = [(PAGE - 4, 8), (PAGE - 1, 2), (PAGE - 13, 32), (PAGE - 30, 31), (100, 16)]
+
+
+def pattern(length: int) -> bytes:
+    """The bytes the server puts at ``PATTERN_FROM`` onwards."""
+    return bytes((7 * i + 3) % 251 for i in range(length))
 
 
 async def serve_one(ep: rdmaio.Endpoint) -> None:
@@ -28,7 +40,8 @@ async def serve_one(ep: rdmaio.Endpoint) -> None:
     greeting = await ep.recv()
     assert greeting is not None
     await ep.send(greeting)
-    buffer = bytearray(64)
+    buffer = mmap.mmap(-1, 2 * PAGE)  # page-aligned: offset PAGE is a page boundary of the exporter's memory
+    buffer[PATTERN_FROM:] = pattern(2 * PAGE - PATTERN_FROM)
     try:
         key = ep.export(buffer, access="rwa")
     except rdmaio.FeatureNotSupportedError as exc:
@@ -55,6 +68,13 @@ async def main(host: str, framing: str) -> int:
             await ep.rdma_write(key, 0, WRITTEN)
             read = await ep.rdma_read(key, 0, len(WRITTEN))
             print(f"client: RDMA READ gives back {read!r}")
+            whole = bytes(PATTERN_FROM) + pattern(2 * PAGE - PATTERN_FROM)
+            small = await ep.rdma_read_many(key, SMALL_RANGES)
+            small_ok = small == [whole[o : o + n] for o, n in SMALL_RANGES]
+            print(
+                f"client: rdma_read_many of {len(SMALL_RANGES)} small ranges, {len(SMALL_RANGES) - 1} across "
+                f"a page boundary: {'all right' if small_ok else 'WRONG BYTES'}"
+            )
             try:
                 old = await ep.fetch_add(key, 56, 1)
             except rdmaio.FeatureNotSupportedError as exc:
@@ -62,7 +82,7 @@ async def main(host: str, framing: str) -> int:
             else:
                 print(f"client: fetch_add returned {old} (both devices have atomics)")
             await ep.send(b"bye")
-            return 0 if read == WRITTEN else 1
+            return 0 if read == WRITTEN and small_ok else 1
 
 
 if __name__ == "__main__":
