@@ -19,13 +19,13 @@ from itertools import accumulate
 
 from rdmaio.core.onesided.keys import ACCESS_ATOMIC, ACCESS_READ, RemoteKey
 from rdmaio.core.onesided.operations import (
-    READ_PAGE,
     STAGING_SLOT,
     U64,
     WR_FADD,
     WR_READ,
     OperationEngine,
     crosses_page,
+    to_page_end,
 )
 from rdmaio.errors import MessageTooLargeError, RemoteAccessError
 
@@ -103,7 +103,7 @@ class BatchCalls:
             if not length:
                 continue
             if split and crosses_page(key.addr + offset, length):
-                first = READ_PAGE - ((key.addr + offset) & (READ_PAGE - 1))
+                first = to_page_end(key.addr + offset)
                 reads.append((i, offset, first))
                 reads.append((i, offset + first, length - first))
             else:

@@ -56,6 +56,7 @@ __all__ = [
     "Op",
     "OperationEngine",
     "crosses_page",
+    "to_page_end",
 ]
 
 MAX_OP_BYTES = 1 << 30
@@ -481,7 +482,7 @@ class OperationEngine:
             and crosses_page(key.addr + offset, length)
         ):
             self.check_key(key, offset, length, ACCESS_READ)
-            first = READ_PAGE - ((key.addr + offset) & (READ_PAGE - 1))
+            first = to_page_end(key.addr + offset)
             head = await self.read(key, offset, first)
             return head + await self.read(key, offset + first, length - first)
         return await self.read(key, offset, length)
@@ -1489,7 +1490,12 @@ class OperationEngine:
 def crosses_page(remote_addr: int, length: int) -> bool:
     """A READ of ``length`` bytes at ``remote_addr`` that siw would return wrong (see
     :data:`INLINE_READ_MAX`): at most 32 bytes, crossing a :data:`READ_PAGE` boundary."""
-    return 0 < length <= INLINE_READ_MAX and (remote_addr & (READ_PAGE - 1)) + length > READ_PAGE
+    return 0 < length <= INLINE_READ_MAX and length > to_page_end(remote_addr)
+
+
+def to_page_end(remote_addr: int) -> int:
+    """The bytes from ``remote_addr`` to the end of its :data:`READ_PAGE`: the first part of a split READ."""
+    return READ_PAGE - (remote_addr & (READ_PAGE - 1))
 
 
 def _no_port(*args: Any, **kwargs: Any) -> int:
