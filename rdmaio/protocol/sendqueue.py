@@ -136,11 +136,16 @@ class SendQueue:
         return self.txq_bytes + len(mbuf)  # wbuf is empty
 
     def own_queued(self, count: int) -> None:
-        """Copy the last ``count`` queued frames so no caller buffer is referenced after we return."""
+        """Copy the last ``count`` queued frames so no caller buffer is referenced after we return.
+
+        A view of a ``bytes`` object is kept as it is: nobody can change those bytes, and the view keeps the
+        object alive until the frame is staged. A stream of ``bytes`` writes that waits for credits is then
+        copied once (into the send ring), not twice; a mutable buffer (bytearray, array, mmap, a read-only
+        view of a mutable one) is still copied here, since the caller may reuse it as soon as we return."""
         txq = self.txq
         for i in range(len(txq) - min(count, len(txq)), len(txq)):
             data, last = txq[i]
-            if isinstance(data, memoryview):
+            if type(data) is memoryview and type(data.obj) is not bytes:
                 txq[i] = (bytes(data), last)
 
     # --- coalescing --------------------------------------------------------------------------------

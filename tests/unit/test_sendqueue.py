@@ -77,6 +77,22 @@ def test_queued_frames_stop_referencing_the_callers_buffer() -> None:
     assert frames(queue) == [(b"hello", True)]
 
 
+def test_queued_views_of_bytes_are_kept_and_views_of_mutable_buffers_are_copied() -> None:
+    queue = SendQueue(max_fragment=64, stream_fragment=64, batch_limit=32)
+    immutable = b"i" * 40
+    mutable = bytearray(b"m" * 40)
+    read_only_view_of_mutable = memoryview(bytearray(b"r" * 40)).toreadonly()
+    for source in (immutable, mutable, read_only_view_of_mutable):
+        queue.own_queued(queue.queue_message(memoryview(source).cast("B")[4:]))
+    kept, copied, copied_too = (data for data, _ in queue.txq)
+    # The bytes object's view is the frame (no copy): it cannot change, and the view keeps it alive.
+    assert type(kept) is memoryview and kept.obj is immutable
+    # Anything the caller may still change is copied before the call returns.
+    assert type(copied) is bytes and type(copied_too) is bytes
+    mutable[:] = b"M" * 40
+    assert frames(queue) == [(b"i" * 36, True), (b"m" * 36, True), (b"r" * 36, True)]
+
+
 def test_the_record_encoder_and_pack_batch_into_refuse_what_does_not_fit() -> None:
     batch = bytearray()
     assert append_batch_record(batch, b"abc") == 7 and bytes(batch) == b"\x03\x00\x00\x00abc"
