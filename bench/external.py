@@ -319,12 +319,23 @@ def run_pair(
         server.stop(0.0)
 
 
+EVENT_MODE_SUFFIX = "-e"
+"""A perftest contender named ``TOOL-e`` runs ``TOOL -e``: it sleeps on its completion channel until the
+next completion (as rdmaio does, with no busy polling) instead of spinning on the CQ."""
+
+
 def perftest_command(
     tool: str, size: int, iters: int, port: int, device: str | None, provider: Provider | None = None
 ) -> list[str]:
     """Arguments of a perftest run (server form; the client appends the server address); the connection
-    flags are those of ``provider``'s transport (:func:`bench.provider.perftest_transport_args`)."""
+    flags are those of ``provider``'s transport (:func:`bench.provider.perftest_transport_args`). ``tool``
+    is a contender's name: ``ib_send_lat-e`` is ``ib_send_lat -e``."""
+    events = tool.endswith(EVENT_MODE_SUFFIX)
+    if events:
+        tool = tool.removesuffix(EVENT_MODE_SUFFIX)
     cmd = [tool, *perftest_transport_args(provider), "-F", *perftest_args(tool, size)]
+    if events:
+        cmd.append("-e")
     cmd += ["-n", str(iters), "-p", str(port)]
     if device:
         cmd += ["-d", device]
@@ -358,7 +369,7 @@ def run_external(
     ``amount`` is the number of messages (perftest ``-n``) for the bandwidth tools, the number of round
     trips for the latency tools, and the number of one-way transfers for rstream's stream test.
     """
-    tool = contender
+    tool = contender.removesuffix(EVENT_MODE_SUFFIX)  # the binary (ib_send_lat-e runs ib_send_lat -e)
     binary: Path | None = None
     if contender == "cm_setup":
         try:
@@ -389,7 +400,7 @@ def run_external(
             )
             marker = _CM_SETUP_READY
         else:
-            base = perftest_command(tool, size, amount, port, config.device, config.provider)
+            base = perftest_command(contender, size, amount, port, config.device, config.provider)
             server_cmd, client_cmd = base, [*base, config.host]
             marker = _PERFTEST_READY
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -455,7 +466,7 @@ def _parse(contender: str, workloads: Sequence[Workload], size: int, out: str) -
     if contender in ("ib_send_bw", "ib_write_bw", "ib_read_bw"):
         for workload in workloads:  # one Sample object each: later steps annotate them per workload
             samples[workload] = perftest_bw_sample(out, size, raw)
-    elif contender == "ib_send_lat":
+    elif contender in ("ib_send_lat", "ib_send_lat-e"):
         lat = checked_perftest_lat(out, size)
         samples[Workload.ECHO] = Sample(
             ok=True,

@@ -226,6 +226,15 @@ CONTENDERS: dict[str, Contender] = {
             "ib_send_lat", "perftest", None, (Workload.ECHO,), True, "perftest ib_send_lat -R (ping-pong)"
         ),
         Contender(
+            "ib_send_lat-e",
+            "perftest",
+            None,
+            (Workload.ECHO,),
+            True,
+            "perftest ib_send_lat -R -e (ping-pong, each side sleeping on its completion channel between "
+            "messages, as rdmaio does; the default polls the CQ)",
+        ),
+        Contender(
             "rstream",
             "rstream",
             None,
@@ -249,8 +258,16 @@ CONTENDER_GROUPS: dict[str, tuple[str, ...]] = {
     "rdmaio": ("rdmaio-asyncio", "rdmaio-uvloop"),
     "tcp": ("tcp-asyncio", "tcp-uvloop"),
     "python": ("rdmaio-asyncio", "rdmaio-uvloop", "tcp-asyncio", "tcp-uvloop"),
-    "perftest": ("ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_send_lat"),
-    "native": ("ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_send_lat", "rstream", "cm_setup"),
+    "perftest": ("ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_send_lat", "ib_send_lat-e"),
+    "native": (
+        "ib_send_bw",
+        "ib_write_bw",
+        "ib_read_bw",
+        "ib_send_lat",
+        "ib_send_lat-e",
+        "rstream",
+        "cm_setup",
+    ),
     "onesided": (
         "rdmaio-asyncio",
         "rdmaio-uvloop",

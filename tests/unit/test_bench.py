@@ -22,7 +22,7 @@ import pytest
 
 from bench.driver import _is_local_address, plan_runs
 from bench.driver import main as bench_main
-from bench.external import ExternalConfig, run_external
+from bench.external import ExternalConfig, perftest_command, run_external
 from bench.model import (
     FULL,
     QUICK,
@@ -242,15 +242,21 @@ def test_sizes() -> None:
 
 
 def test_resolve_contenders() -> None:
-    assert resolve_contenders(["perftest"]) == ["ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_send_lat"]
+    assert resolve_contenders(["perftest"]) == [
+        "ib_send_bw",
+        "ib_write_bw",
+        "ib_read_bw",
+        "ib_send_lat",
+        "ib_send_lat-e",
+    ]
     assert resolve_contenders(["rdmaio", "rdmaio-asyncio", "tcp-uvloop"]) == [
         "rdmaio-asyncio",
         "rdmaio-uvloop",
         "tcp-uvloop",
     ]
     assert (
-        len(resolve_contenders(["all"])) == 12
-    )  # with cm_setup, ib_read_bw and the one-sided perftest tools
+        len(resolve_contenders(["all"])) == 13
+    )  # with cm_setup, ib_read_bw, ib_send_lat -e and the one-sided perftest tools
     with pytest.raises(ValueError, match="unknown contender"):
         resolve_contenders(["iperf"])
 
@@ -402,7 +408,7 @@ def test_render_table() -> None:
     assert "Message rate" in text and "Echo round trip" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("size") and "ib_write_bw" in line)
-    others = ("ib_send_lat", "cm_setup", "ib_read_lat", "ib_atomic_bw")  # not stream tools
+    others = ("ib_send_lat", "ib_send_lat-e", "cm_setup", "ib_read_lat", "ib_atomic_bw")  # not stream tools
     assert header.split() == ["size", *[c for c in contenders if c not in others]]
     one_mib = next(line for line in lines if line.startswith("1 MiB"))
     assert "ERR" in one_mib  # the failed ib_write_bw
@@ -423,7 +429,7 @@ def test_render_markdown_has_the_text_tables_figures(
     tables = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert "**One-way stream throughput - MiB/s (median of 3 runs)**" in markdown
     header = next(line for line in tables if line.startswith("| size |") and "ib_write_bw" in line)
-    others = ("ib_send_lat", "cm_setup", "ib_read_lat", "ib_atomic_bw")  # not stream tools
+    others = ("ib_send_lat", "ib_send_lat-e", "cm_setup", "ib_read_lat", "ib_atomic_bw")  # not stream tools
     assert header == "| " + " | ".join(["size", *[c for c in contenders if c not in others]]) + " |"
     assert "| --- | ---: |" in markdown  # text column left, figures right
     # Every row is a closed pipe row, and the text table's notable cells are in the markdown too.
@@ -616,6 +622,23 @@ def test_external_perftest_bw(fake_path: Path) -> None:
     assert samples[S].bytes_per_s == pytest.approx(0.29 * MiB)
     assert samples[M].msgs_per_s == pytest.approx(4751)
     assert "BW average" in (samples[S].raw or "")
+
+
+def test_external_ib_send_lat_in_event_mode(fake_path: Path) -> None:
+    # The contender ib_send_lat-e runs the ib_send_lat binary with -e (sleeping on the completion channel).
+    _fake_tool(
+        fake_path, "ib_send_lat.real", "* Waiting for client to connect... *\n" + SEND_LAT_64, SEND_LAT_64
+    )
+    calls = fake_path / "calls"
+    wrapper = fake_path / "ib_send_lat"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\nexec "{fake_path}/ib_send_lat.real" "$@"\n')
+    wrapper.chmod(0o755)
+    samples = run_external("ib_send_lat-e", [E], 64, 1000, ExternalConfig(host="127.0.0.1", timeout=20))
+    assert samples[E].ok and samples[E].p50_us == pytest.approx(83.84)  # the round trip: 2 x t_typical
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2 and all(" -e" in f" {line} " for line in lines)  # server and client
+    assert perftest_command("ib_send_lat-e", 64, 10, 19500, None)[0] == "ib_send_lat"
+    assert "-e" not in perftest_command("ib_send_lat", 64, 10, 19500, None)
 
 
 def test_external_zero_report_is_an_error(fake_path: Path) -> None:
