@@ -136,45 +136,36 @@ class Op:
     ``count`` is the work requests it stands for, ``buffer`` the local memory the NIC reads or writes (a
     memoryview; None once released), ``error`` its failure once ``done``. The engine that made it owns
     it; batch calls read ``count`` and ``buffer`` and hand it back to the engine's methods.
+
+    Every field but ``index`` has a class-level default that an instance shadows once it is set, so that
+    the concurrent path makes an op with ``object.__new__`` (:data:`_new_op_object`: no Python call) and
+    sets only what differs (no ``__slots__``, which would leave unset fields unreadable).
     """
 
-    __slots__ = (
-        "buffer",
-        "count",
-        "done",
-        "error",
-        "index",
-        "key_id",
-        "length",
-        "mr",
-        "opcode",
-        "orphan",
-        "pooled",
-        "posted",
-        "result",
-        "staging",
-        "waiter",
-        "wr",
-    )
+    index: int
+    count = 1  # work requests (send queue entries) it stands for: a batch has several
+    # Made when a caller has to wait: an asyncio.Future on asyncio, else the backend's Waiter.
+    waiter: Any = None
+    done = False
+    posted = False
+    orphan = False  # nobody waits for it any more: its completion releases its memory
+    error: BaseException | None = None
+    result: Any = None
+    staging: int | None = None  # staging slot index, or None
+    mr: Any = None  # a Registration (rdma_read_into)
+    pooled: _Large | None = None  # a large op's registered memory, from the pool
+    buffer: Any = None  # memoryview of the local memory the NIC reads or writes
+    key_id: int | None = None
+    length = 0
+    opcode = 0
+    wr: tuple[int, ...] = ()
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.count = 1  # work requests (send queue entries) it stands for: a batch has several
-        # Made when a caller has to wait: an asyncio.Future on asyncio, else the backend's Waiter.
-        self.waiter: Any = None
-        self.done = False
-        self.posted = False
-        self.orphan = False  # nobody waits for it any more: its completion releases its memory
-        self.error: BaseException | None = None
-        self.result: Any = None
-        self.staging: int | None = None  # staging slot index, or None
-        self.mr: Any = None  # a Registration (rdma_read_into)
-        self.pooled: _Large | None = None  # a large op's registered memory, from the pool
-        self.buffer: Any = None  # memoryview of the local memory the NIC reads or writes
-        self.key_id: int | None = None
-        self.length = 0
-        self.opcode = 0
-        self.wr: tuple[int, ...] = ()
+
+
+_new_op_object = object.__new__
+"""An :class:`Op` without its ``__init__`` (C): its fields read their class-level defaults until set."""
 
 
 class _Large:
@@ -882,7 +873,8 @@ class OperationEngine:
         doorbell, as :meth:`_post` collects such a request. What :meth:`_start_now`, :meth:`_new_op`,
         :meth:`_give_memory` and :meth:`_post` do for it, in one call. The caller checked what they check:
         the connection open (``_serial_open``), an op slot and a staging slot free, the key's grant."""
-        op = Op(next(self._index) & _INDEX_MASK)
+        op: Op = _new_op_object(Op)
+        op.index = next(self._index) & _INDEX_MASK
         op.key_id = key_id
         op.length = length
         op.opcode = opcode
