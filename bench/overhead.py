@@ -64,6 +64,10 @@ LOOPS = ("asyncio", "uvloop")
 SCHEMA = "rdmaio-overhead/1"
 PAYLOAD = 64
 BATCH = 64
+CHUNK = 64 * 1024
+"""The size of the concurrent cases' READs and WRITEs (the one-sided bench's 64 KiB workloads)."""
+IN_FLIGHT = 16
+"""The concurrent cases' tasks, each with one call in flight (the default ``Options.max_rdma_ops``)."""
 TOP_FUNCTIONS = 25
 """rdmaio functions listed per case in the JSON report (the most called first)."""
 
@@ -180,6 +184,48 @@ class _FetchAddMany(_OneSided):
         many, key, offsets = self.a.fetch_add_many, self.key, self.offsets
         for _ in range(ops):
             await many(key, offsets, 1)
+
+
+class _Concurrent(_OneSided):
+    """:data:`IN_FLIGHT` tasks calling at once, as the one-sided bench's workloads do; every request goes
+    through the doorbell (another task posted the previous one) and completes one loop iteration later,
+    its completion delivered by the connection's completion handler. One operation is one request."""
+
+    def __init__(self, meter: DeviceMeter | None) -> None:
+        super().__init__(meter, at_post=False)
+        self.memory = bytearray(CHUNK)
+        self.key = self.b.export(self.memory, access="rwa", scope="domain")
+        self.chunk = bytes(CHUNK)
+
+    async def calls(self, count: int) -> None:
+        """``count`` requests, one after the other, in one task."""
+        raise NotImplementedError
+
+    async def run(self, ops: int) -> None:
+        share, extra = divmod(ops, IN_FLIGHT)
+        tasks = [asyncio.ensure_future(self.calls(share + (i < extra))) for i in range(IN_FLIGHT)]
+        await asyncio.gather(*tasks)
+
+
+class _ConcurrentWrite(_Concurrent):
+    async def calls(self, count: int) -> None:
+        write, key, chunk = self.a.rdma_write, self.key, self.chunk
+        for _ in range(count):
+            await write(key, 0, chunk)
+
+
+class _ConcurrentRead(_Concurrent):
+    async def calls(self, count: int) -> None:
+        read, key = self.a.rdma_read, self.key
+        for _ in range(count):
+            await read(key, 0, CHUNK)
+
+
+class _ConcurrentFetchAdd(_Concurrent):
+    async def calls(self, count: int) -> None:
+        fetch_add, key = self.a.fetch_add, self.key
+        for _ in range(count):
+            await fetch_add(key, 0, 1)
 
 
 class _Setup(Fixture):
@@ -338,6 +384,27 @@ CASES: tuple[Case, ...] = (
         "call",
         0.2,
         _sync(lambda m: _FetchAddMany(m, at_post=False)),
+    ),
+    Case(
+        "rdma_write_64k_x16",
+        f"rdma_write 64 KiB, {IN_FLIGHT} in flight",
+        "request",
+        1,
+        _sync(_ConcurrentWrite),
+    ),
+    Case(
+        "rdma_read_64k_x16",
+        f"rdma_read 64 KiB, {IN_FLIGHT} in flight",
+        "request",
+        1,
+        _sync(_ConcurrentRead),
+    ),
+    Case(
+        "fetch_add_x16",
+        f"fetch_add, {IN_FLIGHT} in flight",
+        "request",
+        2,
+        _sync(_ConcurrentFetchAdd),
     ),
     Case("setup", "connection setup + close", "connection", 0.05, _sync(_Setup)),
 )

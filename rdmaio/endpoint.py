@@ -28,6 +28,7 @@ from typing import Any, Self
 
 from rdmaio.core.connection import Connection
 from rdmaio.core.onesided import RemoteKey, WriteNotice
+from rdmaio.core.onesided import fork_state as _fork_state  # _generation read per one-sided call: no call
 from rdmaio.core.path import query_connection_path
 from rdmaio.errors import VerbsError
 from rdmaio.options import Options
@@ -338,7 +339,8 @@ class Endpoint:
         lacks ``"r"``. The NIC writes into rdmaio-owned registered memory, so a cancelled call is safe and
         leaves the endpoint usable.
         """
-        self._conn.check_fork()
+        if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
+            self._conn.check_fork()
         return await self._onesided.read(key, offset, length)
 
     async def rdma_read_into(self, key: RemoteKey, offset: int, buffer: Any) -> int:
@@ -363,19 +365,22 @@ class Endpoint:
         cancelled call may still perform the write, and without immediate data it may do so without
         sending its notice.
         """
-        self._conn.check_fork()
+        if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
+            self._conn.check_fork()
         await self._onesided.write(key, offset, data, imm)
 
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomically add ``add`` (modulo 2**64) to the u64 at ``offset`` (8-byte aligned, in the
         exporter's byte order); return the old value. The key needs ``"a"``."""
-        self._conn.check_fork()
+        if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
+            self._conn.check_fork()
         return await self._onesided.fetch_add(key, offset, add)
 
     async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
         """Atomically store ``desired`` in the u64 at ``offset`` if it equals ``expected``; return the old
         value (the swap happened if it equals ``expected``). 8-byte aligned; the key needs ``"a"``."""
-        self._conn.check_fork()
+        if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
+            self._conn.check_fork()
         return await self._onesided.compare_swap(key, offset, expected, desired)
 
     async def fetch_add_many(

@@ -112,6 +112,10 @@ from rdmaio.core.onesided.revoked import RevokedKeys
 from rdmaio.errors import VerbsError
 from rdmaio.protocol import FEATURE_ONESIDED, Session
 from rdmaio.protocol.closestate import CloseState
+from rdmaio.verbs import _base as fork_state
+
+# fork_state: the verbs layer's module whose ``_generation`` counts forks; the Endpoint's one-sided calls read
+# it inline (no call per request) to refuse use in a forked child, as the message path reads it.
 
 __all__ = [
     "ACCESS_ATOMIC",
@@ -128,6 +132,7 @@ __all__ = [
     "OneSidedEngine",
     "RemoteKey",
     "WriteNotice",
+    "fork_state",
     "parse_access",
     "query_caps",
     "rd_atomic_depth",

@@ -136,45 +136,36 @@ class Op:
     ``count`` is the work requests it stands for, ``buffer`` the local memory the NIC reads or writes (a
     memoryview; None once released), ``error`` its failure once ``done``. The engine that made it owns
     it; batch calls read ``count`` and ``buffer`` and hand it back to the engine's methods.
+
+    Every field but ``index`` has a class-level default that an instance shadows once it is set, so that
+    the concurrent path makes an op with ``object.__new__`` (:data:`_new_op_object`: no Python call) and
+    sets only what differs (no ``__slots__``, which would leave unset fields unreadable).
     """
 
-    __slots__ = (
-        "buffer",
-        "count",
-        "done",
-        "error",
-        "index",
-        "key_id",
-        "length",
-        "mr",
-        "opcode",
-        "orphan",
-        "pooled",
-        "posted",
-        "result",
-        "staging",
-        "waiter",
-        "wr",
-    )
+    index: int
+    count = 1  # work requests (send queue entries) it stands for: a batch has several
+    # Made when a caller has to wait: an asyncio.Future on asyncio, else the backend's Waiter.
+    waiter: Any = None
+    done = False
+    posted = False
+    orphan = False  # nobody waits for it any more: its completion releases its memory
+    error: BaseException | None = None
+    result: Any = None
+    staging: int | None = None  # staging slot index, or None
+    mr: Any = None  # a Registration (rdma_read_into)
+    pooled: _Large | None = None  # a large op's registered memory, from the pool
+    buffer: Any = None  # memoryview of the local memory the NIC reads or writes
+    key_id: int | None = None
+    length = 0
+    opcode = 0
+    wr: tuple[int, ...] = ()
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.count = 1  # work requests (send queue entries) it stands for: a batch has several
-        # Made when a caller has to wait: an asyncio.Future on asyncio, else the backend's Waiter.
-        self.waiter: Any = None
-        self.done = False
-        self.posted = False
-        self.orphan = False  # nobody waits for it any more: its completion releases its memory
-        self.error: BaseException | None = None
-        self.result: Any = None
-        self.staging: int | None = None  # staging slot index, or None
-        self.mr: Any = None  # a Registration (rdma_read_into)
-        self.pooled: _Large | None = None  # a large op's registered memory, from the pool
-        self.buffer: Any = None  # memoryview of the local memory the NIC reads or writes
-        self.key_id: int | None = None
-        self.length = 0
-        self.opcode = 0
-        self.wr: tuple[int, ...] = ()
+
+
+_new_op_object = object.__new__
+"""An :class:`Op` without its ``__init__`` (C): its fields read their class-level defaults until set."""
 
 
 class _Large:
@@ -425,6 +416,45 @@ class OperationEngine:
     async def read(self, key: RemoteKey, offset: int, length: int) -> bytes:
         """RDMA READ into rdmaio-owned memory; see ``Endpoint.rdma_read``."""
         if (
+            self._serial_open
+            and self._free_staging
+            and (self.ops or self._doorbell)
+            and self.in_flight < self.max_ops
+            and self._futures
+            and isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and isinstance(length, int)
+            and key.access_bits & ACCESS_READ
+            and offset >= 0
+            and 0 < length <= STAGING_SLOT
+            and offset + length <= key.length
+            and key.key_id >= self.revoked_ids.top
+        ):
+            # The concurrent path (see _queue): the flag and the tests before the key's stand for
+            # raise_if_failed's and _start_now's checks, the rest are check_key's.
+            slot = self._free_staging.pop()
+            op = self._queue(slot, WR_READ, length, key.addr + offset, key.rkey, 0, key.key_id)
+            try:
+                await op.waiter
+            except BaseException:
+                if op.done:
+                    self.release(op)
+                else:
+                    op.orphan = True  # the NIC may still write into its staging: its completion frees it
+                raise
+            if op.error is not None:
+                self.release(op)
+                raise op.error
+            at = slot * STAGING_SLOT
+            data = bytes(self._staging_view[at : at + length])
+            # release(), inline: a staging slot is all it holds
+            self._free_staging.append(slot)
+            op.staging = None
+            self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()
+            return data
+        if (
             self._serial_task == id(self._task_of(self._running()))
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
@@ -547,6 +577,46 @@ class OperationEngine:
 
     async def write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
         """RDMA WRITE (with immediate data when ``imm`` is given); see ``Endpoint.rdma_write``."""
+        if (
+            self._serial_open
+            and self._free_staging
+            and (self.ops or self._doorbell)
+            and self.in_flight < self.max_ops
+            and self._futures
+            and imm is None
+            and type(data) is bytes
+            and isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and key.access_bits & ACCESS_WRITE
+            and offset >= 0
+            and 0 < len(data) <= STAGING_SLOT
+            and offset + len(data) <= key.length
+            and key.key_id >= self.revoked_ids.top
+        ):
+            # The concurrent path (see read()): the data is copied into staging before the post, as below.
+            length = len(data)
+            slot = self._free_staging.pop()
+            at = slot * STAGING_SLOT
+            self._staging_view[at : at + length] = data
+            op = self._queue(slot, _WR_WRITE, length, key.addr + offset, key.rkey, 0, key.key_id)
+            try:
+                await op.waiter
+            except BaseException:
+                if op.done:
+                    self.release(op)
+                else:
+                    op.orphan = True  # the NIC may still read its staging: its completion frees it
+                raise
+            if op.error is not None:
+                self.release(op)
+                raise op.error
+            # release(), inline: a staging slot is all it holds
+            self._free_staging.append(slot)
+            op.staging = None
+            self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()
+            return
         if (
             self._serial_task == id(self._task_of(self._running()))
             and imm is None
@@ -679,6 +749,45 @@ class OperationEngine:
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomic fetch-and-add on a u64; see ``Endpoint.fetch_add``."""
         if (
+            self._serial_open
+            and self._free_staging
+            and (self.ops or self._doorbell)
+            and self.in_flight < self.max_ops
+            and self._futures
+            and isinstance(key, RemoteKey)
+            and isinstance(offset, int)
+            and isinstance(add, int)
+            and key.access_bits & self._atomic_bit
+            and offset >= 0
+            and offset + 8 <= key.length
+            and not (key.addr + offset) & 7
+            and -(1 << 63) <= add <= U64
+            and key.key_id >= self.revoked_ids.top
+        ):
+            # The concurrent path (see read()).
+            slot = self._free_staging.pop()
+            op = self._queue(slot, WR_FADD, 8, key.addr + offset, key.rkey, add & U64, key.key_id)
+            try:
+                await op.waiter
+            except BaseException:
+                if op.done:
+                    self.release(op)
+                else:
+                    op.orphan = True  # the NIC may still write into its staging: its completion frees it
+                raise
+            if op.error is not None:
+                self.release(op)
+                raise op.error
+            # The NIC stores the original value as a u64 in this host's byte order.
+            old: int = _U64_AT(self._staging_view, slot * STAGING_SLOT)[0]
+            # release(), inline: a staging slot is all it holds
+            self._free_staging.append(slot)
+            op.staging = None
+            self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
+            if self._slot_waiters or self._pending_sends:
+                self._wake_slot_waiter()
+            return old
+        if (
             self._serial_task == id(self._task_of(self._running()))
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
@@ -698,7 +807,7 @@ class OperationEngine:
                 add & U64, 0,
             )  # fmt: skip
             if result == _POSTED_DONE:
-                old: int = _U64_AT(self._staging_view, at)[0]
+                old = _U64_AT(self._staging_view, at)[0]
                 self._fetch_adds_at_post += 1
                 self._at_post_streak += 1
                 if self._at_post_streak >= _AT_POST_BUDGET:
@@ -754,6 +863,43 @@ class OperationEngine:
         op = self._start_now(key, _WR_CSWAP, 8) or await self.start(key, _WR_CSWAP, 8)
         self._post(op, key.addr + offset, key.rkey, compare_add=expected, swap=desired)
         return await self._atomic_result(op)
+
+    def _queue(
+        self, slot: int, opcode: int, length: int, remote_addr: int, rkey: int, compare_add: int, key_id: int
+    ) -> Op:
+        """The concurrent path's op (a READ, WRITE or fetch-and-add of a call made while others of this
+        engine are in flight, on asyncio): its staging ``slot`` already taken (and filled, for a WRITE),
+        tracked in :attr:`ops` with a bare future as its waiter, and collected for this iteration's
+        doorbell, as :meth:`_post` collects such a request. What :meth:`_start_now`, :meth:`_new_op`,
+        :meth:`_give_memory` and :meth:`_post` do for it, in one call. The caller checked what they check:
+        the connection open (``_serial_open``), an op slot and a staging slot free, the key's grant."""
+        op: Op = _new_op_object(Op)
+        op.index = next(self._index) & _INDEX_MASK
+        op.key_id = key_id
+        op.length = length
+        op.opcode = opcode
+        op.staging = slot
+        op.wr = (
+            self._staging_addr + slot * STAGING_SLOT,
+            self._staging_lkey,
+            remote_addr,
+            rkey,
+            0,
+            compare_add,
+            0,
+        )
+        op.waiter = asyncio.Future()  # resolved by on_completion (or _complete), awaited by the caller
+        self.ops[op.index] = op
+        self._serial_task = 0  # something is in flight
+        self.in_flight += 1
+        self._last_poster = id(self._task_of(self._running()))
+        doorbell = self._doorbell
+        doorbell.append(op)
+        if len(doorbell) >= _DOORBELL:
+            self._ring()
+        elif self._ring_handle is None:
+            self._ring_handle = _running_loop().call_soon(self._ring)
+        return op
 
     async def _serial_rest(
         self,
@@ -1048,7 +1194,7 @@ class OperationEngine:
         if not ops or self.error is not None or self.closed:
             return
         revoked = self.revoked_ids
-        if len(revoked) or revoked.floor > 1:
+        if revoked.top > 1:  # anything revoked at all (no id from top up is)
             # A REVOKE may have arrived since these calls checked their key (its ACK is already queued or
             # posted): a request posted after the ACK would meet a deallocated window, a remote access
             # error that ends the connection. Fail such calls as if they had found the key revoked.
@@ -1062,8 +1208,18 @@ class OperationEngine:
             ops = kept
             if not ops:
                 return
+        # _fill() of each, inline (one Python call less per request)
+        entries, wr_base, max_inline = self._wr_entries, self._wr_base, self._max_inline
         for i, op in enumerate(ops):
-            self._fill(i, op)
+            addr, lkey, remote_addr, rkey, imm, compare_add, swap = op.wr
+            opcode = op.opcode
+            flags = _SEND_SIGNALED
+            if opcode in _INLINE_OPCODES and 0 < op.length <= max_inline:
+                flags |= _SEND_INLINE
+            _PACK_OP(
+                entries, i * _OP_SIZE, wr_base | op.index, addr, op.length, lkey, opcode, flags, imm, rkey,
+                remote_addr, compare_add, swap,
+            )  # fmt: skip
         try:
             self._qp.post_rdma(len(ops))
         except Exception as exc:
