@@ -44,6 +44,7 @@ from rdmaio.options import Options
 from rdmaio.protocol import Session
 from rdmaio.protocol.framing import CONTROL_WORD, encode_frame_header
 from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
+from rdmaio.verbs import _base as _fork_state
 from rdmaio.verbs.native import lib
 
 __all__ = ["Connection"]
@@ -104,7 +105,9 @@ class Connection:
         self._cm_id = cm_id
         self.transport = transport
         self.session = session
-        self.generation = verbs.fork_generation()
+        # The verbs layer's fork count, read inline here and at close and teardown (as check_fork does):
+        # verbs.fork_generation() without its call.
+        self.generation = _fork_state._generation
         qp = transport.qp
         self.qp = qp
         self.max_inline = min(transport.max_inline, options.max_inline)
@@ -176,7 +179,7 @@ class Connection:
         self.torn_down = False
         self.closed: Event = self.io.event()
         self._close_callbacks: list[Callable[[], None]] = []
-        self._start(reactor, cm_id, transport)
+        self._start(reactor, cm_id, transport, fail)
         register_connection(self)  # process metrics: read from this connection's counters, folded at teardown
 
     @property
@@ -188,8 +191,11 @@ class Connection:
     def options(self, options: Options) -> None:
         self._options = self.sender.options = self.receiver.options = options
 
-    def _start(self, reactor: Reactor, cm_id: CMId, transport: Transport) -> None:
-        """Route this connection's events and completions here and start the keepalive."""
+    def _start(
+        self, reactor: Reactor, cm_id: CMId, transport: Transport, fail: Callable[[BaseException], None]
+    ) -> None:
+        """Route this connection's events and completions here and start the keepalive; ``fail`` is
+        :meth:`fail` through a weak reference (the parts' one)."""
         qp = self.qp
         post_probe = self.sender.post_probe
         # keepalive (rdmaio.core.keepalive): probes the peer when idle, so a vanished peer fails the
@@ -202,7 +208,7 @@ class Connection:
         # deadline (rdmaio.core.keepalive). Elsewhere the WRITE probe, failed by the QP's retry counter.
         local_caps = self.session.local.caps
         iwarp = local_caps is not None and not local_caps.immediate
-        options = self.options
+        options = self._options
         ack_timeout = options.ack_timeout or RDMA_CM_ACK_TIMEOUT  # None: rdma_cm's default
         probe_deadline = retry_budget(ack_timeout, options.retry_count) if iwarp else None
         self._keepalive = Keepalive(
@@ -210,7 +216,7 @@ class Connection:
             options.keepalive_interval,
             lambda: _activity(this),
             lambda: post_probe(keepalive_wr_id, iwarp),  # through the sender, which owns posting on the SQ
-            _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
+            fail,  # weak: no connection <-> keepalive cycle, a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
             probe_deadline=probe_deadline,
         )
@@ -222,7 +228,7 @@ class Connection:
         transport.set_completion_handler(self.on_completions)
         shared = transport.shared
         if shared is not None:  # the shared receive pool fails us for an overrun or a silent peer
-            shared.on_failure = _weak_call(self.fail)
+            shared.on_failure = fail
         # Completions may already be waiting (the peer can send as soon as it is established).
         self.io.call_soon(self.poll_completions)
         self._keepalive.start()
@@ -375,7 +381,7 @@ class Connection:
         if self.closing or self.torn_down:
             return
         self.closing = True
-        if self.generation != verbs.fork_generation():
+        if self.generation != _fork_state._generation:
             self.teardown()
             return
         self.session.close()
@@ -387,7 +393,7 @@ class Connection:
             return
         # No task waits for the close to finish: completion processing calls finish_close() after every
         # batch while closing (the EOF's completion is the usual last step), and a timer bounds it.
-        timeout = self.options.close_timeout
+        timeout = self._options.close_timeout
         if timeout is not None:
             self._close_timer = self.io.call_later(timeout, self._close_timed_out)
         self.io.call_soon(self.finish_close)  # nothing left to wait for (EOF done before): next iteration
@@ -445,7 +451,7 @@ class Connection:
         if self._close_timer is not None:
             self._close_timer.cancel()
             self._close_timer = None
-        if self.generation == verbs.fork_generation():  # not forked
+        if self.generation == _fork_state._generation:  # not forked
             self._release_verbs()
         self.session.mark_closed()
         self.onesided.close(self.session.flush_error())  # one-sided: the QP is gone now
