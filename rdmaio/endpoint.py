@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Self
 
 from rdmaio.core.connection import Connection
-from rdmaio.core.onesided import RemoteKey, WriteNotice
+from rdmaio.core.onesided import OneSidedEngine, RemoteKey, WriteNotice
 from rdmaio.core.onesided import fork_state as _fork_state  # _generation read per one-sided call: no call
 from rdmaio.core.path import query_connection_path
 from rdmaio.errors import VerbsError
@@ -59,7 +59,8 @@ class Endpoint:
         )
         self._reader = connection.receiver  # the read calls
         self._writer = connection.sender  # the send calls
-        self._onesided = connection.onesided
+        # The one-sided engine: the connection builds it on first use (most connections never use it).
+        self._onesided: OneSidedEngine | None = None
         self._transport = connection.transport
         # send() and recv() are the sender's and the receiver's own bound methods, set here once (as the
         # one-sided facade's calls are): a message costs one coroutine, not this front's and one below it.
@@ -284,6 +285,11 @@ class Endpoint:
 
     # --- one-sided RDMA (the work is rdmaio.core.onesided.OneSidedEngine's) ---------------------------
 
+    def _one_sided(self) -> OneSidedEngine:
+        """The connection's one-sided engine, built at this first one-sided call (then kept here)."""
+        engine = self._onesided = self._conn.onesided
+        return engine
+
     def export(
         self,
         buffer: Any,
@@ -313,7 +319,7 @@ class Endpoint:
         docs/one-sided.md, "Key scope".
         """
         self._conn.check_fork()
-        return self._onesided.export(buffer, offset, length, access, scope)
+        return (self._onesided or self._one_sided()).export(buffer, offset, length, access, scope)
 
     async def revoke(self, key: RemoteKey) -> None:
         """Revoke a key this side exported: when this returns, the peer can no longer touch that memory.
@@ -324,13 +330,13 @@ class Endpoint:
         ``Options.close_timeout`` for the answer; cancelled or failed, it still deregisters.
         """
         self._conn.check_fork()
-        await self._onesided.revoke(key)
+        await (self._onesided or self._one_sided()).revoke(key)
 
     async def wait_write_notice(self) -> WriteNotice:
         """Wait for the next :class:`~rdmaio.WriteNotice`: the peer did ``rdma_write(..., imm=...)`` into
         memory we exported (the data is in place when the notice arrives)."""
         self._conn.check_fork()
-        return await self._onesided.wait_write_notice()
+        return await (self._onesided or self._one_sided()).wait_write_notice()
 
     async def rdma_read(self, key: RemoteKey, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset`` of the peer's exported memory (RDMA READ).
@@ -341,7 +347,7 @@ class Endpoint:
         """
         if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
             self._conn.check_fork()
-        return await self._onesided.read(key, offset, length)
+        return await (self._onesided or self._one_sided()).read(key, offset, length)
 
     async def rdma_read_into(self, key: RemoteKey, offset: int, buffer: Any) -> int:
         """Read ``len(buffer)`` bytes at ``offset`` of the peer's memory straight into ``buffer``.
@@ -352,7 +358,7 @@ class Endpoint:
         propagates; use :meth:`rdma_read` where cancellation must leave the connection usable.
         """
         self._conn.check_fork()
-        return await self._onesided.read_into(key, offset, buffer)
+        return await (self._onesided or self._one_sided()).read_into(key, offset, buffer)
 
     async def rdma_write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
         """Write ``data`` at ``offset`` of the peer's exported memory (RDMA WRITE); returns once it is done.
@@ -367,21 +373,21 @@ class Endpoint:
         """
         if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
             self._conn.check_fork()
-        await self._onesided.write(key, offset, data, imm)
+        await (self._onesided or self._one_sided()).write(key, offset, data, imm)
 
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomically add ``add`` (modulo 2**64) to the u64 at ``offset`` (8-byte aligned, in the
         exporter's byte order); return the old value. The key needs ``"a"``."""
         if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
             self._conn.check_fork()
-        return await self._onesided.fetch_add(key, offset, add)
+        return await (self._onesided or self._one_sided()).fetch_add(key, offset, add)
 
     async def compare_swap(self, key: RemoteKey, offset: int, expected: int, desired: int) -> int:
         """Atomically store ``desired`` in the u64 at ``offset`` if it equals ``expected``; return the old
         value (the swap happened if it equals ``expected``). 8-byte aligned; the key needs ``"a"``."""
         if self._conn.generation != _fork_state._generation:  # check_fork()'s test, inline: no call
             self._conn.check_fork()
-        return await self._onesided.compare_swap(key, offset, expected, desired)
+        return await (self._onesided or self._one_sided()).compare_swap(key, offset, expected, desired)
 
     async def fetch_add_many(
         self, key: RemoteKey, offsets: Iterable[int], add: int | Iterable[int] = 1
@@ -398,7 +404,7 @@ class Endpoint:
         :meth:`fetch_add`'s would be.
         """
         self._conn.check_fork()
-        return await self._onesided.fetch_add_many(key, offsets, add)
+        return await (self._onesided or self._one_sided()).fetch_add_many(key, offsets, add)
 
     async def rdma_read_many(self, key: RemoteKey, ranges: Iterable[tuple[int, int]]) -> list[bytes]:
         """Read many ``(offset, length)`` ranges of one key; return their bytes, in order (RDMA READs).
@@ -410,7 +416,7 @@ class Endpoint:
         cancelled call is safe and leaves the endpoint usable.
         """
         self._conn.check_fork()
-        return await self._onesided.read_many(key, ranges)
+        return await (self._onesided or self._one_sided()).read_many(key, ranges)
 
     def __repr__(self) -> str:
         conn = self._conn

@@ -238,14 +238,15 @@ class AsyncioBackend:
 
     def call_soon(self, callback: Callable[[], None]) -> Handle:
         """``loop.call_soon``."""
-        return self.loop.call_soon(callback)
+        # The live loop without the property's call (it raises only when the loop is gone).
+        return (self._loop_ref() or self.loop).call_soon(callback)
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Handle:
         """``loop.call_later``, through a handle that does not refer to the loop: whoever keeps the handle
         (a Domain's ring pool, held by the per-loop registry) must not keep the loop alive, or the loop
         would never be collected and its reactor never closed."""
         handle = _LaterHandle(callback)
-        handle._timer = weakref.ref(self.loop.call_later(delay, handle.run))
+        handle._timer = weakref.ref((self._loop_ref() or self.loop).call_later(delay, handle.run))
         return handle
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:

@@ -28,7 +28,7 @@ from rdmaio import verbs
 from rdmaio.core.backend import Event, Handle
 from rdmaio.core.keepalive import KEEPALIVE_WR_KIND, RDMA_CM_ACK_TIMEOUT, Keepalive, retry_budget
 from rdmaio.core.metrics import connection_failed, fold_connection, register_connection
-from rdmaio.core.onesided import WR_KIND_ONESIDED, OneSidedEngine
+from rdmaio.core.onesided import UNUSED_STATISTICS, WR_KIND_ONESIDED, OneSidedEngine
 from rdmaio.core.reactor import Reactor
 from rdmaio.core.receive import Receiver
 from rdmaio.core.rendezvous import RendezvousEngine
@@ -44,6 +44,7 @@ from rdmaio.options import Options
 from rdmaio.protocol import Session
 from rdmaio.protocol.framing import CONTROL_WORD, encode_frame_header
 from rdmaio.verbs import WR_INDEX_MASK, WR_KIND_SHIFT, CMEvent, CMEventType, CMId, WcStatus, make_wr_id
+from rdmaio.verbs import _base as _fork_state
 from rdmaio.verbs.native import lib
 
 __all__ = ["Connection"]
@@ -88,6 +89,23 @@ def _weak_call(method: Callable[[BaseException], None]) -> Callable[[BaseExcepti
     return call
 
 
+class _OneSidedOnDemand:
+    """The receiver's one-sided handler until the connection's engine exists: the peer's first control
+    message or write notice builds it (:attr:`Connection.onesided`), which takes this object's place and
+    handles that message. Made without an ``__init__`` (connection setup's Python calls are budgeted)."""
+
+    __slots__ = ("connection",)
+
+    connection: weakref.ReferenceType[Connection]
+
+    def on_recv(self, opcode: int, imm: int, length: int, view: memoryview, slot: int) -> bool:
+        """Build the engine and hand it the message (True: repost the slot now, False: held)."""
+        conn = self.connection()
+        if conn is None:  # the connection is gone: nothing holds the slot
+            return True
+        return conn.onesided.on_recv(opcode, imm, length, view, slot)
+
+
 class Connection:
     """One established connection's parts and lifetime (see the module docstring).
 
@@ -104,7 +122,9 @@ class Connection:
         self._cm_id = cm_id
         self.transport = transport
         self.session = session
-        self.generation = verbs.fork_generation()
+        # The verbs layer's fork count, read inline here and at close and teardown (as check_fork does):
+        # verbs.fork_generation() without its call.
+        self.generation = _fork_state._generation
         qp = transport.qp
         self.qp = qp
         self.max_inline = min(transport.max_inline, options.max_inline)
@@ -159,15 +179,14 @@ class Connection:
         )
         self.rxbuf = self.receiver.rxbuf
         self._options = options
-        # one-sided RDMA: its held write-notice slots go back through the receiver (repost)
-        self.onesided = OneSidedEngine.for_connection(self, transport, session, options)
-        if not session.framing.immediate:
-            # The header framing: control messages are plain SENDs told apart by their header's kind, and a
-            # write notice is a plain WRITE followed by a control message (no WRITE with immediate).
-            self.onesided.operations.control_header = encode_frame_header(CONTROL_WORD)
-            self.onesided.write_notice_by_message = True
+        # one-sided RDMA: built on first use (the onesided property), by this side's first one-sided call
+        # or export or the peer's first control message or write notice; most connections never use it.
+        # Until then the receiver's one-sided handler is the stand-in that builds it.
+        self._onesided: OneSidedEngine | None = None
+        on_demand = _OneSidedOnDemand()
+        on_demand.connection = weakref.ref(self)
+        self.receiver.onesided = on_demand
         self.rndv = RendezvousEngine.for_connection(self, transport, options)  # zero-copy (None: not used)
-        self.receiver.onesided = self.onesided
         self.receiver.rndv = self.rndv
         self.sender.rndv = self.rndv
         self._close_timer: Handle | None = None  # bounds a graceful close (Options.close_timeout)
@@ -176,8 +195,32 @@ class Connection:
         self.torn_down = False
         self.closed: Event = self.io.event()
         self._close_callbacks: list[Callable[[], None]] = []
-        self._start(reactor, cm_id, transport)
+        self._start(reactor, cm_id, transport, fail)
         register_connection(self)  # process metrics: read from this connection's counters, folded at teardown
+
+    @property
+    def onesided(self) -> OneSidedEngine:
+        """The connection's one-sided engine (:class:`~rdmaio.core.onesided.OneSidedEngine`), built on the
+        first use: an engine built after teardown is closed at once, as teardown closes one."""
+        engine = self._onesided
+        return engine if engine is not None else self._build_onesided()
+
+    def _build_onesided(self) -> OneSidedEngine:
+        """Build the one-sided engine and wire it in (once: :attr:`onesided`)."""
+        session = self.session
+        engine = OneSidedEngine.for_connection(self, self.transport, session, self._options)
+        if not session.framing.immediate:
+            # The header framing: control messages are plain SENDs told apart by their header's kind, and a
+            # write notice is a plain WRITE followed by a control message (no WRITE with immediate).
+            engine.operations.control_header = encode_frame_header(CONTROL_WORD)
+            engine.write_notice_by_message = True
+        if self.rndv is not None:  # the rendezvous engine's control messages (ACK, cancellation)
+            engine.control_handler = self.rndv.on_control
+        self._onesided = engine
+        self.receiver.onesided = engine  # its held write-notice slots go back through the receiver
+        if self.torn_down:  # a late first use: the QP is gone, so is every op (as teardown closes it)
+            engine.close(session.flush_error())
+        return engine
 
     @property
     def options(self) -> Options:
@@ -188,8 +231,11 @@ class Connection:
     def options(self, options: Options) -> None:
         self._options = self.sender.options = self.receiver.options = options
 
-    def _start(self, reactor: Reactor, cm_id: CMId, transport: Transport) -> None:
-        """Route this connection's events and completions here and start the keepalive."""
+    def _start(
+        self, reactor: Reactor, cm_id: CMId, transport: Transport, fail: Callable[[BaseException], None]
+    ) -> None:
+        """Route this connection's events and completions here and start the keepalive; ``fail`` is
+        :meth:`fail` through a weak reference (the parts' one)."""
         qp = self.qp
         post_probe = self.sender.post_probe
         # keepalive (rdmaio.core.keepalive): probes the peer when idle, so a vanished peer fails the
@@ -202,7 +248,7 @@ class Connection:
         # deadline (rdmaio.core.keepalive). Elsewhere the WRITE probe, failed by the QP's retry counter.
         local_caps = self.session.local.caps
         iwarp = local_caps is not None and not local_caps.immediate
-        options = self.options
+        options = self._options
         ack_timeout = options.ack_timeout or RDMA_CM_ACK_TIMEOUT  # None: rdma_cm's default
         probe_deadline = retry_budget(ack_timeout, options.retry_count) if iwarp else None
         self._keepalive = Keepalive(
@@ -210,7 +256,7 @@ class Connection:
             options.keepalive_interval,
             lambda: _activity(this),
             lambda: post_probe(keepalive_wr_id, iwarp),  # through the sender, which owns posting on the SQ
-            _weak_call(self.fail),  # no connection <-> keepalive cycle: a closed one is freed at once
+            fail,  # weak: no connection <-> keepalive cycle, a closed one is freed at once
             name=f"rdmaio keepalive qp {qp.qp_num}",
             probe_deadline=probe_deadline,
         )
@@ -222,7 +268,7 @@ class Connection:
         transport.set_completion_handler(self.on_completions)
         shared = transport.shared
         if shared is not None:  # the shared receive pool fails us for an overrun or a silent peer
-            shared.on_failure = _weak_call(self.fail)
+            shared.on_failure = fail
         # Completions may already be waiting (the peer can send as soon as it is established).
         self.io.call_soon(self.poll_completions)
         self._keepalive.start()
@@ -256,7 +302,9 @@ class Connection:
         stats["send_waiters"] = len(self.sender.waiters)
         stats["send_buffered"] = self.sender.buffered
         stats["keepalive_probes"] = self._keepalive.probes_sent
-        stats.update(self.onesided.statistics())  # one-sided: pending ops, grants, queued notices
+        # one-sided: pending ops, grants, queued notices (all 0 while the engine was never built)
+        onesided = self._onesided
+        stats.update(onesided.statistics() if onesided is not None else UNUSED_STATISTICS)
         for key, value in self.session.statistics().items():
             stats[f"protocol_{key}"] = value
         if self.rndv is not None:  # zero-copy
@@ -312,8 +360,10 @@ class Connection:
                         receives = True
                     else:
                         op_kind = wc.wr_id >> WR_KIND_SHIFT
-                        if op_kind == WR_KIND_ONESIDED:  # one-sided
-                            self.onesided.on_completion(int(wc.wr_id), 0)
+                        if op_kind == WR_KIND_ONESIDED:  # one-sided (the engine exists: it posted it)
+                            onesided = self._onesided
+                            assert onesided is not None
+                            onesided.on_completion(int(wc.wr_id), 0)
                             continue
                         only_onesided = False
                         if op_kind == KEEPALIVE_WR_KIND:  # keepalive probe acknowledged
@@ -328,11 +378,13 @@ class Connection:
                     # READ/WRITE/atomic completions free no send slot, bring no credit and no data: the sender
                     # and the reader have nothing new (a serial one-sided caller polls after every post, so
                     # this is its per-request path). What waits for a free op slot was woken by on_completion.
-                    if self.onesided.operations.waiting_for_credit:
-                        self.onesided.pump()
+                    onesided = self._onesided
+                    if onesided is not None and onesided.operations.waiting_for_credit:
+                        onesided.pump()
                     return
-            if self.onesided.operations.waiting_for_credit:  # else pump() has nothing to post
-                self.onesided.pump()  # one-sided: credits may have arrived
+            onesided = self._onesided  # None: never used, nothing waits
+            if onesided is not None and onesided.operations.waiting_for_credit:  # else nothing to post
+                onesided.pump()  # one-sided: credits may have arrived
             # on_batch_end() only when it has something to do (its own test, inline): else the batch just
             # lets the next small message go at once.
             sender = self.sender
@@ -375,7 +427,7 @@ class Connection:
         if self.closing or self.torn_down:
             return
         self.closing = True
-        if self.generation != verbs.fork_generation():
+        if self.generation != _fork_state._generation:
             self.teardown()
             return
         self.session.close()
@@ -387,7 +439,7 @@ class Connection:
             return
         # No task waits for the close to finish: completion processing calls finish_close() after every
         # batch while closing (the EOF's completion is the usual last step), and a timer bounds it.
-        timeout = self.options.close_timeout
+        timeout = self._options.close_timeout
         if timeout is not None:
             self._close_timer = self.io.call_later(timeout, self._close_timed_out)
         self.io.call_soon(self.finish_close)  # nothing left to wait for (EOF done before): next iteration
@@ -445,10 +497,11 @@ class Connection:
         if self._close_timer is not None:
             self._close_timer.cancel()
             self._close_timer = None
-        if self.generation == verbs.fork_generation():  # not forked
+        if self.generation == _fork_state._generation:  # not forked
             self._release_verbs()
         self.session.mark_closed()
-        self.onesided.close(self.session.flush_error())  # one-sided: the QP is gone now
+        if self._onesided is not None:  # one-sided (if ever used): the QP is gone now
+            self._onesided.close(self.session.flush_error())
         if self.rndv is not None:  # zero-copy: after the QP, so no READ runs any more
             self.rndv.close(self.session.flush_error())
         fold_connection(self)  # its final counters into the process metrics

@@ -203,11 +203,13 @@ def _add_connection(connection: Connection, bucket: dict[str, int]) -> None:
         get = stats.get
         for key, counter in _COUNTER_KEYS:
             bucket[counter] += get(key, 0)
-    onesided = connection.onesided.operations.statistics()
-    bucket["onesided_reads"] += onesided["rdma_reads"]
-    bucket["onesided_writes"] += onesided["rdma_writes"]
-    bucket["onesided_fetch_adds"] += onesided["rdma_fetch_adds"]
-    bucket["onesided_compare_swaps"] += onesided["rdma_compare_swaps"]
+    engine = connection._onesided  # None: one-sided RDMA never used, nothing to add
+    if engine is not None:
+        onesided = engine.operations.statistics()
+        bucket["onesided_reads"] += onesided["rdma_reads"]
+        bucket["onesided_writes"] += onesided["rdma_writes"]
+        bucket["onesided_fetch_adds"] += onesided["rdma_fetch_adds"]
+        bucket["onesided_compare_swaps"] += onesided["rdma_compare_swaps"]
 
 
 def fold_connection(connection: Connection) -> None:

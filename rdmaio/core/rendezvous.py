@@ -127,7 +127,7 @@ class RendezvousEngine:
         self,
         endpoint: Any,
         *,
-        onesided: OneSidedEngine,
+        onesided: OneSidedEngine | None,
         pd: Any,
         cache: Any,
         threshold: int,
@@ -163,7 +163,17 @@ class RendezvousEngine:
         self._auto_handle: Any = None
         self.closed = False
         self._error: BaseException | None = None
-        onesided.control_handler = self.on_control
+        if onesided is not None:  # else the connection sets it when it builds its engine (first use)
+            onesided.control_handler = self.on_control
+
+    def _build_onesided(self) -> OneSidedEngine:
+        """The connection's one-sided engine, built now if it was not yet (its first use)."""
+        endpoint = self._endpoint()
+        if endpoint is None:
+            raise EndpointClosedError("endpoint is closed")  # its connection is gone
+        engine: OneSidedEngine = endpoint.onesided
+        self._onesided = engine
+        return engine
 
     @classmethod
     def for_connection(cls, conn: Any, transport: Any, options: Any) -> RendezvousEngine | None:
@@ -178,7 +188,7 @@ class RendezvousEngine:
         cache = private if private is not None else transport.domain.registrations
         return cls(
             conn,
-            onesided=conn.onesided,
+            onesided=None,  # the connection's, built on first use (it routes our control messages to us)
             pd=transport.pd,
             cache=cache,
             threshold=max(options.rndv_threshold, DESCRIPTOR_SIZE + 1),
@@ -234,7 +244,7 @@ class RendezvousEngine:
         start = time.perf_counter_ns()
         try:
             # Readable by the peer through this connection only (a window bound on its queue pair).
-            region = await self._onesided.export_for_read(view)
+            region = await (self._onesided or self._build_onesided()).export_for_read(view)
         except BaseException:
             cache.unreserve(size)
             raise
@@ -316,7 +326,7 @@ class RendezvousEngine:
                 self._stats["rndv_withdrawn_before_post"] += 1
             return
         ep.sender.transmit()  # the descriptor goes out before the CANCEL
-        self._onesided.send_control(CTL_CANCEL, out.msg_id)
+        (self._onesided or self._build_onesided()).send_control(CTL_CANCEL, out.msg_id)
         self._stats["rndv_cancels_sent"] += 1
         if not await wait_shielded(self._io, out.waiter, self._close_timeout) and not out.finished:
             # No answer: destroying the queue pair is the only way to stop the peer's READs for sure.
@@ -352,7 +362,7 @@ class RendezvousEngine:
                 msg.event.set()
                 # An answer: past Options.max_queued_replies waiting, it raises ReplyQueueFullError, which
                 # the receive path fails the connection with.
-                self._onesided.send_control(CTL_WITHDRAWN, msg_id, reply=True)
+                (self._onesided or self._build_onesided()).send_control(CTL_WITHDRAWN, msg_id, reply=True)
                 self._stats["rndv_withdrawn_by_peer"] += 1
                 ep = self._endpoint()
                 if ep is not None and self._rxbuf.held:
@@ -433,7 +443,7 @@ class RendezvousEngine:
                 self._owned_inflight -= msg.length
         kind = self.recvs.pulled(msg)
         try:
-            self._onesided.send_control(kind, msg.desc.msg_id, reply=True)
+            (self._onesided or self._build_onesided()).send_control(kind, msg.desc.msg_id, reply=True)
         except ReplyQueueFullError as exc:
             # The peer announces messages and withholds the credits their DONEs need.
             # The data was read: it is delivered all the same, and the connection fails with that error.
@@ -504,7 +514,9 @@ class RendezvousEngine:
         desc = msg.desc
         key = RemoteKey(desc.addr, desc.rkey, desc.length, ACCESS_READ, desc.msg_id)
         # Cancelled, the op is left to its completion (or the teardown), which releases it.
-        await self._onesided.read_registered(key, desc.addr + offset, n, (addr, lkey))
+        await (self._onesided or self._build_onesided()).read_registered(
+            key, desc.addr + offset, n, (addr, lkey)
+        )
 
     async def _registration(self, view: memoryview) -> Any:
         """A local registration of ``view`` from the cache, waiting while the pin bound leaves no room."""

@@ -171,7 +171,12 @@ class Handshake:
             raise HandshakeError(
                 f"unsupported protocol version {self.version} (this side supports {PROTOCOL_VERSION})"
             )
-        _check_fields(self.recv_depth, self.slot_size, self.max_message_size)
+        if not (
+            MIN_RECV_DEPTH <= self.recv_depth <= MAX_RECV_DEPTH
+            and MIN_SLOT_SIZE <= self.slot_size <= MAX_SLOT_SIZE
+            and MIN_MESSAGE_SIZE <= self.max_message_size <= MAX_MESSAGE_SIZE
+        ):  # _check_fields() raises the error; called only then (setup's Python calls are budgeted)
+            _check_fields(self.recv_depth, self.slot_size, self.max_message_size)
         if self.features & ~KNOWN_FEATURES:
             raise HandshakeError(
                 f"unknown feature bits {self.features:#x} (this side knows {KNOWN_FEATURES:#x})"
@@ -271,7 +276,12 @@ class Handshake:
                 bool(bits & CAP_HEADER_FRAMING),
             )
         try:
-            _check_fields(recv_depth, slot_size, max_message_size)
+            if not (
+                MIN_RECV_DEPTH <= recv_depth <= MAX_RECV_DEPTH
+                and MIN_SLOT_SIZE <= slot_size <= MAX_SLOT_SIZE
+                and MIN_MESSAGE_SIZE <= max_message_size <= MAX_MESSAGE_SIZE
+            ):  # the fields first, before the constructor's other checks; the call only to raise
+                _check_fields(recv_depth, slot_size, max_message_size)
             return cls(
                 recv_depth, slot_size, max_message_size, version, features, initial_depth, software, caps
             )

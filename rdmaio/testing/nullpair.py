@@ -27,9 +27,10 @@ What is fake: the verbs resources (:class:`~rdmaio.testing.fakes.FakeTransport`)
 (:class:`~rdmaio.testing.fakes.FakeRegion`: real addresses, made-up keys), no memory windows (export with
 ``scope="domain"``), no rendezvous (``rndv_threshold`` is 0), no keepalive. The one-sided engine is the
 real one, wired by :meth:`OneSidedEngine.for_connection <rdmaio.core.onesided.OneSidedEngine.for_connection>`
-as for any connection. To get there without a device, two module globals are replaced while they are used
-and restored right after: ``rdmaio.core.onesided``'s registrar factories while a connection is made, and
-``rdmaio.core.acceptor``'s ``Transport`` and ``rd_atomic_depth`` while a request is accepted.
+as for any connection (on its first use, as there). To get there without a device, two module globals are
+replaced while they are used and restored right after: ``rdmaio.core.onesided``'s registrar factories while
+a connection's engine is built, and ``rdmaio.core.acceptor``'s ``Transport`` and ``rd_atomic_depth`` while a
+request is accepted.
 
 :class:`DeviceMeter` measures what the null device itself costs (thread CPU time inside it, exclusive of
 the rdmaio code it calls back), so that a benchmark (``python -m bench --overhead``) can take it off.
@@ -45,6 +46,7 @@ import dataclasses
 import functools
 import itertools
 import time
+import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -278,6 +280,7 @@ class NullDevice:
     def start(self, conn: Connection) -> Endpoint:
         """The Endpoint of ``conn``, a connection on one of this device's transports."""
         del self._sides[id(conn.transport)]
+        _build_with_fake_registrars(conn)
         return Endpoint(conn)
 
     def link_disconnects(self, reactor: FakeReactor, a: FakeCMId, b: FakeCMId) -> None:
@@ -399,6 +402,18 @@ def _with(module: Any, replacements: dict[str, Any], fn: Callable[..., _T], *arg
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def _build_with_fake_registrars(conn: Connection) -> None:
+    """Build ``conn``'s one-sided engine (on its first use) with the fake registrars: its own
+    ``_build_onesided``, replaced on this connection only (weakly: no reference cycle)."""
+    build = Connection._build_onesided
+    ref = weakref.ref(conn)
+
+    def build_with_fakes() -> Any:
+        return _with(onesided_module, _FAKE_REGISTRARS, build, ref())
+
+    conn._build_onesided = build_with_fakes  # type: ignore[method-assign]
 
 
 def _connection(reactor: Any, cm_id: Any, transport: Any, session: Session, options: Options) -> Connection:

@@ -345,7 +345,7 @@ def test_the_fold_puts_each_counter_of_a_connection_under_its_own_name() -> None
         session=SimpleNamespace(rules_state=SimpleNamespace(frames_sent=6, frames_received=7)),
         sender=SimpleNamespace(bytes_sent=2, messages_sent=4),
         receiver=SimpleNamespace(bytes_received=3, messages_received=5),
-        onesided=SimpleNamespace(operations=SimpleNamespace(statistics=lambda: statistics)),
+        _onesided=SimpleNamespace(operations=SimpleNamespace(statistics=lambda: statistics)),
         completions=16,
         wakeups=17,
         _keepalive=SimpleNamespace(probes_sent=18),

@@ -127,6 +127,7 @@ __all__ = [
     "MAX_BINDS_IN_FLIGHT",
     "MAX_OP_BYTES",
     "SCOPES",
+    "UNUSED_STATISTICS",
     "WR_KIND_ONESIDED",
     "OneSidedCaps",
     "OneSidedEngine",
@@ -137,6 +138,28 @@ __all__ = [
     "query_caps",
     "rd_atomic_depth",
 ]
+
+
+#: :meth:`OneSidedEngine.statistics` of an engine that never did anything: what a connection reports while
+#: its engine was never built (a unit test holds the two equal).
+UNUSED_STATISTICS: dict[str, int] = {
+    "rdma_ops_posted": 0,
+    "rdma_doorbells": 0,
+    "rdma_batches": 0,
+    "rdma_completed_at_post": 0,
+    "rdma_ops_pending": 0,
+    "control_replies_queued": 0,
+    "rdma_reads": 0,
+    "rdma_writes": 0,
+    "rdma_fetch_adds": 0,
+    "rdma_compare_swaps": 0,
+    "grants": 0,
+    "write_notices_queued": 0,
+    "write_notice_slots_held": 0,
+    "keys_revoked_by_peer": 0,
+    "revoked_key_floor": 1,
+    "mw_binds_in_flight": 0,
+}
 
 
 class OneSidedEngine:
@@ -352,7 +375,8 @@ class OneSidedEngine:
             peer_onesided=bool(session.peer.features & FEATURE_ONESIDED),
             notice_limit=options.max_write_notices,
             repost=repost,
-            make_port=transport.onesided_port,
+            # None once torn down (an engine first used then is closed at once; the QP is gone)
+            make_port=None if conn.torn_down else transport.onesided_port,
             close_state=session.close_state,
             device_name=transport.device.name,
             private_pd=private_pd,
