@@ -19,7 +19,10 @@ connection's group, the receive ring's memory, the session's credit counters and
 copies each frame out of its slot (one copy), re-posts the slots in one chained post and wakes the reader.
 The frame rules themselves run in C on the session's C state (``rdmaio_rx_run`` in
 rdmaio/_ffi/session.c); what C leaves (EOF, RNDV, one-sided receives, extension frames, violations) goes to
-the Python :class:`~rdmaio.protocol.Session`, in CQ order.
+the Python :class:`~rdmaio.protocol.Session`, in CQ order. A DATA_BATCH payload is checked, counted and
+described in C too (``rdmaio_session_on_batch``: a ``struct`` format of its records), so its messages are
+one ``struct.unpack_from``; a payload C refuses goes to :meth:`~rdmaio.protocol.Session.on_batch`, which
+raises the precise error.
 """
 
 from __future__ import annotations
