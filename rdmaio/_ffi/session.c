@@ -323,3 +323,67 @@ int rdmaio_rx_unframe(struct rdmaio_wc *records, int start, int count, uint8_t *
     }
     return changed;
 }
+
+/* ---- DATA_BATCH payloads: Session.on_batch's accept path, and the split as a struct format ------------- */
+
+/* Writes "4x<n>s" at fmt[pos..]; returns the new position, or -1 if it does not fit with the final NUL. */
+static int64_t batch_fmt_record(char *fmt, int64_t pos, uint32_t cap, uint32_t n)
+{
+    char digits[10];
+    int k = 0;
+
+    do {
+        digits[k++] = (char)('0' + n % 10);
+        n /= 10;
+    } while (n);
+    if (pos + 3 + k >= (int64_t)cap)  /* '4', 'x', the digits, 's', and room for the NUL */
+        return -1;
+    fmt[pos++] = '4';
+    fmt[pos++] = 'x';
+    while (k)
+        fmt[pos++] = digits[--k];
+    fmt[pos++] = 's';
+    return pos;
+}
+
+int64_t rdmaio_session_on_batch(struct rdmaio_session *s, const uint8_t *ring, uint64_t ring_len, uint64_t off,
+                                uint32_t len, char *fmt, uint32_t fmt_cap)
+{
+    const uint8_t *data;
+    uint64_t pos = 0, start, end = len;
+    uint32_t n;
+    int64_t count = 0, fpos = 0;
+    int defer = 0;
+
+    if (!s || !ring || !fmt || !s->fast || s->batch_pending < 0 || s->batch_pending != (int64_t)len
+        || off > ring_len || len > ring_len - off)
+        return 0;
+    data = ring + off;
+    /* unpack_batch's checks, in its order: the payload, then record by record the header, the declared
+     * length, the size limit. The first violation is returned even when the format no longer fits. */
+    if (end < BATCH_RECORD_HEADER)
+        return RDMAIO_BATCH_SHORT;
+    while (pos < end) {
+        start = pos + BATCH_RECORD_HEADER;
+        if (start > end)
+            return RDMAIO_BATCH_TRUNCATED;
+        n = (uint32_t)data[pos] | (uint32_t)data[pos + 1] << 8 | (uint32_t)data[pos + 2] << 16
+            | (uint32_t)data[pos + 3] << 24;
+        pos = start + n;
+        if (pos > end)
+            return RDMAIO_BATCH_OVERRUN;
+        if ((int64_t)n > s->local_max)
+            return RDMAIO_BATCH_TOO_LARGE;
+        if (!defer && (fpos = batch_fmt_record(fmt, fpos, fmt_cap, n)) < 0)
+            defer = 1;  /* valid so far, but too many records for the format: the Python rule splits it */
+        count++;
+    }
+    if (defer)
+        return 0;
+    fmt[fpos] = '\0';
+    s->batch_pending = -1;
+    s->messages_received += count;
+    s->batched_messages_received += count;
+    s->bytes_received += (int64_t)len - BATCH_RECORD_HEADER * count;
+    return count;
+}

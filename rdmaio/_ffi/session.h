@@ -124,4 +124,21 @@ int rdmaio_rx_run(struct rdmaio_session *s, const struct rdmaio_wc *records, int
 int rdmaio_rx_unframe(struct rdmaio_wc *records, int start, int count, uint8_t *ring, uint64_t ring_len,
                       uint32_t slot_size);
 
+/* ---- DATA_BATCH payloads: Session.on_batch's accept path, and the split as a struct format ------------- */
+/* Session.on_batch(payload) for the DATA_BATCH frame rdmaio_session_on_frame accepted (batch_pending ==
+ * len), with rdmaio.protocol.frames.unpack_batch's checks (its model) over the payload ring[off .. off+len-1]:
+ * every record is checked, in unpack_batch's order, before anything is written. Accepted: the session counts
+ * the messages (batch_pending -1, messages_received, batched_messages_received, bytes_received) and fmt
+ * holds a NUL-terminated Python struct format that splits the payload, "4x<n1>s4x<n2>s..." (the messages
+ * are struct.unpack_from(fmt, ring, off)); returns the count of messages (>= 1). 0: deferred, nothing
+ * changed (not fast, no DATA_BATCH frame of this length pending, the payload outside the ring, or valid
+ * records that need more than fmt_cap bytes of format): the Python rule applies it. A violation: one of
+ * RDMAIO_BATCH_* (negative), nothing changed; the Python rule raises its precise error. */
+#define RDMAIO_BATCH_SHORT (-1)      /* shorter than one record header */
+#define RDMAIO_BATCH_TRUNCATED (-2)  /* a record header cut short */
+#define RDMAIO_BATCH_OVERRUN (-3)    /* a record declares more bytes than follow */
+#define RDMAIO_BATCH_TOO_LARGE (-4)  /* a message above local_max (ReceivedMessageTooLargeError) */
+int64_t rdmaio_session_on_batch(struct rdmaio_session *s, const uint8_t *ring, uint64_t ring_len, uint64_t off,
+                                uint32_t len, char *fmt, uint32_t fmt_cap);
+
 #endif

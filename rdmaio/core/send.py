@@ -57,7 +57,7 @@ from rdmaio.options import Options
 from rdmaio.protocol import Session
 from rdmaio.protocol.frames import BATCH_RECORD_HEADER
 from rdmaio.protocol.reclaim import ReclaimSession
-from rdmaio.protocol.sendqueue import RNDV_FRAME, SendQueue
+from rdmaio.protocol.sendqueue import RECORD_HEADERS, RNDV_FRAME, SendQueue
 from rdmaio.verbs import _base as _fork_state  # its _generation is read on every send: no call
 from rdmaio.verbs.native import ffi, lib
 
@@ -83,6 +83,7 @@ _CDATA = ffi.CData
 _txring_finish = lib.rdmaio_txring_finish
 _txring_complete = lib.rdmaio_txring_complete
 _from_buffer = ffi.from_buffer
+_SMALL_RECORD = len(RECORD_HEADERS)  # a batched message below this size takes its header from the table
 
 _TX_REFUSALS = {
     int(lib.RDMAIO_TX_NO_SQ): "no send-queue entry free",
@@ -275,6 +276,8 @@ class Sender:
                 self._alloc_scratch()
         # The peer's maximum message size (its handshake, fixed): a send within it needs no size check call.
         self._peer_max = session.peer.max_message_size
+        # The largest message send()'s fast path batches (-1: none until the general path has run once).
+        self._batch_max = -1
         max_fragment = min(session.max_fragment, slot_size - header)
         # Stream data has no message boundaries, but every frame of it is a message to the peer: cap it
         # at the peer's maximum message size too (a peer may announce one below its slot size).
@@ -358,6 +361,27 @@ class Sender:
         """:meth:`rdmaio.Endpoint.send` (an endpoint's ``send`` is this bound method): check, and queue a
         small message at once - most end here, with no call to another coroutine; the rest is
         :meth:`send_rest`'s."""
+        # The flush test first: an idle connection's send (a request, a reply) pays only that one.
+        if (
+            self.flush_handle is not None
+            and type(data) is bytes
+            and (size := len(data)) <= self._batch_max
+            and len(mbuf := (queue := self.queue).mbuf) + size <= queue.batch_room
+            and self._generation == _fork_state._generation
+            and self._close.clear
+            and not self.closing
+            and not queue.wbuf
+        ):
+            # The common case of a message sent while others are: a ``bytes`` message that fits the batch
+            # being built, on a connection whose end-of-iteration flush is already scheduled, with nothing
+            # to raise. The steps of the general path below for it (keep the two the same): its record
+            # appended (queue.queue_small(), inline), then the high-water test.
+            mbuf += RECORD_HEADERS[size]
+            mbuf += data
+            queue.mbuf_count += 1
+            if queue.txq_bytes + len(mbuf) > self.options.write_high_water:
+                await self.drain()
+            return
         if self._generation != _fork_state._generation:
             check_fork(self._generation)
         if not self._close.clear or self.closing:  # the close state's fact, no call while none holds
@@ -383,9 +407,27 @@ class Sender:
         if self.coalesce_next or self.flush_handle is not None or queue.wbuf or queue.mbuf_count or queue.txq:
             # Not idle: batched with the iteration's other small messages (_queue_batched()'s second half,
             # inline: keep the two the same), flushed at the end of the iteration.
-            buffered = queue.queue_small(data if view is None else view, size)
+            mbuf = queue.mbuf
+            if size < _SMALL_RECORD and len(mbuf) + size <= queue.batch_room and not queue.wbuf:
+                # queue.queue_small(), inline for a message that fits the batch being built (keep the two
+                # the same): its record header from the table, then its bytes.
+                mbuf += RECORD_HEADERS[size]
+                mbuf += data if view is None else view
+                queue.mbuf_count += 1
+                buffered = queue.txq_bytes + len(mbuf)
+            else:
+                buffered = queue.queue_small(data if view is None else view, size)
             if self.flush_handle is None:
                 self.flush_handle = self.io.call_soon(self._flush)
+                # The largest message the fast path above batches until this flush: within the peer's
+                # maximum, the batch limit and the header table, below the rendezvous threshold (set per
+                # batch, not in __init__: the connection sets rndv after it).
+                self._batch_max = min(
+                    self._peer_max,
+                    queue.batch_limit,
+                    _SMALL_RECORD - 1,
+                    rndv.threshold - 1 if rndv is not None else _SMALL_RECORD,
+                )
             if buffered > self.options.write_high_water:
                 await self.drain()
             return

@@ -40,6 +40,7 @@ earlier, once each), whatever the number of messages and placeholders buffered.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from typing import Final
 
 __all__ = ["PLACEHOLDER_CHARGE", "Placeholder", "ReceiveBuffer"]
@@ -207,6 +208,17 @@ class ReceiveBuffer:
         size = sum(map(len, messages))
         self._added(size)
         return size
+
+    def add_batch(self, messages: Iterable[bytes], size: int) -> None:
+        """The messages of a DATA_BATCH payload whose total size is known: ``size`` bytes (the payload less
+        its record headers). :meth:`add_messages` without its sum."""
+        self._messages.extend(messages)
+        # _added(), inline.
+        self.unread += size
+        if self._unsettled:
+            self._unsettled[-1]._trailing += size
+        else:
+            self.ready += size
 
     # --- placeholders ------------------------------------------------------------------------------
 

@@ -568,3 +568,47 @@ def test_a_batch_built_by_the_send_queue_is_the_protocols_record_encoding() -> N
         append_batch_record(expected, view)
         assert queue.mbuf == expected
     assert queue.mbuf_count == 7
+
+
+def test_a_batched_send_writes_the_records_of_append_batch_record() -> None:
+    # send()'s inline append (a message below len(RECORD_HEADERS) bytes that fits the batch being built)
+    # and the send queue's queue_small() (the rest) must both write append_batch_record()'s bytes.
+    slot = 4096
+    local = Handshake(8, slot, 1 << 20, features=FEATURE_BATCH)
+    peer_hs = Handshake(8, slot, 1 << 20, features=FEATURE_BATCH)
+    ring = SlotRing(slot, 8, FakeRegistrar(slot))
+    qp = FakeQP(8, ring=ring)
+    io = FakeBackend()
+    engine = Sender(
+        Session(local, peer_hs, state=new_session_state()),
+        qp,
+        ring,
+        slot,
+        io=io,  # type: ignore[arg-type]
+        options=rdmaio.Options(),
+        initial=4,
+        max_inline=32,
+        signal_interval=4,
+        batch_limit=2000,
+        stats=collections.Counter(),
+    )
+    peer = Session(peer_hs, local)
+    engine.coalesce_next = True  # not idle: every message is batched
+    sizes = (0, 1, 63, 64, 1023, 1024, 1999, 5, 700, 700, 700, 700, 3, 0)
+    messages: list[Any] = [bytes((i + k) & 0xFF for k in range(n)) for i, n in enumerate(sizes)]
+    messages[2] = bytearray(messages[2])  # other buffers than bytes take the same path
+    messages[3] = memoryview(messages[3])
+    expected = bytearray()
+    flushed = 0
+    for message in messages:
+        before = len(engine.queue.txq)
+        asyncio.run(engine.send(message))
+        if len(engine.queue.txq) > before:  # the batch was full: queued, a new one begun
+            flushed += 1
+            expected = bytearray()
+        append_batch_record(expected, message)
+        assert engine.queue.mbuf == expected
+    assert flushed == 2  # 1023 + 1024 + 1999 and then 4 x 700 do not fit one 4 KiB frame
+    io.advance(0)
+    received = [m for chain in qp.posts for m in deliver(peer, chain)]
+    assert received == [bytes(m) for m in messages]
