@@ -237,15 +237,18 @@ class SlotRing:
         self.max_slots = max_slots
         self._register = register
         self._pool = pool
-        self._arena: RingArena | None = None
+        self.arena: RingArena | None = None
+        """The ring's memory (None before the first slot is registered and after :meth:`close`). Read as an
+        attribute on the receive path, which re-posts slots on every completion batch: the properties below
+        cost two Python calls each."""
         self.slots = 0
         if initial:
             self.grow(initial)
 
     def _arena_or_raise(self) -> RingArena:
-        if self._arena is None:
+        if self.arena is None:
             raise RuntimeError(f"{self!r} has no memory yet (no slot was ever registered)")
-        return self._arena
+        return self.arena
 
     @property
     def view(self) -> memoryview:
@@ -270,7 +273,7 @@ class SlotRing:
     @property
     def regions(self) -> list[Any]:
         """The memory regions of the ring's registered chunks, in slot order (for inspection)."""
-        return self._arena.regions if self._arena is not None else []
+        return self.arena.regions if self.arena is not None else []
 
     @property
     def full(self) -> bool:
@@ -283,19 +286,19 @@ class SlotRing:
         if n <= 0:
             return range(0)
         first = self.slots
-        if self._arena is None:
+        if self.arena is None:
             if self._pool is not None:
-                self._arena = self._pool.take(self.slot_size, self.max_slots, n)
+                self.arena = self._pool.take(self.slot_size, self.max_slots, n)
             else:
-                self._arena = RingArena(self.slot_size, self.max_slots, self._register)
-        self._arena.ensure(first + n)
+                self.arena = RingArena(self.slot_size, self.max_slots, self._register)
+        self.arena.ensure(first + n)
         self.slots = first + n
         return range(first, first + n)
 
     def close(self) -> None:
         """Give the memory back (to the pool, or deregister it); the caller guarantees the NIC no longer
         uses it. Idempotent."""
-        arena, self._arena = self._arena, None
+        arena, self.arena = self.arena, None
         self.slots = 0
         if arena is None:
             return

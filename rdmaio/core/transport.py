@@ -157,7 +157,10 @@ class Transport:
             self.shared.posted(slots)  # back on the SRQ
             return
         ring = self.recv_ring
-        self.qp.post_ring_slots(ring.lkeys, ring.addr, ring.slot_size, slots, self.recv_wr_base)
+        arena = ring.arena  # the arena's fields, not the ring's properties: 4 Python calls less per re-post
+        if arena is None:
+            raise RuntimeError(f"{ring!r} has no memory (never registered, or closed)")
+        self.qp.post_ring_slots(arena.lkeys, arena.addr, ring.slot_size, slots, self.recv_wr_base)
 
     def grow_receives(self, n: int) -> int:
         """Register up to ``n`` more receive slots and post them; return how many were added.
