@@ -416,12 +416,7 @@ class OperationEngine:
     async def read(self, key: RemoteKey, offset: int, length: int) -> bytes:
         """RDMA READ into rdmaio-owned memory; see ``Endpoint.rdma_read``."""
         if (
-            self._serial_open
-            and self._free_staging
-            and (self.ops or self._doorbell)
-            and self.in_flight < self.max_ops
-            and self._futures
-            and isinstance(key, RemoteKey)
+            isinstance(key, RemoteKey)
             and isinstance(offset, int)
             and isinstance(length, int)
             and key.access_bits & ACCESS_READ
@@ -430,69 +425,66 @@ class OperationEngine:
             and offset + length <= key.length
             and key.key_id >= self.revoked_ids.top
         ):
-            # The concurrent path (see _queue): the flag and the tests before the key's stand for
-            # raise_if_failed's and _start_now's checks, the rest are check_key's.
-            slot = self._free_staging.pop()
-            op = self._queue(slot, WR_READ, length, key.addr + offset, key.rkey, 0, key.key_id)
-            try:
-                await op.waiter
-            except BaseException:
-                if op.done:
+            # The call's own checks (check_key's, the arguments'), made once for the two fast paths: a call
+            # that fails one takes the general path below, which raises the precise error.
+            if (
+                self._serial_open
+                and self._free_staging
+                and (self.ops or self._doorbell)
+                and self.in_flight < self.max_ops
+                and self._futures
+            ):
+                # The concurrent path (see _queue): these tests stand for raise_if_failed's and _start_now's
+                # checks.
+                slot = self._free_staging.pop()
+                op = self._queue(slot, WR_READ, length, key.addr + offset, key.rkey, 0, key.key_id)
+                try:
+                    await op.waiter
+                except BaseException:
+                    if op.done:
+                        self.release(op)
+                    else:
+                        op.orphan = True  # the NIC may still write into its staging: its completion frees it
+                    raise
+                if op.error is not None:
                     self.release(op)
-                else:
-                    op.orphan = True  # the NIC may still write into its staging: its completion frees it
-                raise
-            if op.error is not None:
-                self.release(op)
-                raise op.error
-            at = slot * STAGING_SLOT
-            data = bytes(self._staging_view[at : at + length])
-            # release(), inline: a staging slot is all it holds
-            self._free_staging.append(slot)
-            op.staging = None
-            self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()
-            return data
-        if (
-            self._serial_task == id(self._task_of(self._running()))
-            and isinstance(key, RemoteKey)
-            and isinstance(offset, int)
-            and isinstance(length, int)
-            and key.access_bits & ACCESS_READ
-            and offset >= 0
-            and 0 < length <= STAGING_SLOT
-            and offset + length <= key.length
-            and key.key_id >= self.revoked_ids.top
-        ):
-            # The serial path (see _post and _update_serial): the flag stands for raise_if_failed's and
-            # _start_now's checks, the rest are check_key's; a call that fails one takes the general path
-            # below, which raises.
-            at = self._free_staging[-1] * STAGING_SLOT
-            index = next(self._index) & _INDEX_MASK
-            result = self._post_poll(
-                index, self._staging_addr + at, self._staging_lkey, length, WR_READ, key.addr + offset,
-                key.rkey, 0, 0,
-            )  # fmt: skip
-            if result == _POSTED_DONE:
+                    raise op.error
+                at = slot * STAGING_SLOT
                 data = bytes(self._staging_view[at : at + length])
-                self._reads_at_post += 1
-                self._at_post_streak += 1
-                if self._at_post_streak >= _AT_POST_BUDGET:
-                    self._at_post_streak = 0
-                    await self._io.sleep(0)
+                # release(), inline: a staging slot is all it holds
+                self._free_staging.append(slot)
+                op.staging = None
+                self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
+                if self._slot_waiters or self._pending_sends:
+                    self._wake_slot_waiter()
                 return data
-            read: bytes = await self._serial_rest(index, result, WR_READ, length, key.key_id)
-            return read
-        else:
-            self.check_key(key, offset, length, ACCESS_READ)
-            if length > MAX_OP_BYTES:
-                raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
-            if length == 0:
-                self.raise_if_failed()
-                return b""
-            op = self._start_now(key, WR_READ, length) or await self.start(key, WR_READ, length)
-            self._post(op, key.addr + offset, key.rkey)
+            if self._serial_task == id(self._task_of(self._running())):
+                # The serial path (see _post and _update_serial): the flag stands for raise_if_failed's and
+                # _start_now's checks.
+                at = self._free_staging[-1] * STAGING_SLOT
+                index = next(self._index) & _INDEX_MASK
+                result = self._post_poll(
+                    index, self._staging_addr + at, self._staging_lkey, length, WR_READ, key.addr + offset,
+                    key.rkey, 0, 0,
+                )  # fmt: skip
+                if result == _POSTED_DONE:
+                    data = bytes(self._staging_view[at : at + length])
+                    self._reads_at_post += 1
+                    self._at_post_streak += 1
+                    if self._at_post_streak >= _AT_POST_BUDGET:
+                        self._at_post_streak = 0
+                        await self._io.sleep(0)
+                    return data
+                read: bytes = await self._serial_rest(index, result, WR_READ, length, key.key_id)
+                return read
+        self.check_key(key, offset, length, ACCESS_READ)
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA READ is at most {MAX_OP_BYTES} bytes")
+        if length == 0:
+            self.raise_if_failed()
+            return b""
+        op = self._start_now(key, WR_READ, length) or await self.start(key, WR_READ, length)
+        self._post(op, key.addr + offset, key.rkey)
         if self._must_await(op):
             await self.finish(op)
         assert op.buffer is not None
@@ -578,12 +570,7 @@ class OperationEngine:
     async def write(self, key: RemoteKey, offset: int, data: Any, imm: int | None = None) -> None:
         """RDMA WRITE (with immediate data when ``imm`` is given); see ``Endpoint.rdma_write``."""
         if (
-            self._serial_open
-            and self._free_staging
-            and (self.ops or self._doorbell)
-            and self.in_flight < self.max_ops
-            and self._futures
-            and imm is None
+            imm is None
             and type(data) is bytes
             and isinstance(key, RemoteKey)
             and isinstance(offset, int)
@@ -593,86 +580,83 @@ class OperationEngine:
             and offset + len(data) <= key.length
             and key.key_id >= self.revoked_ids.top
         ):
-            # The concurrent path (see read()): the data is copied into staging before the post, as below.
-            length = len(data)
-            slot = self._free_staging.pop()
-            at = slot * STAGING_SLOT
-            self._staging_view[at : at + length] = data
-            op = self._queue(slot, _WR_WRITE, length, key.addr + offset, key.rkey, 0, key.key_id)
-            try:
-                await op.waiter
-            except BaseException:
-                if op.done:
+            # The call's own checks (check_key's, the arguments'), made once for the two fast paths: a call
+            # that fails one takes the general path below, which raises the precise error.
+            if (
+                self._serial_open
+                and self._free_staging
+                and (self.ops or self._doorbell)
+                and self.in_flight < self.max_ops
+                and self._futures
+            ):
+                # The concurrent path (see read()): the data is copied into staging before the post, as below.
+                length = len(data)
+                slot = self._free_staging.pop()
+                at = slot * STAGING_SLOT
+                self._staging_view[at : at + length] = data
+                op = self._queue(slot, _WR_WRITE, length, key.addr + offset, key.rkey, 0, key.key_id)
+                try:
+                    await op.waiter
+                except BaseException:
+                    if op.done:
+                        self.release(op)
+                    else:
+                        op.orphan = True  # the NIC may still read its staging: its completion frees it
+                    raise
+                if op.error is not None:
                     self.release(op)
-                else:
-                    op.orphan = True  # the NIC may still read its staging: its completion frees it
-                raise
-            if op.error is not None:
-                self.release(op)
-                raise op.error
-            # release(), inline: a staging slot is all it holds
-            self._free_staging.append(slot)
-            op.staging = None
-            self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()
+                    raise op.error
+                # release(), inline: a staging slot is all it holds
+                self._free_staging.append(slot)
+                op.staging = None
+                self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
+                if self._slot_waiters or self._pending_sends:
+                    self._wake_slot_waiter()
+                return
+            if self._serial_task == id(self._task_of(self._running())):
+                # The serial path (see read()): the data is copied into staging before the post, as below.
+                length = len(data)
+                at = self._free_staging[-1] * STAGING_SLOT
+                self._staging_view[at : at + length] = data
+                index = next(self._index) & _INDEX_MASK
+                result = self._post_poll(
+                    index, self._staging_addr + at, self._staging_lkey, length, _WR_WRITE, key.addr + offset,
+                    key.rkey, 0, 0,
+                )  # fmt: skip
+                if result == _POSTED_DONE:
+                    self._writes_at_post += 1
+                    self._at_post_streak += 1
+                    if self._at_post_streak >= _AT_POST_BUDGET:
+                        self._at_post_streak = 0
+                        await self._io.sleep(0)
+                    return
+                await self._serial_rest(index, result, _WR_WRITE, length, key.key_id)
+                return
+        view = memoryview(data)
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        length = view.nbytes
+        self.check_key(key, offset, length, ACCESS_WRITE)
+        if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
+            raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
+        if imm is not None and not self.peer_onesided:
+            raise FeatureNotSupportedError(
+                "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in "
+                "its handshake); this peer's rdmaio does not: write without imm and notify it with send()"
+            )
+        if length > MAX_OP_BYTES:
+            raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
+        if length == 0 and imm is None:
+            self.raise_if_failed()
             return
-        if (
-            self._serial_task == id(self._task_of(self._running()))
-            and imm is None
-            and type(data) is bytes
-            and isinstance(key, RemoteKey)
-            and isinstance(offset, int)
-            and key.access_bits & ACCESS_WRITE
-            and offset >= 0
-            and 0 < len(data) <= STAGING_SLOT
-            and offset + len(data) <= key.length
-            and key.key_id >= self.revoked_ids.top
-        ):
-            # The serial path (see read()): the data is copied into staging before the post, as below.
-            length = len(data)
-            at = self._free_staging[-1] * STAGING_SLOT
-            self._staging_view[at : at + length] = data
-            index = next(self._index) & _INDEX_MASK
-            result = self._post_poll(
-                index, self._staging_addr + at, self._staging_lkey, length, _WR_WRITE, key.addr + offset,
-                key.rkey, 0, 0,
-            )  # fmt: skip
-            if result == _POSTED_DONE:
-                self._writes_at_post += 1
-                self._at_post_streak += 1
-                if self._at_post_streak >= _AT_POST_BUDGET:
-                    self._at_post_streak = 0
-                    await self._io.sleep(0)
-                return
-            await self._serial_rest(index, result, _WR_WRITE, length, key.key_id)
+        if imm is not None and self.write_notice_by_message:
+            await self._write_then_notice(key, offset, view, imm)
             return
-        else:
-            view = memoryview(data)
-            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-            length = view.nbytes
-            self.check_key(key, offset, length, ACCESS_WRITE)
-            if imm is not None and not (isinstance(imm, int) and 0 <= imm <= 0xFFFF_FFFF):
-                raise ValueError(f"imm must be an int in 0..2**32-1, not {imm!r}")
-            if imm is not None and not self.peer_onesided:
-                raise FeatureNotSupportedError(
-                    "rdma_write(imm=...) needs a peer that understands write notices (FEATURE_ONESIDED in "
-                    "its handshake); this peer's rdmaio does not: write without imm and notify it with send()"
-                )
-            if length > MAX_OP_BYTES:
-                raise MessageTooLargeError(f"one RDMA WRITE is at most {MAX_OP_BYTES} bytes")
-            if length == 0 and imm is None:
-                self.raise_if_failed()
-                return
-            if imm is not None and self.write_notice_by_message:
-                await self._write_then_notice(key, offset, view, imm)
-                return
-            opcode = _WR_WRITE if imm is None else _WR_WRITE_IMM
-            op = self._start_now(key, opcode, length) or await self.start(key, opcode, length)
-            if length:
-                assert op.buffer is not None
-                op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
-            self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
+        opcode = _WR_WRITE if imm is None else _WR_WRITE_IMM
+        op = self._start_now(key, opcode, length) or await self.start(key, opcode, length)
+        if length:
+            assert op.buffer is not None
+            op.buffer[:length] = view  # copied: the caller's buffer is free when this call returns
+        self._post(op, key.addr + offset, key.rkey, imm=imm or 0)
         if self._must_await(op):
             await self.finish(op)
         self.release(op)
@@ -749,12 +733,7 @@ class OperationEngine:
     async def fetch_add(self, key: RemoteKey, offset: int, add: int) -> int:
         """Atomic fetch-and-add on a u64; see ``Endpoint.fetch_add``."""
         if (
-            self._serial_open
-            and self._free_staging
-            and (self.ops or self._doorbell)
-            and self.in_flight < self.max_ops
-            and self._futures
-            and isinstance(key, RemoteKey)
+            isinstance(key, RemoteKey)
             and isinstance(offset, int)
             and isinstance(add, int)
             and key.access_bits & self._atomic_bit
@@ -764,58 +743,56 @@ class OperationEngine:
             and -(1 << 63) <= add <= U64
             and key.key_id >= self.revoked_ids.top
         ):
-            # The concurrent path (see read()).
-            slot = self._free_staging.pop()
-            op = self._queue(slot, WR_FADD, 8, key.addr + offset, key.rkey, add & U64, key.key_id)
-            try:
-                await op.waiter
-            except BaseException:
-                if op.done:
+            # The call's own checks (check_key's, the arguments'), made once for the two fast paths: a call
+            # that fails one takes the general path below, which raises the precise error.
+            if (
+                self._serial_open
+                and self._free_staging
+                and (self.ops or self._doorbell)
+                and self.in_flight < self.max_ops
+                and self._futures
+            ):
+                # The concurrent path (see read()).
+                slot = self._free_staging.pop()
+                op = self._queue(slot, WR_FADD, 8, key.addr + offset, key.rkey, add & U64, key.key_id)
+                try:
+                    await op.waiter
+                except BaseException:
+                    if op.done:
+                        self.release(op)
+                    else:
+                        op.orphan = True  # the NIC may still write into its staging: its completion frees it
+                    raise
+                if op.error is not None:
                     self.release(op)
-                else:
-                    op.orphan = True  # the NIC may still write into its staging: its completion frees it
-                raise
-            if op.error is not None:
-                self.release(op)
-                raise op.error
-            # The NIC stores the original value as a u64 in this host's byte order.
-            old: int = _U64_AT(self._staging_view, slot * STAGING_SLOT)[0]
-            # release(), inline: a staging slot is all it holds
-            self._free_staging.append(slot)
-            op.staging = None
-            self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
-            if self._slot_waiters or self._pending_sends:
-                self._wake_slot_waiter()
-            return old
-        if (
-            self._serial_task == id(self._task_of(self._running()))
-            and isinstance(key, RemoteKey)
-            and isinstance(offset, int)
-            and isinstance(add, int)
-            and key.access_bits & self._atomic_bit
-            and offset >= 0
-            and offset + 8 <= key.length
-            and not (key.addr + offset) & 7
-            and -(1 << 63) <= add <= U64
-            and key.key_id >= self.revoked_ids.top
-        ):
-            # The serial path (see read()).
-            at = self._free_staging[-1] * STAGING_SLOT
-            index = next(self._index) & _INDEX_MASK
-            result = self._post_poll(
-                index, self._staging_addr + at, self._staging_lkey, 8, WR_FADD, key.addr + offset, key.rkey,
-                add & U64, 0,
-            )  # fmt: skip
-            if result == _POSTED_DONE:
-                old = _U64_AT(self._staging_view, at)[0]
-                self._fetch_adds_at_post += 1
-                self._at_post_streak += 1
-                if self._at_post_streak >= _AT_POST_BUDGET:
-                    self._at_post_streak = 0
-                    await self._io.sleep(0)
+                    raise op.error
+                # The NIC stores the original value as a u64 in this host's byte order.
+                old: int = _U64_AT(self._staging_view, slot * STAGING_SLOT)[0]
+                # release(), inline: a staging slot is all it holds
+                self._free_staging.append(slot)
+                op.staging = None
+                self._serial_task = self._last_poster if self._serial_open and not self.ops else 0
+                if self._slot_waiters or self._pending_sends:
+                    self._wake_slot_waiter()
                 return old
-            old = await self._serial_rest(index, result, WR_FADD, 8, key.key_id)
-            return old
+            if self._serial_task == id(self._task_of(self._running())):
+                # The serial path (see read()).
+                at = self._free_staging[-1] * STAGING_SLOT
+                index = next(self._index) & _INDEX_MASK
+                result = self._post_poll(
+                    index, self._staging_addr + at, self._staging_lkey, 8, WR_FADD, key.addr + offset,
+                    key.rkey, add & U64, 0,
+                )  # fmt: skip
+                if result == _POSTED_DONE:
+                    old = _U64_AT(self._staging_view, at)[0]
+                    self._fetch_adds_at_post += 1
+                    self._at_post_streak += 1
+                    if self._at_post_streak >= _AT_POST_BUDGET:
+                        self._at_post_streak = 0
+                        await self._io.sleep(0)
+                    return old
+                old = await self._serial_rest(index, result, WR_FADD, 8, key.key_id)
+                return old
         self._check_atomic(key, offset, "fetch_add")
         if not isinstance(add, int) or not -(1 << 63) <= add <= U64:
             raise ValueError(f"add must be an int in -2**63..2**64-1, not {add!r}")
