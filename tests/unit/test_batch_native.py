@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_receive import FakeSlots
 
 import rdmaio
 from rdmaio import verbs
@@ -191,17 +192,10 @@ def _native(mine: Handshake, theirs: Handshake) -> Session:
     return new_session(mine, theirs, _Transport())
 
 
-class _Slots:
+class _Slots(FakeSlots):
+    """test_receive's transport fake with slots big enough for the batches made here."""
+
     slot_size = 1 << 16
-
-    def __init__(self) -> None:
-        self.posts: list[list[int]] = []
-
-    def post_receives(self, slots: list[int]) -> None:
-        self.posts.append(list(slots))
-
-    def grow_receives(self, n: int) -> int:
-        return 0
 
 
 def _receive_batch(make: Any, payload: bytes, max_message: int = 1 << 20) -> tuple[Any, ...]:
