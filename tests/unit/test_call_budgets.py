@@ -26,10 +26,9 @@ MARGIN = 0.5
 #: Operations counted (per case, times its weight: fewer connection setups than messages) after a warm-up.
 PLAN = Plan(call_ops=200, warmup=50)
 
-#: rdmaio's Python calls per operation at the budget's last setting (the message path's structure cut, branch
-#: pyfast, the send ring in C, branch ctx, one C call per idle send, branch echo, a one-message receive
-#: batch's buffer step inline, branch fast, and the batched message path, branch msgpath; the null device),
-#: per case and loop, before :data:`MARGIN`.
+#: rdmaio's Python calls per operation at the budget's last setting (after the message path's structure cut,
+#: the send ring in C, one C call per idle send, a one-message receive batch's buffer step inline and the
+#: batched message path; the null device), per case and loop, before :data:`MARGIN`.
 MEASURED: dict[str, dict[str, float]] = {
     # one coroutine per send and per recv: a batched send appends its record inline, and a received
     # batch is checked and split in C (rdmaio_session_on_batch, then one struct.unpack_from)
